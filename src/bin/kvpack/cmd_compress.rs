@@ -1,0 +1,143 @@
+//! `kvpack compress`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args as ClapArgs;
+use kvpack::compress::{CompressOptions, compress};
+use kvpack::io::{file, safetensors};
+use kvpack::plan::Layout;
+
+use crate::output;
+
+/// Compress a safetensors KV cache (HF layout: past_key_values.{layer}.key /
+/// .value, [batch, kv_heads, tokens, head_dim], bf16/fp16/fp32) into a
+/// .kvpack file.
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    /// Input safetensors file, or - for stdin.
+    pub input: String,
+    /// Codec name: raw, int2/int3/int4/int8, bdr16..bdr256, bdr128:k, ...
+    /// (see `kvpack codecs`).
+    #[arg(long, short = 'c', default_value = "bdr128")]
+    pub codec: String,
+    /// Output file, or - for stdout [default: INPUT with extension .kvpack].
+    #[arg(long, short = 'o')]
+    pub output: Option<String>,
+    /// Leading tokens per layer kept at source precision (attention sinks).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub sink: u32,
+    /// Trailing tokens per layer kept at source precision.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub recent: u32,
+    /// Tokens per page (the unit of random access and streaming).
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub page_tokens: u32,
+    /// Also compress each page with zstd at this level (kept only where it
+    /// helps).
+    #[arg(long, value_name = "LEVEL", num_args = 0..=1, default_missing_value = "3")]
+    pub zstd: Option<i32>,
+    /// Frame alignment in bytes: 64, or 4096 for O_DIRECT / GPUDirect
+    /// Storage.
+    #[arg(long, default_value_t = 64, value_parser = parse_align)]
+    pub align: u32,
+    /// Overwrite the output if it exists.
+    #[arg(long, short = 'f')]
+    pub force: bool,
+    /// Print a JSON report.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bar or summary.
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
+}
+
+fn parse_align(s: &str) -> Result<u32, String> {
+    match s {
+        "64" => Ok(64),
+        "4096" => Ok(4096),
+        _ => Err("alignment must be 64 or 4096".into()),
+    }
+}
+
+pub fn run(a: Args) -> Result<u8> {
+    let codec = kvpack::codec::parse(&a.codec)?;
+    let input = file::open_input(&a.input)?;
+    let loaded = safetensors::parse(&input, &a.input)?;
+    let cache = loaded.cache;
+    let out_name = match &a.output {
+        Some(o) => o.clone(),
+        None if a.input == "-" => anyhow::bail!(kvpack::Error::param("reading stdin needs -o OUTPUT (or -o - for stdout)")),
+        None => output::with_extension(&a.input, "kvpack").display().to_string(),
+    };
+    let opts = CompressOptions {
+        layout: Layout { page_tokens: a.page_tokens, sink: a.sink, recent: a.recent },
+        zstd_level: a.zstd,
+        align_log2: a.align.trailing_zeros() as u8,
+    };
+    let pb = output::progress(cache.source_bytes(), "compress", a.quiet || a.json);
+    let progress = |n: u64| pb.set_position(n);
+    let report = if out_name == "-" {
+        let stdout = std::io::stdout().lock();
+        let (mut w, r) = compress(&cache, codec.as_ref(), &opts, std::io::BufWriter::new(stdout), &progress)?;
+        w.flush().context("writing stdout")?;
+        r
+    } else {
+        let mut rep = None;
+        file::write_atomic(&PathBuf::from(&out_name), a.force, |w| {
+            let (_, r) = compress(&cache, codec.as_ref(), &opts, w, &progress)?;
+            rep = Some(r);
+            Ok(())
+        })?;
+        rep.expect("set by write_atomic's closure")
+    };
+    pb.finish_and_clear();
+    let gbps = report.source_bytes as f64 / report.seconds.max(1e-9) / 1e9;
+    if a.json {
+        let v = serde_json::json!({
+            "input": a.input,
+            "output": out_name,
+            "codec": report.codec,
+            "layers": cache.layers(),
+            "tensors": cache.tensors.len(),
+            "pages": report.pages,
+            "raw_pages": report.raw_pages,
+            "elements": report.elements,
+            "source_bytes": report.source_bytes,
+            "output_bytes": report.output_bytes,
+            "bits_per_element": report.bits_per_element(),
+            "compression_ratio": report.ratio(),
+            "seconds": report.seconds,
+            "throughput_gb_per_s": gbps,
+            "ignored_tensors": loaded.ignored,
+        });
+        output::print_json(&v, out_name == "-");
+    } else if !a.quiet {
+        let tokens: Vec<u32> = cache.tensors.iter().step_by(2).map(|t| t.info.tokens).collect();
+        let (tmin, tmax) = (tokens.iter().min().copied().unwrap_or(0), tokens.iter().max().copied().unwrap_or(0));
+        eprintln!(
+            "{} -> {}: {} layers, {} tokens/layer, codec {}, {} pages ({} raw)",
+            a.input,
+            out_name,
+            cache.layers(),
+            if tmin == tmax { tmin.to_string() } else { format!("{tmin}..{tmax}") },
+            report.codec,
+            report.pages,
+            report.raw_pages
+        );
+        eprintln!(
+            "{} -> {} ({:.2}x), {:.3} bits/element everything included, {:.2} s ({:.2} GB/s)",
+            output::bytes(report.source_bytes),
+            output::bytes(report.output_bytes),
+            report.ratio(),
+            report.bits_per_element(),
+            report.seconds,
+            gbps
+        );
+        if !loaded.ignored.is_empty() {
+            eprintln!("note: {} non-KV tensors not stored (e.g. {})", loaded.ignored.len(), loaded.ignored[0]);
+        }
+    }
+    Ok(crate::EXIT_OK)
+}

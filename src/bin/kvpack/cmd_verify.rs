@@ -1,0 +1,173 @@
+//! `kvpack verify`.
+
+use anyhow::Result;
+use clap::Args as ClapArgs;
+use kvpack::DType;
+use kvpack::decode::{Archive, Selection};
+use kvpack::io::{file, safetensors};
+use kvpack::metrics;
+use serde_json::json;
+
+use crate::output;
+
+/// Check every checksum and structural rule of a .kvpack file and decode
+/// every page. With --against, compare with the original safetensors per
+/// layer and K/V (relative MSE, SNR, cosine, max abs error) and, when the
+/// original carries queries.{layer} tensors, the relative error of the
+/// attention outputs softmax(q K^T * scale) V (scale from the metadata key
+/// kvpack.attn_scale, else 1/sqrt(head_dim)). Exit 0 when everything holds,
+/// 1 when verification fails, 2 for bad usage or unreadable input.
+#[derive(ClapArgs, Debug)]
+pub struct Args {
+    /// The .kvpack file, or - for stdin.
+    pub file: String,
+    /// The original safetensors cache to compare against.
+    #[arg(long, value_name = "ORIG.safetensors")]
+    pub against: Option<String>,
+    /// Fail when any tensor's mean cosine is below this.
+    #[arg(long, value_name = "C")]
+    pub min_cosine: Option<f64>,
+    /// Fail when any layer's attention-output relative error exceeds this.
+    #[arg(long, value_name = "E")]
+    pub max_attn_err: Option<f64>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: Args) -> Result<u8> {
+    let input = file::open_input(&a.file)?;
+    let original = match &a.against {
+        Some(p) => {
+            let bytes = file::open_input(p)?;
+            Some(safetensors::parse(&bytes, p)?)
+        }
+        None => None,
+    };
+    let mut problems: Vec<String> = Vec::new();
+    let mut report = json!({"file": a.file});
+    let archive = match Archive::open(&input) {
+        Ok(ar) => Some(ar),
+        Err(e) if matches!(e, kvpack::Error::Io { .. }) => return Err(e.into()),
+        Err(e) => {
+            problems.push(e.to_string());
+            None
+        }
+    };
+    let mut rows = Vec::new();
+    let mut attn = Vec::new();
+    if let Some(ar) = &archive {
+        let r = ar.reader();
+        report["pages"] = json!(r.index().entries.len());
+        report["generation"] = json!(r.index().generation);
+        report["torn_tail_bytes"] = json!(r.torn_tail());
+        let elements: u64 = ar.tensors().iter().map(|t| t.elements()).sum();
+        report["bits_per_element"] = json!(8.0 * r.committed_len() as f64 / elements.max(1) as f64);
+        match ar.decode(&Selection::default(), Some(DType::F32), None) {
+            Err(e) => problems.push(e.to_string()),
+            Ok(dec) => {
+                if let Some(orig) = &original {
+                    for o in &orig.cache.tensors {
+                        let Some(d) = dec.tensors.iter().find(|d| d.info.name == o.info.name) else {
+                            problems.push(format!("{} is in the original but not in {}", o.info.name, a.file));
+                            continue;
+                        };
+                        match metrics::tensor_error(o, d) {
+                            Ok(m) => {
+                                if let Some(c) = a.min_cosine
+                                    && m.cosine < c
+                                {
+                                    problems.push(format!("{}: cosine {:.6} below {c}", o.info.name, m.cosine));
+                                }
+                                rows.push((o.info.layer, o.info.kind, m));
+                            }
+                            Err(e) => problems.push(e.to_string()),
+                        }
+                    }
+                    if dec.tensors.len() != orig.cache.tensors.len() {
+                        problems.push(format!("{} has {} tensors, the original {}", a.file, dec.tensors.len(), orig.cache.tensors.len()));
+                    }
+                    let meta_scale = orig.cache.metadata.get(safetensors::ATTN_SCALE_KEY).and_then(|s| s.parse::<f64>().ok());
+                    for q in &orig.queries {
+                        let k = orig.cache.get(q.layer, kvpack::Kind::Key);
+                        let v = orig.cache.get(q.layer, kvpack::Kind::Value);
+                        let k2 = dec.get(q.layer, kvpack::Kind::Key);
+                        let v2 = dec.get(q.layer, kvpack::Kind::Value);
+                        if let (Some(k), Some(v), Some(k2), Some(v2)) = (k, v, k2, v2) {
+                            let scale = meta_scale.unwrap_or(1.0 / f64::from(k.info.head_dim).sqrt());
+                            match metrics::attention_error(q, k, v, k2, v2, scale) {
+                                Ok(e) => {
+                                    if let Some(m) = a.max_attn_err
+                                        && e > m
+                                    {
+                                        problems.push(format!("layer {}: attention error {e:.6} above {m}", q.layer));
+                                    }
+                                    attn.push((q.layer, e));
+                                }
+                                Err(e) => problems.push(e.to_string()),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let ok = problems.is_empty();
+    let mean = |kind: kvpack::Kind, f: fn(&metrics::TensorError) -> f64| {
+        let v: Vec<f64> = rows.iter().filter(|r| r.1 == kind).map(|r| f(&r.2)).collect();
+        if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 }
+    };
+    let attn_mean = if attn.is_empty() { f64::NAN } else { attn.iter().map(|a| a.1).sum::<f64>() / attn.len() as f64 };
+    if a.json {
+        report["ok"] = json!(ok);
+        report["problems"] = json!(problems);
+        if original.is_some() {
+            report["tensors"] = json!(rows
+                .iter()
+                .map(|(l, k, m)| json!({"layer": l, "kind": k.letter(), "rel_mse": m.rel_mse, "snr_db": m.snr_db, "cosine": m.cosine, "min_cosine": m.min_cosine, "max_abs_err": m.max_abs_err}))
+                .collect::<Vec<_>>());
+            report["attention"] = json!(attn.iter().map(|(l, e)| json!({"layer": l, "rel_err": e})).collect::<Vec<_>>());
+            report["summary"] = json!({
+                "k_rel_mse": mean(kvpack::Kind::Key, |m| m.rel_mse), "v_rel_mse": mean(kvpack::Kind::Value, |m| m.rel_mse),
+                "k_snr_db": mean(kvpack::Kind::Key, |m| m.snr_db), "v_snr_db": mean(kvpack::Kind::Value, |m| m.snr_db),
+                "k_cosine": mean(kvpack::Kind::Key, |m| m.cosine), "v_cosine": mean(kvpack::Kind::Value, |m| m.cosine),
+                "attention_rel_err": attn_mean,
+            });
+        }
+        output::print_json(&report, false);
+    } else {
+        if let Some(ar) = &archive {
+            let r = ar.reader();
+            println!(
+                "{}: {} pages, {} commit(s), {:.3} bits/element",
+                a.file,
+                r.index().entries.len(),
+                r.index().generation + 1,
+                report["bits_per_element"].as_f64().unwrap_or(0.0)
+            );
+            if r.torn_tail() > 0 {
+                println!("  note: {} bytes after the last commit belong to an interrupted append and are ignored", r.torn_tail());
+            }
+        }
+        if original.is_some() && !rows.is_empty() {
+            println!("  {:>5} {:>2} {:>11} {:>8} {:>9} {:>10} {:>10}", "layer", "", "rel MSE", "SNR dB", "cosine", "max |err|", "attn err");
+            for (l, k, m) in &rows {
+                let att = if *k == kvpack::Kind::Value { attn.iter().find(|x| x.0 == *l).map(|x| format!("{:.5}", x.1)).unwrap_or_default() } else { String::new() };
+                println!("  {:>5} {:>2} {:>11.4e} {:>8.2} {:>9.6} {:>10.4} {:>10}", l, k.letter(), m.rel_mse, m.snr_db, m.cosine, m.max_abs_err, att);
+            }
+            println!(
+                "  mean: K cos {:.6} SNR {:.2} dB | V cos {:.6} SNR {:.2} dB | attention rel err {:.5}",
+                mean(kvpack::Kind::Key, |m| m.cosine),
+                mean(kvpack::Kind::Key, |m| m.snr_db),
+                mean(kvpack::Kind::Value, |m| m.cosine),
+                mean(kvpack::Kind::Value, |m| m.snr_db),
+                attn_mean
+            );
+        }
+        for p in &problems {
+            println!("  FAILED: {p}");
+        }
+        println!("{}", if ok { "verify: OK" } else { "verify: FAILED" });
+    }
+    Ok(if ok { crate::EXIT_OK } else { crate::EXIT_VERIFY_FAILED })
+}

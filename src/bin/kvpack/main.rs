@@ -1,0 +1,84 @@
+//! The `kvpack` command-line tool: compress, decompress, inspect and verify
+//! compressed KV caches. Argument parsing, progress and output only; all
+//! format and codec work is in the library.
+
+mod cmd_compress;
+mod cmd_decompress;
+mod cmd_inspect;
+mod cmd_verify;
+mod output;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Exit status: success.
+pub const EXIT_OK: u8 = 0;
+/// Exit status: `verify` found a problem.
+pub const EXIT_VERIFY_FAILED: u8 = 1;
+/// Exit status: bad usage or bad input (unknown codec, corrupt or missing
+/// file, output exists without --force).
+pub const EXIT_BAD_INPUT: u8 = 2;
+/// Exit status: the system failed (disk full, permission denied, broken
+/// pipe).
+pub const EXIT_IO: u8 = 3;
+
+const AFTER_HELP: &str = "\
+Exit status: 0 success, 1 verification failed (verify), 2 bad usage or bad
+input (unknown codec, corrupt or missing file, existing output without
+--force), 3 I/O failure (disk full, permission denied).
+
+Examples:
+  kvpack compress cache.safetensors --codec bdr128
+  kvpack inspect cache.kvpack
+  kvpack verify cache.kvpack --against cache.safetensors
+  kvpack decompress cache.kvpack -o restored.safetensors --dtype fp32";
+
+/// Compressed, checksummed storage and transport for LLM KV caches.
+#[derive(Parser, Debug)]
+#[command(name = "kvpack", version, about, after_help = AFTER_HELP)]
+struct Cli {
+    /// Worker threads (default: all cores).
+    #[arg(long, global = true, value_name = "N")]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Compress a safetensors KV cache into a .kvpack file.
+    Compress(cmd_compress::Args),
+    /// Decompress a .kvpack file (or part of it) to safetensors.
+    Decompress(cmd_decompress::Args),
+    /// Show a .kvpack file's header, codecs, pages and bits per element.
+    Inspect(cmd_inspect::Args),
+    /// Check every checksum and structural rule; compare with the original.
+    Verify(cmd_verify::Args),
+    /// List the available codecs and their bits per element.
+    Codecs(cmd_inspect::CodecsArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(n) = cli.threads
+        && let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global()
+    {
+        eprintln!("kvpack: cannot start {n} threads: {e}");
+        return ExitCode::from(EXIT_IO);
+    }
+    let r = match cli.command {
+        Command::Compress(a) => cmd_compress::run(a),
+        Command::Decompress(a) => cmd_decompress::run(a),
+        Command::Inspect(a) => cmd_inspect::run(a),
+        Command::Verify(a) => cmd_verify::run(a),
+        Command::Codecs(a) => cmd_inspect::codecs(a),
+    };
+    match r {
+        Ok(code) => ExitCode::from(code),
+        Err(e) => {
+            eprintln!("kvpack: {e:#}");
+            ExitCode::from(output::exit_code(&e))
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! Codecs: how one page of a K or V tensor becomes typed sections and back.
+//!
+//! A codec is a value implementing [`Codec`]. The [`registry`] turns a name
+//! such as `bdr128` or `int4` into a codec for encoding, and a codec table
+//! entry `(id, params)` from a file back into the same codec for decoding,
+//! so a file decodes without out-of-band knowledge.
+//!
+//! # Adding a codec
+//! 1. Write `src/codec/<name>.rs` with a type implementing [`Codec`]: pure
+//!    functions over slices, no I/O, shared math from [`crate::kernels`].
+//! 2. Give it a [`registry::Family`] (id, name parser, parameter decoder)
+//!    and add that to [`registry::FAMILIES`].
+//! 3. Specify its parameter block and sections in `format/codecs/<name>.md`
+//!    and commit a golden vector under `format/vectors/`.
+//!
+//! The container, the pipeline and the CLI need no change.
+
+pub mod affine;
+pub mod raw;
+pub mod registry;
+
+use crate::cache::{Elems, ElemsMut, KvCache, TensorInfo};
+use crate::error::Result;
+use crate::format::{PageView, Section};
+
+pub use registry::{Family, from_entry, parse};
+
+/// One page to encode: tokens `[token_start, token_start + tokens)` of every
+/// plane (`batch * kv_heads` of them) of one tensor, at source precision.
+#[derive(Debug)]
+pub struct PageIn<'a> {
+    /// The tensor the page belongs to (shape, dtype, layer, K/V).
+    pub tensor: &'a TensorInfo,
+    /// First token of the page.
+    pub token_start: u32,
+    /// Tokens in the page.
+    pub tokens: u32,
+    /// One `[tokens, head_dim]` row-major slice per plane.
+    pub planes: Vec<Elems<'a>>,
+}
+
+impl PageIn<'_> {
+    /// Elements per head vector.
+    pub fn head_dim(&self) -> usize {
+        self.tensor.head_dim as usize
+    }
+
+    /// Number of rows (`planes * tokens`), in plane-major order.
+    pub fn rows(&self) -> usize {
+        self.planes.len() * self.tokens as usize
+    }
+
+    /// Widens row `r` (plane `r / tokens`, token `r % tokens`) to f32.
+    ///
+    /// # Panics
+    /// If `r >= rows()` or `out.len() != head_dim()`.
+    pub fn load_row(&self, r: usize, out: &mut [f32]) {
+        let t = self.tokens as usize;
+        self.planes[r / t].load((r % t) * out.len(), out);
+    }
+}
+
+/// Destination of one decoded page: the same token range of every plane, in
+/// the caller's output element type.
+#[derive(Debug)]
+pub struct PageOut<'a> {
+    /// The tensor the page belongs to.
+    pub tensor: &'a TensorInfo,
+    /// Tokens in the page.
+    pub tokens: u32,
+    /// One `[tokens, head_dim]` row-major slice per plane.
+    pub planes: Vec<ElemsMut<'a>>,
+}
+
+impl PageOut<'_> {
+    /// Number of rows (`planes * tokens`).
+    pub fn rows(&self) -> usize {
+        self.planes.len() * self.tokens as usize
+    }
+
+    /// Narrows `row` (f32, `head_dim` values) into row `r`.
+    ///
+    /// # Panics
+    /// If `r >= rows()`.
+    pub fn store_row(&mut self, r: usize, row: &[f32]) {
+        let t = self.tokens as usize;
+        self.planes[r / t].store((r % t) * row.len(), row);
+    }
+}
+
+/// A KV cache codec.
+///
+/// Implementations are immutable values; `encode` and `decode` may be called
+/// from many threads at once.
+pub trait Codec: Send + Sync + std::fmt::Debug {
+    /// Canonical name, accepted by [`registry::parse`] (e.g. `bdr128:k`).
+    fn name(&self) -> String;
+
+    /// Registered codec id written in the codec table.
+    fn id(&self) -> u16;
+
+    /// The parameter block written in the codec table (layout defined in
+    /// `format/codecs/<codec>.md`).
+    fn params(&self) -> Vec<u8>;
+
+    /// Checks that the codec can encode `tensor` (e.g. head_dim divisible
+    /// by a block size).
+    ///
+    /// # Errors
+    /// [`crate::Error::Parameter`] naming the tensor and the constraint.
+    fn check(&self, tensor: &TensorInfo) -> Result<()>;
+
+    /// Data-dependent preparation over the whole cache before encoding
+    /// (calibration that ends up in the parameter block). Returns the codec
+    /// to use instead of `self`, or `None` when there is nothing to
+    /// prepare (the default).
+    ///
+    /// # Errors
+    /// As [`Codec::check`].
+    fn prepare(&self, _cache: &KvCache) -> Result<Option<Box<dyn Codec>>> {
+        Ok(None)
+    }
+
+    /// Encodes one page into sections.
+    ///
+    /// # Errors
+    /// [`crate::Error::Parameter`] for values the codec cannot represent
+    /// (NaN/inf for quantizing codecs), naming the page.
+    fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>>;
+
+    /// Decodes one page into `out`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Format`] naming the page when a section is missing
+    /// or has the wrong type or size.
+    fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()>;
+
+    /// Nominal bits per element for pages of `tensor`: codec payload only
+    /// (scales, zero points, codes, per-vector side data), excluding
+    /// container framing and data-dependent outliers.
+    fn bits_per_element(&self, tensor: &TensorInfo) -> f64;
+}
+
+/// Checks that a section holds exactly `count` elements of `elem`.
+///
+/// # Errors
+/// [`crate::Error::Format`] naming the page.
+pub fn expect_section<'p>(
+    page: &'p PageView<'_>,
+    kind: crate::format::SectionKind,
+    stream: u8,
+    elem: crate::format::ElemType,
+    count: usize,
+) -> Result<&'p [u8]> {
+    let (d, bytes) = page.section(kind, stream)?;
+    if d.elem != elem || d.count as usize != count {
+        return Err(page.error(format!(
+            "section {} stream {stream} holds {} {} elements, expected {count} {}",
+            kind.name(),
+            d.count,
+            d.elem.name(),
+            elem.name()
+        )));
+    }
+    Ok(bytes)
+}
+
+/// Reads little-endian f32 number `i` of `bytes`.
+///
+/// # Panics
+/// If out of bounds (callers check section sizes with [`expect_section`]).
+#[inline]
+pub fn f32_at(bytes: &[u8], i: usize) -> f32 {
+    f32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4 bytes"))
+}

@@ -1,0 +1,101 @@
+//! `raw`: lossless passthrough at source precision (format/codecs/raw.md).
+//! Sink and recent windows are stored as `raw` pages.
+
+use crate::cache::{ElemsMut, TensorInfo};
+use crate::error::{Error, Result};
+use crate::format::{ElemType, PageView, Section, SectionKind};
+
+use super::{Codec, PageIn, PageOut, expect_section};
+
+/// Codec id of `raw`.
+pub const ID: u16 = 0;
+
+/// The `raw` codec: one RAW section with every element of the page in the
+/// tensor's source dtype, plane-major `[planes, tokens, head_dim]`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Raw;
+
+/// Registry entry of `raw`.
+pub const FAMILY: super::Family = super::Family {
+    id: ID,
+    name: "raw",
+    syntax: "raw",
+    summary: "lossless passthrough at source precision (bf16/fp16/fp32)",
+    parse: |s| (s == "raw").then(|| Ok(Box::new(Raw) as Box<dyn Codec>)),
+    from_params: |p| {
+        if !p.is_empty() {
+            return Err(Error::param(format!("raw takes no parameters, found {} bytes", p.len())));
+        }
+        Ok(Box::new(Raw))
+    },
+};
+
+impl Codec for Raw {
+    fn name(&self) -> String {
+        "raw".into()
+    }
+
+    fn id(&self) -> u16 {
+        ID
+    }
+
+    fn params(&self) -> Vec<u8> {
+        Vec::new()
+    }
+
+    fn check(&self, _tensor: &TensorInfo) -> Result<()> {
+        Ok(())
+    }
+
+    fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
+        let n: usize = page.planes.iter().map(|p| p.len()).sum();
+        let dtype = page.tensor.dtype;
+        let mut data = Vec::with_capacity(n * dtype.size());
+        for p in &page.planes {
+            match p {
+                crate::cache::Elems::Bf16(v) => v.iter().for_each(|x| data.extend(x.to_le_bytes())),
+                crate::cache::Elems::F16(v) => v.iter().for_each(|x| data.extend(x.to_le_bytes())),
+                crate::cache::Elems::F32(v) => v.iter().for_each(|x| data.extend(x.to_le_bytes())),
+            }
+        }
+        Ok(vec![Section {
+            kind: SectionKind::Raw,
+            stream: 0,
+            elem: ElemType::from_dtype(dtype),
+            count: u32::try_from(n).map_err(|_| Error::param("page over 2^32 elements"))?,
+            data,
+        }])
+    }
+
+    fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
+        let d = out.tensor.head_dim as usize;
+        let rows = out.rows();
+        let src_t = out.tensor.dtype;
+        let bytes = expect_section(page, SectionKind::Raw, 0, ElemType::from_dtype(src_t), rows * d)?;
+        let plane_bytes = out.tokens as usize * d * src_t.size();
+        let mut row = vec![0f32; d];
+        for (p, plane) in out.planes.iter_mut().enumerate() {
+            let src = &bytes[p * plane_bytes..(p + 1) * plane_bytes];
+            if plane.dtype() == src_t && cfg!(target_endian = "little") {
+                let dst: &mut [u8] = match plane {
+                    ElemsMut::Bf16(v) => bytemuck::cast_slice_mut(v),
+                    ElemsMut::F16(v) => bytemuck::cast_slice_mut(v),
+                    ElemsMut::F32(v) => bytemuck::cast_slice_mut(v),
+                };
+                dst.copy_from_slice(src);
+                continue;
+            }
+            let data = crate::cache::TensorData::from_le_bytes(src_t, src)?;
+            let elems = data.as_elems();
+            for t in 0..out.tokens as usize {
+                elems.load(t * d, &mut row);
+                plane.store(t * d, &row);
+            }
+        }
+        Ok(())
+    }
+
+    fn bits_per_element(&self, tensor: &TensorInfo) -> f64 {
+        8.0 * tensor.dtype.size() as f64
+    }
+}

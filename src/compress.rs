@@ -1,0 +1,292 @@
+//! Compression: a [`KvCache`] through a codec into a kvpack file or stream,
+//! with page encoding on all threads overlapped with writing.
+
+use std::io::Write;
+use std::sync::mpsc;
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use crate::cache::{KvCache, Tensor};
+use crate::codec::{Codec, PageIn, raw::Raw};
+use crate::error::{Error, Result};
+use crate::format::{CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Trailer, VERSION_MAJOR, VERSION_MINOR, Writer};
+use crate::plan::{Layout, PlannedPage, plan};
+
+/// How to compress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CompressOptions {
+    /// Page size and sink/recent windows.
+    pub layout: Layout,
+    /// zstd level applied to each page body (kept only when smaller), or
+    /// `None`.
+    pub zstd_level: Option<i32>,
+    /// Frame alignment as a power of two (6 = 64 B, 12 = 4096 B).
+    pub align_log2: u8,
+}
+
+impl Default for CompressOptions {
+    fn default() -> Self {
+        CompressOptions { layout: Layout::default(), zstd_level: None, align_log2: crate::format::DEFAULT_ALIGN_LOG2 }
+    }
+}
+
+/// What a compression produced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompressReport {
+    /// Canonical codec name.
+    pub codec: String,
+    /// Pages written.
+    pub pages: usize,
+    /// Of which sink/recent `raw` pages.
+    pub raw_pages: usize,
+    /// Elements compressed.
+    pub elements: u64,
+    /// Bytes of the source tensors at source precision.
+    pub source_bytes: u64,
+    /// Bytes written (the whole file, or the appended bytes).
+    pub output_bytes: u64,
+    /// Wall time, seconds.
+    pub seconds: f64,
+}
+
+impl CompressReport {
+    /// Output bits per source element, everything included.
+    pub fn bits_per_element(&self) -> f64 {
+        if self.elements == 0 { 0.0 } else { 8.0 * self.output_bytes as f64 / self.elements as f64 }
+    }
+
+    /// Source bytes / output bytes.
+    pub fn ratio(&self) -> f64 {
+        if self.output_bytes == 0 { 0.0 } else { self.source_bytes as f64 / self.output_bytes as f64 }
+    }
+}
+
+/// Encodes planned page `p` of `tensor` with the codec in table slot
+/// `slot` into a frame.
+fn encode_page(tensor: &Tensor, p: &PlannedPage, codec: &dyn Codec, slot: usize, opts: &CompressOptions) -> Result<PageFrame> {
+    let planes = (0..tensor.info.planes())
+        .map(|pl| tensor.plane_rows(pl, p.token_start as usize, p.tokens as usize))
+        .collect();
+    let page = PageIn { tensor: &tensor.info, token_start: p.token_start, tokens: p.tokens, planes };
+    let sections = codec.encode(&page)?;
+    let meta = PageMeta { tensor: p.tensor, token_start: p.token_start, tokens: p.tokens, codec: slot as u16 };
+    PageFrame::encode(meta, &sections, opts.zstd_level, 1 << opts.align_log2)
+}
+
+/// Source bytes of planned page `p`.
+fn page_source_bytes(tensor: &Tensor, p: &PlannedPage) -> u64 {
+    let i = &tensor.info;
+    i.planes() as u64 * p.tokens as u64 * i.head_dim as u64 * i.dtype.size() as u64
+}
+
+/// Runs `f` over `items` on the rayon pool in batches and hands the results
+/// to `sink` in order, from the calling thread, while the next batch is
+/// being computed. At most about two batches are held in memory.
+pub(crate) fn ordered_map<T: Sync, U: Send>(
+    items: &[T],
+    f: impl Fn(&T) -> Result<U> + Sync,
+    mut sink: impl FnMut(U) -> Result<()>,
+) -> Result<()> {
+    let batch = (rayon::current_num_threads() * 2).max(2);
+    std::thread::scope(|s| {
+        let (tx, rx) = mpsc::sync_channel::<Result<Vec<U>>>(1);
+        let f = &f;
+        s.spawn(move || {
+            for chunk in items.chunks(batch) {
+                let r: Result<Vec<U>> = chunk.par_iter().map(f).collect();
+                let stop = r.is_err();
+                if tx.send(r).is_err() || stop {
+                    return;
+                }
+            }
+        });
+        for r in rx {
+            for u in r? {
+                sink(u)?;
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Compresses a whole cache into `out` as a new kvpack file (one commit).
+/// `progress` is called with the source bytes encoded so far.
+///
+/// # Errors
+/// [`Error::Parameter`] when the codec cannot encode a tensor (shape, NaN),
+/// [`Error::Io`] when writing fails.
+pub fn compress<W: Write>(
+    cache: &KvCache,
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(W, CompressReport)> {
+    let start = Instant::now();
+    if cache.tensors.is_empty() {
+        return Err(Error::param("the cache has no K/V tensors"));
+    }
+    for t in &cache.tensors {
+        codec.check(&t.info)?;
+    }
+    let prepared = codec.prepare(cache)?;
+    let codec: &dyn Codec = prepared.as_deref().unwrap_or(codec);
+    let infos: Vec<_> = cache.tensors.iter().map(|t| t.info.clone()).collect();
+    let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;
+    let raw_pages = pages.iter().filter(|p| p.raw).count();
+    let mut codecs: Vec<&dyn Codec> = vec![codec];
+    let mut table = vec![CodecEntry { id: codec.id(), params: codec.params() }];
+    if raw_pages > 0 && codec.id() != crate::codec::raw::ID {
+        codecs.push(&Raw);
+        table.push(CodecEntry { id: Raw.id(), params: Raw.params() });
+    }
+    let header = FileHeader {
+        version_major: VERSION_MAJOR,
+        version_minor: VERSION_MINOR,
+        align_log2: opts.align_log2,
+        tensors: infos,
+        codecs: table,
+        metadata: cache.metadata.clone(),
+        page_tokens: opts.layout.page_tokens,
+        sink_tokens: opts.layout.sink,
+        recent_tokens: opts.layout.recent,
+    };
+    let mut w = Writer::new(out, &header)?;
+    let mut done = 0u64;
+    ordered_map(
+        &pages,
+        |p| {
+            let slot = usize::from(p.raw && codecs.len() > 1);
+            encode_page(&cache.tensors[p.tensor as usize], p, codecs[slot], slot, opts).map(|f| (f, *p))
+        },
+        |(frame, p)| {
+            w.write_page(&frame)?;
+            done += page_source_bytes(&cache.tensors[p.tensor as usize], &p);
+            progress(done);
+            Ok(())
+        },
+    )?;
+    let written_before = w.bytes_written();
+    let (out, trailer) = w.commit(&cache.token_ids)?;
+    let output_bytes = trailer.header_len + trailer.commit_end;
+    debug_assert!(output_bytes >= written_before);
+    Ok((
+        out,
+        CompressReport {
+            codec: codec.name(),
+            pages: pages.len(),
+            raw_pages,
+            elements: cache.elements(),
+            source_bytes: cache.source_bytes(),
+            output_bytes,
+            seconds: start.elapsed().as_secs_f64(),
+        },
+    ))
+}
+
+/// Appends the tokens of `longer` that follow those stored in `existing`
+/// as a new commit written to `out`, which must be positioned at the end of
+/// the last commit. Existing pages are not rewritten.
+///
+/// # Errors
+/// [`Error::Parameter`] when `longer` does not extend the stored cache
+/// (different tensors, shapes, fewer tokens, or token ids that do not start
+/// with the stored ones).
+pub fn append<W: Write>(
+    existing: &Reader<'_>,
+    longer: &KvCache,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(W, CompressReport, Trailer)> {
+    let start = Instant::now();
+    let h = existing.header();
+    let idx = existing.index();
+    if longer.tensors.len() != h.tensors.len() {
+        return Err(Error::param(format!(
+            "the new cache has {} K/V tensors, the stored one {}",
+            longer.tensors.len(),
+            h.tensors.len()
+        )));
+    }
+    for (t, (new, old)) in longer.tensors.iter().zip(&h.tensors).enumerate() {
+        let n = &new.info;
+        if (n.layer, n.kind, n.batch, n.heads, n.head_dim, n.dtype) != (old.layer, old.kind, old.batch, old.heads, old.head_dim, old.dtype) {
+            return Err(Error::param(format!(
+                "{}: shape or dtype differs from the stored cache ({:?} {} vs {:?} {})",
+                n.describe(),
+                n.shape(),
+                n.dtype.name(),
+                [old.batch, old.heads, idx.token_counts[t], old.head_dim],
+                old.dtype.name()
+            )));
+        }
+        if n.tokens < idx.token_counts[t] {
+            return Err(Error::param(format!(
+                "{}: the new cache has {} tokens, fewer than the {} stored",
+                n.describe(),
+                n.tokens,
+                idx.token_counts[t]
+            )));
+        }
+    }
+    if !idx.token_ids.is_empty() && !longer.token_ids.starts_with(&idx.token_ids) {
+        let at = idx.token_ids.iter().zip(&longer.token_ids).position(|(a, b)| a != b);
+        return Err(Error::param(match at {
+            Some(i) => format!("prefix mismatch: token {i} is {} in the stored cache but {} in the new one", idx.token_ids[i], longer.token_ids[i]),
+            None => format!(
+                "prefix mismatch: the stored cache has {} token ids, the new one {}",
+                idx.token_ids.len(),
+                longer.token_ids.len()
+            ),
+        }));
+    }
+    let codecs: Vec<Box<dyn Codec>> =
+        h.codecs.iter().enumerate().map(|(i, e)| crate::codec::from_entry(i, e)).collect::<Result<_>>()?;
+    let layout = Layout { page_tokens: h.page_tokens.max(1), sink: h.sink_tokens, recent: h.recent_tokens };
+    let infos: Vec<_> = longer.tensors.iter().map(|t| t.info.clone()).collect();
+    let pages = plan(&infos, &idx.token_counts, layout)?;
+    let raw_slot = h.codecs.iter().position(|c| c.id == crate::codec::raw::ID);
+    if pages.iter().any(|p| p.raw) && raw_slot.is_none() {
+        return Err(Error::param("the stored file has windows but no raw codec slot"));
+    }
+    for t in &longer.tensors {
+        codecs[0].check(&t.info)?;
+    }
+    let opts = CompressOptions { align_log2: h.align_log2, layout, ..*opts };
+    let mut w = Writer::resume(out, h, existing.header_len(), idx, existing.trailer())?;
+    let mut elements = 0u64;
+    let mut source_bytes = 0u64;
+    ordered_map(
+        &pages,
+        |p| {
+            let slot = if p.raw { raw_slot.unwrap_or(0) } else { 0 };
+            encode_page(&longer.tensors[p.tensor as usize], p, codecs[slot].as_ref(), slot, &opts).map(|f| (f, *p))
+        },
+        |(frame, p)| {
+            w.write_page(&frame)?;
+            let tensor = &longer.tensors[p.tensor as usize];
+            let b = page_source_bytes(tensor, &p);
+            elements += b / tensor.info.dtype.size() as u64;
+            source_bytes += b;
+            progress(source_bytes);
+            Ok(())
+        },
+    )?;
+    let before = existing.trailer().commit_end;
+    let (out, trailer) = w.commit(&longer.token_ids)?;
+    Ok((
+        out,
+        CompressReport {
+            codec: codecs[0].name(),
+            pages: pages.len(),
+            raw_pages: pages.iter().filter(|p| p.raw).count(),
+            elements,
+            source_bytes,
+            output_bytes: trailer.commit_end - before,
+            seconds: start.elapsed().as_secs_f64(),
+        },
+        trailer,
+    ))
+}

@@ -1,0 +1,232 @@
+//! Decompression: a kvpack file (borrowed bytes, e.g. an mmap) back into a
+//! [`KvCache`], in whole or in part, decoding pages on all threads.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rayon::prelude::*;
+
+use crate::cache::{DType, ElemsMut, KvCache, Kind, Tensor, TensorData, TensorInfo};
+use crate::codec::{Codec, PageOut};
+use crate::error::{Error, Result};
+use crate::format::{Limits, Reader};
+
+/// Which part of a cache to decode. The default selects everything.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Selection {
+    /// Layers `[start, end)`; `None` for all.
+    pub layers: Option<Range<u32>>,
+    /// Cache slots `[start, end)` of each layer (clamped to the layer's
+    /// token count); `None` for all.
+    pub tokens: Option<Range<u32>>,
+    /// Only K or only V; `None` for both.
+    pub kind: Option<Kind>,
+}
+
+/// Counters of one decode, for locality checks and throughput.
+#[derive(Debug, Default)]
+pub struct DecodeStats {
+    /// Pages decoded.
+    pub pages: AtomicU64,
+    /// Stored page bytes read (frames).
+    pub bytes_read: AtomicU64,
+}
+
+/// A validated kvpack file with its codecs instantiated.
+#[derive(Debug)]
+pub struct Archive<'a> {
+    reader: Reader<'a>,
+    codecs: Vec<Box<dyn Codec>>,
+}
+
+impl<'a> Archive<'a> {
+    /// Opens `buf` (see [`Reader::open_with`]) and builds its codecs.
+    ///
+    /// # Errors
+    /// [`Error::Format`] for an invalid file or an unknown codec id.
+    pub fn open(buf: &'a [u8]) -> Result<Archive<'a>> {
+        Self::open_with(buf, Limits::default())
+    }
+
+    /// Like [`Archive::open`] with explicit limits.
+    ///
+    /// # Errors
+    /// As [`Archive::open`].
+    pub fn open_with(buf: &'a [u8], limits: Limits) -> Result<Archive<'a>> {
+        let reader = Reader::open_with(buf, limits)?;
+        let codecs = reader
+            .header()
+            .codecs
+            .iter()
+            .enumerate()
+            .map(|(i, e)| crate::codec::from_entry(i, e))
+            .collect::<Result<_>>()?;
+        Ok(Archive { reader, codecs })
+    }
+
+    /// The underlying container reader.
+    pub fn reader(&self) -> &Reader<'a> {
+        &self.reader
+    }
+
+    /// The codec of table slot `slot`.
+    ///
+    /// # Panics
+    /// If `slot` is out of range (the reader validated every page's slot).
+    pub fn codec(&self, slot: usize) -> &dyn Codec {
+        self.codecs[slot].as_ref()
+    }
+
+    /// The codecs of the codec table.
+    pub fn codecs(&self) -> &[Box<dyn Codec>] {
+        &self.codecs
+    }
+
+    /// Tensor infos with the current (latest commit) token counts.
+    pub fn tensors(&self) -> Vec<TensorInfo> {
+        let h = self.reader.header();
+        h.tensors
+            .iter()
+            .enumerate()
+            .map(|(i, t)| TensorInfo { tokens: self.reader.tokens(i), ..t.clone() })
+            .collect()
+    }
+
+    /// Decodes the selected part of the cache. Output tensors keep their
+    /// names; `dtype` overrides the element type (default: source dtype).
+    /// Only pages overlapping the selection are read.
+    ///
+    /// # Errors
+    /// [`Error::Format`] naming the page for a corrupted page or section.
+    pub fn decode(&self, sel: &Selection, dtype: Option<DType>, stats: Option<&DecodeStats>) -> Result<KvCache> {
+        let h = self.reader.header();
+        let mut tensors = Vec::new();
+        // (tensor position in output, source tensor index, slot range)
+        let mut wanted = Vec::new();
+        for (i, info) in self.tensors().into_iter().enumerate() {
+            if sel.layers.as_ref().is_some_and(|r| !r.contains(&info.layer)) || sel.kind.is_some_and(|k| k != info.kind) {
+                continue;
+            }
+            let (lo, hi) = match &sel.tokens {
+                Some(r) => (r.start.min(info.tokens), r.end.min(info.tokens).max(r.start.min(info.tokens))),
+                None => (0, info.tokens),
+            };
+            let out_info = TensorInfo { tokens: hi - lo, dtype: dtype.unwrap_or(info.dtype), ..info };
+            let data = TensorData::zeros(out_info.dtype, out_info.elements() as usize);
+            tensors.push(Tensor { info: out_info, data });
+            wanted.push((i, lo, hi));
+        }
+        // Split every output tensor into per-page destinations.
+        let mut jobs = Vec::new();
+        for (tensor, &(src, lo, hi)) in tensors.iter_mut().zip(&wanted) {
+            let pages = self.reader.pages_overlapping(src, lo, hi);
+            let d = tensor.info.head_dim as usize;
+            let n = (hi - lo) as usize;
+            let info = &tensor.info;
+            let mut per_page: Vec<Vec<ElemsMut<'_>>> = (0..pages.len()).map(|_| Vec::new()).collect();
+            let mut rest = tensor.data.as_elems_mut();
+            for _plane in 0..info.planes() {
+                let (mut plane, r) = rest.split_at(n * d);
+                rest = r;
+                for (k, &pi) in pages.iter().enumerate() {
+                    let m = self.reader.index().entries[pi].meta;
+                    let a = m.token_start.max(lo);
+                    let b = (m.token_start + m.tokens).min(hi);
+                    let (head, tail) = plane.split_at((b - a) as usize * d);
+                    per_page[k].push(head);
+                    plane = tail;
+                }
+            }
+            for (k, planes) in per_page.into_iter().enumerate() {
+                jobs.push((pages[k], info, lo, hi, planes));
+            }
+        }
+        jobs.into_par_iter().try_for_each(|(pi, info, lo, hi, planes)| self.decode_page(pi, info, lo, hi, planes, stats))?;
+        let r = &self.reader;
+        let src_ids = &r.index().token_ids;
+        Ok(KvCache {
+            tensors,
+            metadata: h.metadata.clone(),
+            token_ids: src_ids.clone(),
+        })
+    }
+
+    /// Decodes page `pi` into `planes`, which hold the page's overlap with
+    /// slots `[lo, hi)`.
+    fn decode_page(
+        &self,
+        pi: usize,
+        info: &TensorInfo,
+        lo: u32,
+        hi: u32,
+        planes: Vec<ElemsMut<'_>>,
+        stats: Option<&DecodeStats>,
+    ) -> Result<()> {
+        let entry = self.reader.index().entries[pi];
+        let m = entry.meta;
+        let view = self.reader.page(pi)?;
+        if let Some(s) = stats {
+            s.pages.fetch_add(1, Ordering::Relaxed);
+            s.bytes_read.fetch_add(entry.frame_len, Ordering::Relaxed);
+        }
+        let codec = self.codec(m.codec as usize);
+        let src_info = TensorInfo { tokens: self.reader.tokens(m.tensor as usize), ..self.reader.header().tensors[m.tensor as usize].clone() };
+        let inside = m.token_start >= lo && m.token_start + m.tokens <= hi;
+        if inside {
+            let mut out = PageOut { tensor: &src_info, tokens: m.tokens, planes };
+            return codec.decode(&view, &mut out);
+        }
+        // Partial page: decode into a scratch page, copy the overlap.
+        let d = info.head_dim as usize;
+        let mut scratch = TensorData::zeros(info.dtype, info.planes() * m.tokens as usize * d);
+        {
+            let mut rest = scratch.as_elems_mut();
+            let mut sp = Vec::new();
+            for _ in 0..info.planes() {
+                let (a, b) = rest.split_at(m.tokens as usize * d);
+                sp.push(a);
+                rest = b;
+            }
+            let mut out = PageOut { tensor: &src_info, tokens: m.tokens, planes: sp };
+            codec.decode(&view, &mut out)?;
+        }
+        let skip = (lo.max(m.token_start) - m.token_start) as usize;
+        let src = scratch.as_elems();
+        let mut row = vec![0f32; d];
+        for (p, mut dst) in planes.into_iter().enumerate() {
+            let rows = dst.len() / d;
+            for t in 0..rows {
+                src.load((p * m.tokens as usize + skip + t) * d, &mut row);
+                dst.store(t * d, &row);
+            }
+            let _ = &mut dst;
+        }
+        Ok(())
+    }
+
+    /// Validates every page (checksums, section tables) and decodes each
+    /// one, discarding the output. Returns the number of pages checked.
+    ///
+    /// # Errors
+    /// The first page error found.
+    pub fn verify_pages(&self) -> Result<usize> {
+        self.decode(&Selection::default(), Some(DType::F32), None)?;
+        Ok(self.reader.index().entries.len())
+    }
+}
+
+/// Parses `a..b` (either end may be omitted: `..b`, `a..`) as a half-open
+/// range of u32.
+///
+/// # Errors
+/// [`Error::Parameter`] for malformed input or `a > b`.
+pub fn parse_range(s: &str) -> Result<Range<u32>> {
+    let bad = || Error::param(format!("{s:?} is not a range like 0..4, 128..512, ..8 or 16.."));
+    let (a, b) = s.split_once("..").ok_or_else(bad)?;
+    let a = if a.is_empty() { 0 } else { a.trim().parse().map_err(|_| bad())? };
+    let b = if b.is_empty() { u32::MAX } else { b.trim().parse().map_err(|_| bad())? };
+    if a > b {
+        return Err(bad());
+    }
+    Ok(a..b)
+}

@@ -1,0 +1,335 @@
+//! Typed sections of a page body and the body layout.
+//!
+//! A body is a section table (`n` entries of 16 bytes) followed by the
+//! sections, each starting at a multiple of 64 bytes from the body start,
+//! in table order, zero-padded; the body length is a multiple of 64. The
+//! layout is canonical: offsets are fully determined by the lengths.
+
+use crate::error::{Error, Location, Result};
+
+use super::SECTION_ALIGN;
+use super::bytes::{Cursor, PutLe};
+
+/// What a section holds (format/SPEC.md "Section kinds").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SectionKind {
+    /// Per-row (or per-group) scales. Code 1.
+    Scale,
+    /// Per-row (or per-group) zero points. Code 2.
+    Zero,
+    /// Bit-packed code stream (indices). Code 3.
+    Index,
+    /// Outlier side table: positions and fp16 values (format/SPEC.md
+    /// "Outlier table"). Code 4.
+    Outliers,
+    /// Elements at source precision (`raw` pages). Code 5.
+    Raw,
+    /// Codec-specific side data defined by the codec's bitstream spec. Code 6.
+    Aux,
+}
+
+impl SectionKind {
+    /// File code.
+    pub fn code(self) -> u8 {
+        match self {
+            SectionKind::Scale => 1,
+            SectionKind::Zero => 2,
+            SectionKind::Index => 3,
+            SectionKind::Outliers => 4,
+            SectionKind::Raw => 5,
+            SectionKind::Aux => 6,
+        }
+    }
+
+    /// Inverse of [`SectionKind::code`].
+    pub fn from_code(c: u8) -> Option<Self> {
+        Some(match c {
+            1 => SectionKind::Scale,
+            2 => SectionKind::Zero,
+            3 => SectionKind::Index,
+            4 => SectionKind::Outliers,
+            5 => SectionKind::Raw,
+            6 => SectionKind::Aux,
+            _ => return None,
+        })
+    }
+
+    /// Upper-case name used in messages and `inspect`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SectionKind::Scale => "SCALE",
+            SectionKind::Zero => "ZERO",
+            SectionKind::Index => "INDEX",
+            SectionKind::Outliers => "OUTLIERS",
+            SectionKind::Raw => "RAW",
+            SectionKind::Aux => "AUX",
+        }
+    }
+}
+
+/// Element encoding of a section.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ElemType {
+    /// Unsigned codes of `bits` (1..=32) bits, LSB-first bit-packed. Code 0.
+    Packed(u8),
+    /// bfloat16, little-endian. Code 1.
+    Bf16,
+    /// IEEE binary16, little-endian. Code 2.
+    F16,
+    /// IEEE binary32, little-endian. Code 3.
+    F32,
+    /// u16, little-endian. Code 4.
+    U16,
+    /// u32, little-endian. Code 5.
+    U32,
+    /// Opaque bytes with a structure defined by the section kind or codec.
+    /// Code 6.
+    Bytes,
+}
+
+impl ElemType {
+    /// `(code, bits)` as stored in the section table.
+    pub fn code_bits(self) -> (u8, u8) {
+        match self {
+            ElemType::Packed(b) => (0, b),
+            ElemType::Bf16 => (1, 16),
+            ElemType::F16 => (2, 16),
+            ElemType::F32 => (3, 32),
+            ElemType::U16 => (4, 16),
+            ElemType::U32 => (5, 32),
+            ElemType::Bytes => (6, 8),
+        }
+    }
+
+    /// Inverse of [`ElemType::code_bits`]; `None` for unknown codes or a
+    /// bits field that does not match the type.
+    pub fn from_code_bits(code: u8, bits: u8) -> Option<Self> {
+        let t = match code {
+            0 if (1..=32).contains(&bits) => return Some(ElemType::Packed(bits)),
+            1 => ElemType::Bf16,
+            2 => ElemType::F16,
+            3 => ElemType::F32,
+            4 => ElemType::U16,
+            5 => ElemType::U32,
+            6 => ElemType::Bytes,
+            _ => return None,
+        };
+        (t.code_bits().1 == bits).then_some(t)
+    }
+
+    /// Byte length of `count` elements.
+    pub fn byte_len(self, count: u64) -> Option<u64> {
+        let bits = u64::from(self.code_bits().1);
+        count.checked_mul(bits).map(|b| b.div_ceil(8))
+    }
+
+    /// Element type for a source dtype.
+    pub fn from_dtype(d: crate::cache::DType) -> Self {
+        match d {
+            crate::cache::DType::Bf16 => ElemType::Bf16,
+            crate::cache::DType::F16 => ElemType::F16,
+            crate::cache::DType::F32 => ElemType::F32,
+        }
+    }
+
+    /// Short name for `inspect`: `u4`, `f32`, ...
+    pub fn name(self) -> String {
+        match self {
+            ElemType::Packed(b) => format!("u{b}"),
+            ElemType::Bf16 => "bf16".into(),
+            ElemType::F16 => "f16".into(),
+            ElemType::F32 => "f32".into(),
+            ElemType::U16 => "u16".into(),
+            ElemType::U32 => "u32".into(),
+            ElemType::Bytes => "bytes".into(),
+        }
+    }
+}
+
+/// One parsed section table entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SectionDesc {
+    /// What the section holds.
+    pub kind: SectionKind,
+    /// Distinguishes several sections of the same kind (0-based).
+    pub stream: u8,
+    /// Element encoding.
+    pub elem: ElemType,
+    /// Number of elements (codes, floats, or bytes for `Bytes`).
+    pub count: u32,
+    /// Offset from the body start, a multiple of 64.
+    pub offset: u32,
+    /// Length in bytes: `elem.byte_len(count)`.
+    pub len: u32,
+}
+
+/// An owned section produced by an encoder.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Section {
+    /// What the section holds.
+    pub kind: SectionKind,
+    /// Stream number among sections of the same kind.
+    pub stream: u8,
+    /// Element encoding.
+    pub elem: ElemType,
+    /// Number of elements.
+    pub count: u32,
+    /// Encoded bytes, exactly `elem.byte_len(count)` long.
+    pub data: Vec<u8>,
+}
+
+impl Section {
+    /// A section of little-endian f32 values.
+    pub fn f32s(kind: SectionKind, stream: u8, values: &[f32]) -> Section {
+        let mut data = Vec::with_capacity(values.len() * 4);
+        for v in values {
+            data.extend_from_slice(&v.to_le_bytes());
+        }
+        Section {
+            kind,
+            stream,
+            elem: ElemType::F32,
+            count: values.len() as u32,
+            data,
+        }
+    }
+
+    /// A bit-packed code section of `count` codes, `bits` bits each.
+    pub fn packed(kind: SectionKind, stream: u8, bits: u8, count: u32, data: Vec<u8>) -> Section {
+        Section {
+            kind,
+            stream,
+            elem: ElemType::Packed(bits),
+            count,
+            data,
+        }
+    }
+}
+
+/// Size of one section table entry, bytes.
+pub(crate) const SECTION_DESC_LEN: usize = 16;
+
+/// Serializes sections into a canonical body.
+///
+/// # Errors
+/// [`Error::Parameter`] when a section's data length disagrees with its
+/// element type and count, `(kind, stream)` pairs repeat, or the body would
+/// exceed 4 GiB.
+pub(crate) fn encode_body(sections: &[Section]) -> Result<Vec<u8>> {
+    let mut seen = std::collections::HashSet::new();
+    let mut offset = (sections.len() * SECTION_DESC_LEN).next_multiple_of(SECTION_ALIGN);
+    let mut descs = Vec::with_capacity(sections.len());
+    for s in sections {
+        if !seen.insert((s.kind, s.stream)) {
+            return Err(Error::param(format!(
+                "section {} stream {} appears twice",
+                s.kind.name(),
+                s.stream
+            )));
+        }
+        let want = s.elem.byte_len(u64::from(s.count));
+        if want != Some(s.data.len() as u64) {
+            return Err(Error::param(format!(
+                "section {} stream {}: {} bytes for {} {} elements",
+                s.kind.name(),
+                s.stream,
+                s.data.len(),
+                s.count,
+                s.elem.name()
+            )));
+        }
+        let off = u32::try_from(offset).map_err(|_| Error::Limits("page body over 4 GiB".into()))?;
+        descs.push((off, s.data.len() as u32));
+        offset = (offset + s.data.len()).next_multiple_of(SECTION_ALIGN);
+    }
+    let mut body = Vec::with_capacity(offset);
+    for (s, (off, len)) in sections.iter().zip(&descs) {
+        let (code, bits) = s.elem.code_bits();
+        body.put_u8(s.kind.code());
+        body.put_u8(s.stream);
+        body.put_u8(code);
+        body.put_u8(bits);
+        body.put_u32(s.count);
+        body.put_u32(*off);
+        body.put_u32(*len);
+    }
+    body.pad_to(SECTION_ALIGN);
+    for s in sections {
+        body.extend_from_slice(&s.data);
+        body.pad_to(SECTION_ALIGN);
+    }
+    debug_assert_eq!(body.len(), offset);
+    Ok(body)
+}
+
+/// Parses and validates the section table of an uncompressed body,
+/// including canonical offsets and zero padding.
+pub(crate) fn parse_body(body: &[u8], n: usize, at: &Location) -> Result<Vec<SectionDesc>> {
+    let err = |m: String| Error::format(at.clone(), m);
+    let mut c = Cursor::new(body, at.clone());
+    let mut descs: Vec<SectionDesc> = Vec::with_capacity(n);
+    let mut expect = (n * SECTION_DESC_LEN).next_multiple_of(SECTION_ALIGN);
+    let mut pad_from = n * SECTION_DESC_LEN;
+    for i in 0..n {
+        let what = format!("section table entry {i}");
+        let kind_code = c.u8(&what)?;
+        let kind = SectionKind::from_code(kind_code)
+            .ok_or_else(|| err(format!("{what}: unknown section kind {kind_code}")))?;
+        let stream = c.u8(&what)?;
+        let code = c.u8(&what)?;
+        let bits = c.u8(&what)?;
+        let elem = ElemType::from_code_bits(code, bits)
+            .ok_or_else(|| err(format!("{what}: unknown element type {code} with {bits} bits")))?;
+        let count = c.u32(&what)?;
+        let offset = c.u32(&what)?;
+        let len = c.u32(&what)?;
+        if elem.byte_len(u64::from(count)) != Some(u64::from(len)) {
+            return Err(err(format!(
+                "{what} ({} stream {stream}): {len} bytes cannot hold {count} {} elements",
+                kind.name(),
+                elem.name()
+            )));
+        }
+        if offset as usize != expect {
+            return Err(err(format!(
+                "{what} ({} stream {stream}): offset {offset}, canonical layout needs {expect}",
+                kind.name()
+            )));
+        }
+        if descs.iter().any(|d| d.kind == kind && d.stream == stream) {
+            return Err(err(format!("{what}: duplicate section {} stream {stream}", kind.name())));
+        }
+        descs.push(SectionDesc {
+            kind,
+            stream,
+            elem,
+            count,
+            offset,
+            len,
+        });
+        expect = (expect + len as usize).next_multiple_of(SECTION_ALIGN);
+    }
+    if body.len() != expect {
+        return Err(err(format!(
+            "page body is {} bytes, its section table implies {expect}",
+            body.len()
+        )));
+    }
+    // Zero padding: after the table and after each section.
+    for d in &descs {
+        check_pad(body, pad_from, d.offset as usize, at)?;
+        pad_from = d.offset as usize + d.len as usize;
+    }
+    check_pad(body, pad_from, body.len(), at)?;
+    Ok(descs)
+}
+
+fn check_pad(body: &[u8], from: usize, to: usize, at: &Location) -> Result<()> {
+    if let Some(i) = body[from..to].iter().position(|&b| b != 0) {
+        return Err(Error::format(
+            at.clone(),
+            format!("page body padding at body offset {} is not zero", from + i),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,172 @@
+//! The container writer over any `Write`: header, page frames in layer-major
+//! order, then the index and trailer of the commit. The same bytes serve as
+//! a random-access file and as a stream.
+
+use std::io::Write;
+
+use crate::error::{Error, Result};
+
+use super::index::{Index, IndexEntry, Trailer};
+use super::page::PageFrame;
+use super::{FRAME_HEADER_LEN, FileHeader};
+
+/// Writes one commit (a new file, or an append to an existing one).
+///
+/// Pages must arrive in layer-major order: ascending tensor index, and for
+/// each tensor contiguous token ranges continuing where the previous commit
+/// stopped. [`Writer::commit`] writes the index and trailer; until then a
+/// reader of the file still sees the previous commit.
+#[derive(Debug)]
+pub struct Writer<W: Write> {
+    out: W,
+    header_len: u64,
+    align: u64,
+    pos: u64,
+    generation: u32,
+    prev_index: Option<u64>,
+    expected_tokens: Option<Vec<u32>>,
+    next_token: Vec<u32>,
+    last_tensor: Option<u32>,
+    entries: Vec<IndexEntry>,
+    bytes_written: u64,
+}
+
+impl<W: Write> Writer<W> {
+    /// Starts a new file: writes the header. The commit must cover exactly
+    /// the token counts of `header.tensors`.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for an invalid header; [`Error::Io`] on write
+    /// failure.
+    pub fn new(mut out: W, header: &FileHeader) -> Result<Writer<W>> {
+        let bytes = header.encode()?;
+        out.write_all(&bytes).map_err(|e| Error::io("writing the kvpack header", e))?;
+        Ok(Writer {
+            out,
+            header_len: bytes.len() as u64,
+            align: header.align(),
+            pos: 0,
+            generation: 0,
+            prev_index: None,
+            expected_tokens: Some(header.tensors.iter().map(|t| t.tokens).collect()),
+            next_token: vec![0; header.tensors.len()],
+            last_tensor: None,
+            entries: Vec::new(),
+            bytes_written: bytes.len() as u64,
+        })
+    }
+
+    /// Continues an existing file after its last commit (append). `out`
+    /// must be positioned at file offset `header_len + trailer.commit_end`.
+    /// New pages extend tensors past `index.token_counts`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when writing alignment padding fails.
+    pub fn resume(mut out: W, header: &FileHeader, header_len: u64, index: &Index, trailer: &Trailer) -> Result<Writer<W>> {
+        let align = header.align();
+        let pos = super::align_up(trailer.commit_end, align);
+        let pad = (pos - trailer.commit_end) as usize;
+        out.write_all(&vec![0u8; pad]).map_err(|e| Error::io("writing padding", e))?;
+        Ok(Writer {
+            out,
+            header_len,
+            align,
+            pos,
+            generation: index.generation + 1,
+            prev_index: Some(trailer.index_offset),
+            expected_tokens: None,
+            next_token: index.token_counts.clone(),
+            last_tensor: None,
+            entries: index.entries.clone(),
+            bytes_written: pad as u64,
+        })
+    }
+
+    /// Writes one page frame (from [`PageFrame::encode`] with this file's
+    /// alignment).
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when the page breaks layer-major order or leaves
+    /// a gap in its tensor's tokens; [`Error::Io`] on write failure.
+    pub fn write_page(&mut self, frame: &PageFrame) -> Result<()> {
+        let m = frame.header.meta;
+        let t = m.tensor as usize;
+        if t >= self.next_token.len() {
+            return Err(Error::param(format!("page for tensor {t}, the file has {}", self.next_token.len())));
+        }
+        if self.last_tensor.is_some_and(|l| l > m.tensor) {
+            return Err(Error::param(format!(
+                "page for tensor {} after tensor {}: pages must be written in layer-major order",
+                m.tensor,
+                self.last_tensor.unwrap_or(0)
+            )));
+        }
+        if m.token_start != self.next_token[t] {
+            return Err(Error::param(format!(
+                "page for tensor {t} starts at token {}, expected {}",
+                m.token_start, self.next_token[t]
+            )));
+        }
+        if frame.bytes.len() as u64 % self.align != 0 {
+            return Err(Error::param("page frame was encoded for another alignment"));
+        }
+        self.out
+            .write_all(&frame.bytes)
+            .map_err(|e| Error::io(format!("writing page for tensor {t}"), e))?;
+        self.entries.push(IndexEntry {
+            offset: self.pos,
+            frame_len: frame.bytes.len() as u64,
+            meta: m,
+            flags: frame.header.flags,
+            body_crc: frame.header.body_crc,
+        });
+        self.next_token[t] = m.token_start + m.tokens;
+        self.last_tensor = Some(m.tensor);
+        self.pos += frame.bytes.len() as u64;
+        self.bytes_written += frame.bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Bytes written so far (header included for a new file).
+    pub fn bytes_written(&self) -> u64 {
+        self.bytes_written
+    }
+
+    /// Writes the index and trailer, flushes, and returns the sink and the
+    /// trailer. After this the commit is complete.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when a new file's tensors are not fully covered
+    /// by pages; [`Error::Io`] on write failure.
+    pub fn commit(mut self, token_ids: &[u32]) -> Result<(W, Trailer)> {
+        if let Some(exp) = &self.expected_tokens
+            && let Some(t) = (0..exp.len()).find(|&t| exp[t] != self.next_token[t])
+        {
+            return Err(Error::param(format!(
+                "tensor {t} has {} tokens but pages cover {}",
+                exp[t], self.next_token[t]
+            )));
+        }
+        let index = Index {
+            generation: self.generation,
+            prev_index: self.prev_index,
+            token_counts: self.next_token.clone(),
+            entries: std::mem::take(&mut self.entries),
+            token_ids: token_ids.to_vec(),
+        };
+        let frame = index.encode(self.align);
+        let trailer = Trailer {
+            generation: self.generation,
+            index_offset: self.pos,
+            index_frame_len: frame.len() as u64,
+            commit_end: self.pos + frame.len() as u64 + FRAME_HEADER_LEN as u64,
+            header_len: self.header_len,
+        };
+        self.out.write_all(&frame).map_err(|e| Error::io("writing the index", e))?;
+        self.out
+            .write_all(&trailer.encode())
+            .map_err(|e| Error::io("writing the trailer", e))?;
+        self.out.flush().map_err(|e| Error::io("flushing", e))?;
+        Ok((self.out, trailer))
+    }
+}

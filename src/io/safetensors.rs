@@ -1,0 +1,239 @@
+//! safetensors import and export of KV caches in the HF layout:
+//! `past_key_values.{layer}.key` / `past_key_values.{layer}.value`, shape
+//! `[batch, kv_heads, tokens, head_dim]`, bf16/fp16/fp32. Optional
+//! `queries.{layer}` tensors `[batch, q_heads, tokens, head_dim]` (post-RoPE
+//! query vectors for attention checks) are returned separately.
+//!
+//! Metadata keys are carried through compress/decompress unchanged, except
+//! `kvpack.token_ids` (a JSON list of integers), which becomes the cache's
+//! token ids (prompt-cache identity).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+
+use safetensors::{Dtype, SafeTensors};
+
+use crate::cache::{DType, KvCache, Kind, Tensor, TensorData, TensorInfo};
+use crate::error::{Error, Location, Result};
+
+/// Metadata key holding the token ids of the cached prefix.
+pub const TOKEN_IDS_KEY: &str = "kvpack.token_ids";
+/// Metadata key holding the model's attention scale (softmax temperature).
+pub const ATTN_SCALE_KEY: &str = "kvpack.attn_scale";
+
+/// Query vectors of one layer: `[batch, q_heads, tokens, head_dim]`, f32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Queries {
+    /// Layer index.
+    pub layer: u32,
+    /// `[batch, q_heads, tokens, head_dim]`.
+    pub shape: [usize; 4],
+    /// Row-major values.
+    pub data: Vec<f32>,
+}
+
+/// A parsed safetensors KV cache file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Loaded {
+    /// The K/V tensors (layer-major), metadata and token ids.
+    pub cache: KvCache,
+    /// `queries.{layer}` tensors, when present.
+    pub queries: Vec<Queries>,
+    /// Names of tensors that were neither K/V nor queries (ignored).
+    pub ignored: Vec<String>,
+}
+
+fn dtype_of(d: Dtype, name: &str) -> Result<DType> {
+    match d {
+        Dtype::BF16 => Ok(DType::Bf16),
+        Dtype::F16 => Ok(DType::F16),
+        Dtype::F32 => Ok(DType::F32),
+        other => Err(Error::param(format!(
+            "tensor {name} has dtype {other:?}; kvpack supports BF16, F16 and F32 KV caches"
+        ))),
+    }
+}
+
+fn shape4(shape: &[usize], name: &str) -> Result<[usize; 4]> {
+    <[usize; 4]>::try_from(shape).map_err(|_| {
+        Error::param(format!(
+            "tensor {name} has shape {shape:?}; expected 4 axes [batch, kv_heads, tokens, head_dim]"
+        ))
+    })
+}
+
+/// Splits `past_key_values.{layer}.{key|value}` or `queries.{layer}`.
+enum Name {
+    Kv(u32, Kind),
+    Query(u32),
+    Other,
+}
+
+fn classify(name: &str) -> Result<Name> {
+    if let Some(rest) = name.strip_prefix("past_key_values.") {
+        let (l, what) = rest.split_once('.').unwrap_or((rest, ""));
+        let kind = match what {
+            "key" => Kind::Key,
+            "value" => Kind::Value,
+            _ => {
+                return Err(Error::param(format!(
+                    "tensor {name}: expected past_key_values.{{layer}}.key or .value"
+                )));
+            }
+        };
+        let layer = l.parse().map_err(|_| Error::param(format!("tensor {name}: layer {l:?} is not a number")))?;
+        return Ok(Name::Kv(layer, kind));
+    }
+    if let Some(l) = name.strip_prefix("queries.")
+        && let Ok(layer) = l.parse()
+    {
+        return Ok(Name::Query(layer));
+    }
+    Ok(Name::Other)
+}
+
+/// Parses a safetensors file's bytes. `source` names the file in messages.
+///
+/// # Errors
+/// [`Error::Format`] (location: the input) for a malformed safetensors
+/// file; [`Error::Parameter`] for unsupported dtypes, wrong ranks, missing
+/// K or V of a layer, K/V shape mismatches, bad `kvpack.token_ids`, or no
+/// K/V tensors at all.
+pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
+    let st = SafeTensors::deserialize(bytes)
+        .map_err(|e| Error::format(Location::Input(source.to_string()), format!("not a valid safetensors file: {e}")))?;
+    let (_, meta) = SafeTensors::read_metadata(bytes)
+        .map_err(|e| Error::format(Location::Input(source.to_string()), e.to_string()))?;
+    let mut kv: BTreeMap<(u32, Kind), Tensor> = BTreeMap::new();
+    let mut queries = Vec::new();
+    let mut ignored = Vec::new();
+    let mut names: Vec<_> = st.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    for name in &names {
+        let view = st.tensor(name).map_err(|e| Error::format(Location::Input(name.clone()), e.to_string()))?;
+        match classify(name)? {
+            Name::Kv(layer, kind) => {
+                let dtype = dtype_of(view.dtype(), name)?;
+                let [b, h, t, d] = shape4(view.shape(), name)?;
+                let fits = |x: usize| u32::try_from(x).map_err(|_| Error::param(format!("tensor {name}: dimension {x} too large")));
+                let info = TensorInfo {
+                    name: name.clone(),
+                    layer,
+                    kind,
+                    dtype,
+                    batch: fits(b)?,
+                    heads: fits(h)?,
+                    tokens: fits(t)?,
+                    head_dim: fits(d)?,
+                };
+                if b == 0 || h == 0 || d == 0 {
+                    return Err(Error::param(format!("tensor {name} has an empty axis: shape {:?}", view.shape())));
+                }
+                let data = TensorData::from_le_bytes(dtype, view.data())?;
+                kv.insert((layer, kind), Tensor::new(info, data)?);
+            }
+            Name::Query(layer) => {
+                let dtype = dtype_of(view.dtype(), name)?;
+                let shape = shape4(view.shape(), name)?;
+                let data = TensorData::from_le_bytes(dtype, view.data())?.to_f32();
+                queries.push(Queries { layer, shape, data });
+            }
+            Name::Other => ignored.push(name.clone()),
+        }
+    }
+    if kv.is_empty() {
+        let some: Vec<_> = names.iter().take(5).cloned().collect();
+        return Err(Error::param(format!(
+            "{source} has no tensors named past_key_values.{{layer}}.key / .value (found {} tensors{}{})",
+            names.len(),
+            if some.is_empty() { "" } else { ": " },
+            some.join(", ")
+        )));
+    }
+    for ((layer, kind), t) in &kv {
+        let other = if *kind == Kind::Key { Kind::Value } else { Kind::Key };
+        match kv.get(&(*layer, other)) {
+            None => {
+                return Err(Error::param(format!(
+                    "{} is present but past_key_values.{layer}.{} is missing",
+                    t.info.name,
+                    if other == Kind::Key { "key" } else { "value" }
+                )));
+            }
+            Some(o) => {
+                let (a, b) = (&t.info, &o.info);
+                if (a.batch, a.heads, a.tokens) != (b.batch, b.heads, b.tokens) {
+                    return Err(Error::param(format!(
+                        "layer {layer}: K and V shapes disagree on batch/kv_heads/tokens: {:?} vs {:?}",
+                        a.shape(),
+                        b.shape()
+                    )));
+                }
+            }
+        }
+    }
+    let mut metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+    let token_ids = match metadata.remove(TOKEN_IDS_KEY) {
+        Some(s) => serde_json::from_str::<Vec<u32>>(&s)
+            .map_err(|e| Error::param(format!("{source}: metadata {TOKEN_IDS_KEY} is not a JSON list of token ids: {e}")))?,
+        None => Vec::new(),
+    };
+    queries.sort_by_key(|q| q.layer);
+    Ok(Loaded {
+        cache: KvCache { tensors: kv.into_values().collect(), metadata, token_ids },
+        queries,
+        ignored,
+    })
+}
+
+fn st_dtype(d: DType) -> &'static str {
+    match d {
+        DType::Bf16 => "BF16",
+        DType::F16 => "F16",
+        DType::F32 => "F32",
+    }
+}
+
+/// Writes `cache` as a safetensors file (tensor names, shapes and dtypes
+/// from the cache; metadata plus `kvpack.token_ids` when token ids exist).
+///
+/// # Errors
+/// [`Error::Io`] when writing fails.
+pub fn write(cache: &KvCache, w: &mut dyn Write) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    let mut meta: serde_json::Map<String, serde_json::Value> =
+        cache.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect();
+    if !cache.token_ids.is_empty() {
+        meta.insert(TOKEN_IDS_KEY.into(), serde_json::Value::String(serde_json::to_string(&cache.token_ids).expect("ints")));
+    }
+    if !meta.is_empty() {
+        header.insert("__metadata__".into(), serde_json::Value::Object(meta));
+    }
+    let mut off = 0usize;
+    for t in &cache.tensors {
+        let n = t.data.len() * t.data.dtype().size();
+        header.insert(
+            t.info.name.clone(),
+            serde_json::json!({"dtype": st_dtype(t.data.dtype()), "shape": t.info.shape(), "data_offsets": [off, off + n]}),
+        );
+        off += n;
+    }
+    let mut hb = serde_json::to_vec(&header).expect("json");
+    hb.resize(hb.len().next_multiple_of(8), b' ');
+    let io = |e| Error::io("writing safetensors", e);
+    w.write_all(&(hb.len() as u64).to_le_bytes()).map_err(io)?;
+    w.write_all(&hb).map_err(io)?;
+    for t in &cache.tensors {
+        if cfg!(target_endian = "little") {
+            let b: &[u8] = match &t.data {
+                TensorData::Bf16(v) => bytemuck::cast_slice(v),
+                TensorData::F16(v) => bytemuck::cast_slice(v),
+                TensorData::F32(v) => bytemuck::cast_slice(v),
+            };
+            w.write_all(b).map_err(io)?;
+        } else {
+            w.write_all(&t.data.to_le_bytes()).map_err(io)?;
+        }
+    }
+    Ok(())
+}

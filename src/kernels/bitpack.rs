@@ -1,0 +1,187 @@
+//! Bit packing of code streams, LSB-first (format/SPEC.md "Bit-packed
+//! index streams").
+//!
+//! Code `i` of a `b`-bit stream occupies stream bits `[i*b, (i+1)*b)`; stream
+//! bit `k` is bit `k % 8` (0 = least significant) of byte `k / 8`; the code's
+//! least significant bit comes first. For `b = 4` this puts code `2j` in the
+//! low nibble and code `2j+1` in the high nibble of byte `j`. Unused high bits
+//! of the last byte are zero.
+
+/// Bytes needed for `n` codes of `bits` bits: `ceil(n * bits / 8)`.
+pub fn packed_len(n: usize, bits: u32) -> usize {
+    (n * bits as usize).div_ceil(8)
+}
+
+/// Packs `codes` (each `< 2^bits`, `bits` in 1..=32) into `out`.
+///
+/// # Panics
+/// If `out.len() != packed_len(codes.len(), bits)` or `bits` is out of
+/// range. Codes are masked to `bits` bits.
+pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
+    assert!((1..=32).contains(&bits));
+    assert_eq!(out.len(), packed_len(codes.len(), bits));
+    let mask = if bits == 32 { u64::from(u32::MAX) } else { (1u64 << bits) - 1 };
+    let mut acc: u64 = 0;
+    let mut nacc = 0u32;
+    let mut o = 0;
+    for &c in codes {
+        acc |= (u64::from(c) & mask) << nacc;
+        nacc += bits;
+        while nacc >= 8 {
+            out[o] = acc as u8;
+            o += 1;
+            acc >>= 8;
+            nacc -= 8;
+        }
+    }
+    if nacc > 0 {
+        out[o] = acc as u8;
+    }
+}
+
+/// Unpacks `out.len()` codes of `bits` bits (1..=32) from `packed`.
+///
+/// # Panics
+/// If `packed` is shorter than `packed_len(out.len(), bits)`.
+pub fn unpack_u32(packed: &[u8], bits: u32, out: &mut [u32]) {
+    assert!((1..=32).contains(&bits));
+    assert!(packed.len() >= packed_len(out.len(), bits));
+    let mask = if bits == 32 { u64::from(u32::MAX) } else { (1u64 << bits) - 1 };
+    let mut acc: u64 = 0;
+    let mut nacc = 0u32;
+    let mut i = 0;
+    for c in out.iter_mut() {
+        while nacc < bits {
+            acc |= u64::from(packed[i]) << nacc;
+            i += 1;
+            nacc += 8;
+        }
+        *c = (acc & mask) as u32;
+        acc >>= bits;
+        nacc -= bits;
+    }
+}
+
+/// Packs byte codes (`bits` in 1..=8) into `out`, with fast paths for 4 and 8.
+///
+/// # Panics
+/// If `out.len() != packed_len(codes.len(), bits)`.
+pub fn pack_u8(codes: &[u8], bits: u32, out: &mut [u8]) {
+    assert!((1..=8).contains(&bits));
+    assert_eq!(out.len(), packed_len(codes.len(), bits));
+    match bits {
+        8 => out.copy_from_slice(codes),
+        4 => {
+            let (pairs, rest) = codes.as_chunks::<2>();
+            for (o, p) in out.iter_mut().zip(pairs) {
+                *o = (p[0] & 15) | (p[1] << 4);
+            }
+            if let [last] = rest {
+                out[pairs.len()] = last & 15;
+            }
+        }
+        _ => {
+            let mask = ((1u32 << bits) - 1) as u64;
+            let mut acc: u64 = 0;
+            let mut nacc = 0u32;
+            let mut o = 0;
+            for &c in codes {
+                acc |= (u64::from(c) & mask) << nacc;
+                nacc += bits;
+                if nacc >= 8 {
+                    out[o] = acc as u8;
+                    o += 1;
+                    acc >>= 8;
+                    nacc -= 8;
+                }
+            }
+            if nacc > 0 {
+                out[o] = acc as u8;
+            }
+        }
+    }
+}
+
+/// Unpacks `out.len()` byte codes of `bits` bits (1..=8).
+///
+/// # Panics
+/// If `packed` is shorter than `packed_len(out.len(), bits)`.
+pub fn unpack_u8(packed: &[u8], bits: u32, out: &mut [u8]) {
+    assert!((1..=8).contains(&bits));
+    assert!(packed.len() >= packed_len(out.len(), bits));
+    match bits {
+        8 => out.copy_from_slice(&packed[..out.len()]),
+        4 => {
+            let n = out.len();
+            let (pairs, rest) = out.as_chunks_mut::<2>();
+            for (p, &b) in pairs.iter_mut().zip(packed) {
+                p[0] = b & 15;
+                p[1] = b >> 4;
+            }
+            if let [last] = rest {
+                *last = packed[n / 2] & 15;
+            }
+        }
+        _ => {
+            let mask = (1u64 << bits) - 1;
+            let mut acc: u64 = 0;
+            let mut nacc = 0u32;
+            let mut i = 0;
+            for c in out.iter_mut() {
+                if nacc < bits {
+                    acc |= u64::from(packed[i]) << nacc;
+                    i += 1;
+                    nacc += 8;
+                }
+                *c = (acc & mask) as u8;
+                acc >>= bits;
+                nacc -= bits;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn nibble_order_is_low_first() {
+        let mut out = [0u8; 2];
+        pack_u8(&[1, 2, 3], 4, &mut out);
+        assert_eq!(out, [0x21, 0x03]);
+        let mut out3 = [0u8; 2];
+        // 3-bit codes 5, 6, 7: bits 101 110 111 LSB-first -> 0b11_110_101, 0b1
+        pack_u8(&[5, 6, 7], 3, &mut out3);
+        assert_eq!(out3, [0b1111_0101, 0b0000_0001]);
+    }
+
+    proptest! {
+        #[test]
+        fn u8_round_trip(bits in 1u32..=8, raw in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let codes: Vec<u8> = raw.iter().map(|c| c & ((1u16 << bits) - 1) as u8).collect();
+            let mut packed = vec![0u8; packed_len(codes.len(), bits)];
+            pack_u8(&codes, bits, &mut packed);
+            let mut back = vec![0u8; codes.len()];
+            unpack_u8(&packed, bits, &mut back);
+            prop_assert_eq!(&back, &codes);
+            // Same bitstream as the generic u32 packer.
+            let wide: Vec<u32> = codes.iter().map(|&c| u32::from(c)).collect();
+            let mut packed32 = vec![0u8; packed.len()];
+            pack_u32(&wide, bits, &mut packed32);
+            prop_assert_eq!(&packed32, &packed);
+        }
+
+        #[test]
+        fn u32_round_trip(bits in 1u32..=32, raw in proptest::collection::vec(any::<u32>(), 0..200)) {
+            let mask = if bits == 32 { u32::MAX } else { (1u32 << bits) - 1 };
+            let codes: Vec<u32> = raw.iter().map(|c| c & mask).collect();
+            let mut packed = vec![0u8; packed_len(codes.len(), bits)];
+            pack_u32(&codes, bits, &mut packed);
+            let mut back = vec![0u32; codes.len()];
+            unpack_u32(&packed, bits, &mut back);
+            prop_assert_eq!(back, codes);
+        }
+    }
+}

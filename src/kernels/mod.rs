@@ -1,0 +1,42 @@
+//! Shared numeric kernels used by the codecs: element-type conversion, bit
+//! packing, the fast Walsh-Hadamard transform and asymmetric (affine)
+//! quantization.
+//!
+//! Every kernel has a portable scalar implementation that defines its exact
+//! result. Where an x86-64 AVX2 path exists it is selected at run time and
+//! is bit-identical to the scalar one (the same IEEE operations in the same
+//! order; multiplications by ±1 are exact, so sign-flip tricks do not change
+//! results). Property tests in this module compare the two.
+
+pub mod affine;
+pub mod bitpack;
+pub mod convert;
+pub mod wht;
+
+/// True when the AVX2 + FMA + F16C paths may be used on this CPU.
+///
+/// Cached after the first call. Always false on non-x86-64 targets. Setting
+/// the environment variable `KVPACK_NO_SIMD=1` forces the scalar paths (used
+/// by tests and benchmarks to compare both).
+pub fn simd_available() -> bool {
+    use std::sync::OnceLock;
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        if std::env::var_os("KVPACK_NO_SIMD").is_some_and(|v| v != "0") {
+            return false;
+        }
+        detect()
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect() -> bool {
+    false
+}

@@ -1,0 +1,119 @@
+//! Shared helpers for integration tests: deterministic synthetic caches
+//! (for edge cases and oracles; real-data tests use the committed fixture).
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use half::{bf16, f16};
+use kvpack::cache::{DType, KvCache, Kind, Tensor, TensorData, TensorInfo};
+use kvpack::compress::{CompressOptions, compress};
+use kvpack::plan::Layout;
+
+/// xorshift64* PRNG: fixed, platform-independent.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+    /// Uniform in [0, 1).
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    /// Standard normal (Box-Muller).
+    pub fn normal(&mut self) -> f64 {
+        let u = self.uniform().max(1e-300);
+        let v = self.uniform();
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+}
+
+/// Shape of one synthetic layer.
+#[derive(Clone, Copy)]
+pub struct LayerSpec {
+    pub batch: u32,
+    pub heads: u32,
+    pub tokens: u32,
+    pub head_dim: u32,
+}
+
+/// A synthetic cache: Gaussian values with a few large outlier channels in
+/// K (like real keys), `dtype` storage.
+pub fn synthetic(layers: &[LayerSpec], dtype: DType, seed: u64) -> KvCache {
+    let mut rng = Rng(seed.max(1));
+    let mut tensors = Vec::new();
+    for (l, s) in layers.iter().enumerate() {
+        for kind in [Kind::Key, Kind::Value] {
+            let info = TensorInfo {
+                name: format!("past_key_values.{l}.{}", if kind == Kind::Key { "key" } else { "value" }),
+                layer: l as u32,
+                kind,
+                dtype,
+                batch: s.batch,
+                heads: s.heads,
+                tokens: s.tokens,
+                head_dim: s.head_dim,
+            };
+            let n = info.elements() as usize;
+            let d = s.head_dim as usize;
+            let vals: Vec<f32> = (0..n)
+                .map(|i| {
+                    let ch = i % d;
+                    let boost = if kind == Kind::Key && ch % 17 == 3 { 8.0 } else { 1.0 };
+                    (rng.normal() * boost) as f32
+                })
+                .collect();
+            let data = match dtype {
+                DType::Bf16 => TensorData::Bf16(vals.iter().map(|&x| bf16::from_f32(x)).collect()),
+                DType::F16 => TensorData::F16(vals.iter().map(|&x| f16::from_f32(x)).collect()),
+                DType::F32 => TensorData::F32(vals),
+            };
+            tensors.push(Tensor::new(info, data).unwrap());
+        }
+    }
+    let mut c = KvCache { tensors, ..Default::default() };
+    c.metadata.insert("kvpack.model".into(), "synthetic".into());
+    c.token_ids = (0..layers.iter().map(|l| l.tokens).max().unwrap_or(0)).map(|i| i * 7 + 1).collect();
+    c
+}
+
+/// Compresses into memory.
+pub fn compress_bytes(cache: &KvCache, codec: &str, layout: Layout, zstd: Option<i32>) -> Vec<u8> {
+    let codec = kvpack::codec::parse(codec).unwrap();
+    let opts = CompressOptions { layout, zstd_level: zstd, ..Default::default() };
+    compress(cache, codec.as_ref(), &opts, Vec::new(), &|_| {}).unwrap().0
+}
+
+/// Path of a file under the repository root.
+pub fn repo(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(path)
+}
+
+/// The committed real fixture (Gemma-3-270M, bf16).
+pub const FIXTURE: &str = "fixtures/gemma3-270m-gpl3-520.safetensors";
+
+/// Loads the real fixture.
+pub fn fixture() -> kvpack::io::safetensors::Loaded {
+    let bytes = std::fs::read(repo(FIXTURE)).expect("fixture present (see tools/README.md)");
+    kvpack::io::safetensors::parse(&bytes, FIXTURE).unwrap()
+}
+
+/// SHA-256 hex of `b`.
+pub fn sha256(b: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The golden-vector digest input: every tensor as little-endian f32.
+pub fn decoded_f32_bytes(c: &KvCache) -> Vec<u8> {
+    let mut out = Vec::new();
+    for t in &c.tensors {
+        for v in t.data.to_f32() {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    out
+}
