@@ -244,7 +244,7 @@ impl TensorData {
     /// [`Error::Parameter`] when `bytes.len()` is not a multiple of the
     /// element size.
     pub fn from_le_bytes(dtype: DType, bytes: &[u8]) -> Result<TensorData> {
-        if bytes.len() % dtype.size() != 0 {
+        if !bytes.len().is_multiple_of(dtype.size()) {
             return Err(Error::param(format!(
                 "{} bytes is not a whole number of {} elements",
                 bytes.len(),
@@ -386,7 +386,9 @@ impl<'a> ElemsMut<'a> {
     pub fn store(&mut self, start: usize, src: &[f32]) {
         let n = src.len();
         match self {
-            ElemsMut::Bf16(v) => crate::kernels::convert::f32_to_bf16(src, &mut v[start..start + n]),
+            ElemsMut::Bf16(v) => {
+                crate::kernels::convert::f32_to_bf16(src, &mut v[start..start + n])
+            }
             ElemsMut::F16(v) => crate::kernels::convert::f32_to_f16(src, &mut v[start..start + n]),
             ElemsMut::F32(v) => v[start..start + n].copy_from_slice(src),
         }

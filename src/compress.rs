@@ -10,7 +10,10 @@ use rayon::prelude::*;
 use crate::cache::{KvCache, Tensor};
 use crate::codec::{Codec, PageIn, raw::Raw};
 use crate::error::{Error, Result};
-use crate::format::{CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Trailer, VERSION_MAJOR, VERSION_MINOR, Writer};
+use crate::format::{
+    CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Trailer, VERSION_MAJOR, VERSION_MINOR,
+    Writer,
+};
 use crate::plan::{Layout, PlannedPage, plan};
 
 /// How to compress.
@@ -27,7 +30,11 @@ pub struct CompressOptions {
 
 impl Default for CompressOptions {
     fn default() -> Self {
-        CompressOptions { layout: Layout::default(), zstd_level: None, align_log2: crate::format::DEFAULT_ALIGN_LOG2 }
+        CompressOptions {
+            layout: Layout::default(),
+            zstd_level: None,
+            align_log2: crate::format::DEFAULT_ALIGN_LOG2,
+        }
     }
 }
 
@@ -53,24 +60,48 @@ pub struct CompressReport {
 impl CompressReport {
     /// Output bits per source element, everything included.
     pub fn bits_per_element(&self) -> f64 {
-        if self.elements == 0 { 0.0 } else { 8.0 * self.output_bytes as f64 / self.elements as f64 }
+        if self.elements == 0 {
+            0.0
+        } else {
+            8.0 * self.output_bytes as f64 / self.elements as f64
+        }
     }
 
     /// Source bytes / output bytes.
     pub fn ratio(&self) -> f64 {
-        if self.output_bytes == 0 { 0.0 } else { self.source_bytes as f64 / self.output_bytes as f64 }
+        if self.output_bytes == 0 {
+            0.0
+        } else {
+            self.source_bytes as f64 / self.output_bytes as f64
+        }
     }
 }
 
 /// Encodes planned page `p` of `tensor` with the codec in table slot
 /// `slot` into a frame.
-fn encode_page(tensor: &Tensor, p: &PlannedPage, codec: &dyn Codec, slot: usize, opts: &CompressOptions) -> Result<PageFrame> {
+fn encode_page(
+    tensor: &Tensor,
+    p: &PlannedPage,
+    codec: &dyn Codec,
+    slot: usize,
+    opts: &CompressOptions,
+) -> Result<PageFrame> {
     let planes = (0..tensor.info.planes())
         .map(|pl| tensor.plane_rows(pl, p.token_start as usize, p.tokens as usize))
         .collect();
-    let page = PageIn { tensor: &tensor.info, token_start: p.token_start, tokens: p.tokens, planes };
+    let page = PageIn {
+        tensor: &tensor.info,
+        token_start: p.token_start,
+        tokens: p.tokens,
+        planes,
+    };
     let sections = codec.encode(&page)?;
-    let meta = PageMeta { tensor: p.tensor, token_start: p.token_start, tokens: p.tokens, codec: slot as u16 };
+    let meta = PageMeta {
+        tensor: p.tensor,
+        token_start: p.token_start,
+        tokens: p.tokens,
+        codec: slot as u16,
+    };
     PageFrame::encode(meta, &sections, opts.zstd_level, 1 << opts.align_log2)
 }
 
@@ -80,15 +111,19 @@ fn page_source_bytes(tensor: &Tensor, p: &PlannedPage) -> u64 {
     i.planes() as u64 * p.tokens as u64 * i.head_dim as u64 * i.dtype.size() as u64
 }
 
-/// Runs `f` over `items` on the rayon pool in batches and hands the results
-/// to `sink` in order, from the calling thread, while the next batch is
-/// being computed. At most about two batches are held in memory.
+/// Runs `f` over `items` on the rayon pool in batches of about
+/// `batch_bytes / item_bytes` items (at least two per thread) and hands the
+/// results to `sink` in order, from the calling thread, while the next
+/// batch is being computed. At most about two batches are held in memory.
 pub(crate) fn ordered_map<T: Sync, U: Send>(
     items: &[T],
+    item_bytes: u64,
     f: impl Fn(&T) -> Result<U> + Sync,
     mut sink: impl FnMut(U) -> Result<()>,
 ) -> Result<()> {
-    let batch = (rayon::current_num_threads() * 2).max(2);
+    const BATCH_BYTES: u64 = 4 << 20;
+    let per_thread = (rayon::current_num_threads() * 2).max(2);
+    let batch = per_thread.max((BATCH_BYTES / item_bytes.max(1)) as usize);
     std::thread::scope(|s| {
         let (tx, rx) = mpsc::sync_channel::<Result<Vec<U>>>(1);
         let f = &f;
@@ -136,10 +171,16 @@ pub fn compress<W: Write>(
     let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;
     let raw_pages = pages.iter().filter(|p| p.raw).count();
     let mut codecs: Vec<&dyn Codec> = vec![codec];
-    let mut table = vec![CodecEntry { id: codec.id(), params: codec.params() }];
+    let mut table = vec![CodecEntry {
+        id: codec.id(),
+        params: codec.params(),
+    }];
     if raw_pages > 0 && codec.id() != crate::codec::raw::ID {
         codecs.push(&Raw);
-        table.push(CodecEntry { id: Raw.id(), params: Raw.params() });
+        table.push(CodecEntry {
+            id: Raw.id(),
+            params: Raw.params(),
+        });
     }
     let header = FileHeader {
         version_major: VERSION_MAJOR,
@@ -154,11 +195,20 @@ pub fn compress<W: Write>(
     };
     let mut w = Writer::new(out, &header)?;
     let mut done = 0u64;
+    let avg = cache.source_bytes() / pages.len().max(1) as u64;
     ordered_map(
         &pages,
+        avg,
         |p| {
             let slot = usize::from(p.raw && codecs.len() > 1);
-            encode_page(&cache.tensors[p.tensor as usize], p, codecs[slot], slot, opts).map(|f| (f, *p))
+            encode_page(
+                &cache.tensors[p.tensor as usize],
+                p,
+                codecs[slot],
+                slot,
+                opts,
+            )
+            .map(|f| (f, *p))
         },
         |(frame, p)| {
             w.write_page(&frame)?;
@@ -212,7 +262,16 @@ pub fn append<W: Write>(
     }
     for (t, (new, old)) in longer.tensors.iter().zip(&h.tensors).enumerate() {
         let n = &new.info;
-        if (n.layer, n.kind, n.batch, n.heads, n.head_dim, n.dtype) != (old.layer, old.kind, old.batch, old.heads, old.head_dim, old.dtype) {
+        if (n.layer, n.kind, n.batch, n.heads, n.head_dim, n.dtype)
+            != (
+                old.layer,
+                old.kind,
+                old.batch,
+                old.heads,
+                old.head_dim,
+                old.dtype,
+            )
+        {
             return Err(Error::param(format!(
                 "{}: shape or dtype differs from the stored cache ({:?} {} vs {:?} {})",
                 n.describe(),
@@ -232,9 +291,16 @@ pub fn append<W: Write>(
         }
     }
     if !idx.token_ids.is_empty() && !longer.token_ids.starts_with(&idx.token_ids) {
-        let at = idx.token_ids.iter().zip(&longer.token_ids).position(|(a, b)| a != b);
+        let at = idx
+            .token_ids
+            .iter()
+            .zip(&longer.token_ids)
+            .position(|(a, b)| a != b);
         return Err(Error::param(match at {
-            Some(i) => format!("prefix mismatch: token {i} is {} in the stored cache but {} in the new one", idx.token_ids[i], longer.token_ids[i]),
+            Some(i) => format!(
+                "prefix mismatch: token {i} is {} in the stored cache but {} in the new one",
+                idx.token_ids[i], longer.token_ids[i]
+            ),
             None => format!(
                 "prefix mismatch: the stored cache has {} token ids, the new one {}",
                 idx.token_ids.len(),
@@ -242,27 +308,50 @@ pub fn append<W: Write>(
             ),
         }));
     }
-    let codecs: Vec<Box<dyn Codec>> =
-        h.codecs.iter().enumerate().map(|(i, e)| crate::codec::from_entry(i, e)).collect::<Result<_>>()?;
-    let layout = Layout { page_tokens: h.page_tokens.max(1), sink: h.sink_tokens, recent: h.recent_tokens };
+    let codecs: Vec<Box<dyn Codec>> = h
+        .codecs
+        .iter()
+        .enumerate()
+        .map(|(i, e)| crate::codec::from_entry(i, e))
+        .collect::<Result<_>>()?;
+    let layout = Layout {
+        page_tokens: h.page_tokens.max(1),
+        sink: h.sink_tokens,
+        recent: h.recent_tokens,
+    };
     let infos: Vec<_> = longer.tensors.iter().map(|t| t.info.clone()).collect();
     let pages = plan(&infos, &idx.token_counts, layout)?;
     let raw_slot = h.codecs.iter().position(|c| c.id == crate::codec::raw::ID);
     if pages.iter().any(|p| p.raw) && raw_slot.is_none() {
-        return Err(Error::param("the stored file has windows but no raw codec slot"));
+        return Err(Error::param(
+            "the stored file has windows but no raw codec slot",
+        ));
     }
     for t in &longer.tensors {
         codecs[0].check(&t.info)?;
     }
-    let opts = CompressOptions { align_log2: h.align_log2, layout, ..*opts };
+    let opts = CompressOptions {
+        align_log2: h.align_log2,
+        layout,
+        ..*opts
+    };
     let mut w = Writer::resume(out, h, existing.header_len(), idx, existing.trailer())?;
     let mut elements = 0u64;
     let mut source_bytes = 0u64;
+    let avg = longer.source_bytes() / pages.len().max(1) as u64;
     ordered_map(
         &pages,
+        avg,
         |p| {
             let slot = if p.raw { raw_slot.unwrap_or(0) } else { 0 };
-            encode_page(&longer.tensors[p.tensor as usize], p, codecs[slot].as_ref(), slot, &opts).map(|f| (f, *p))
+            encode_page(
+                &longer.tensors[p.tensor as usize],
+                p,
+                codecs[slot].as_ref(),
+                slot,
+                &opts,
+            )
+            .map(|f| (f, *p))
         },
         |(frame, p)| {
             w.write_page(&frame)?;

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
-use crate::cache::{DType, ElemsMut, KvCache, Kind, Tensor, TensorData, TensorInfo};
+use crate::cache::{DType, ElemsMut, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use crate::codec::{Codec, PageOut};
 use crate::error::{Error, Result};
 use crate::format::{Limits, Reader};
@@ -88,7 +88,10 @@ impl<'a> Archive<'a> {
         h.tensors
             .iter()
             .enumerate()
-            .map(|(i, t)| TensorInfo { tokens: self.reader.tokens(i), ..t.clone() })
+            .map(|(i, t)| TensorInfo {
+                tokens: self.reader.tokens(i),
+                ..t.clone()
+            })
             .collect()
     }
 
@@ -98,22 +101,42 @@ impl<'a> Archive<'a> {
     ///
     /// # Errors
     /// [`Error::Format`] naming the page for a corrupted page or section.
-    pub fn decode(&self, sel: &Selection, dtype: Option<DType>, stats: Option<&DecodeStats>) -> Result<KvCache> {
+    pub fn decode(
+        &self,
+        sel: &Selection,
+        dtype: Option<DType>,
+        stats: Option<&DecodeStats>,
+    ) -> Result<KvCache> {
         let h = self.reader.header();
         let mut tensors = Vec::new();
         // (tensor position in output, source tensor index, slot range)
         let mut wanted = Vec::new();
         for (i, info) in self.tensors().into_iter().enumerate() {
-            if sel.layers.as_ref().is_some_and(|r| !r.contains(&info.layer)) || sel.kind.is_some_and(|k| k != info.kind) {
+            if sel
+                .layers
+                .as_ref()
+                .is_some_and(|r| !r.contains(&info.layer))
+                || sel.kind.is_some_and(|k| k != info.kind)
+            {
                 continue;
             }
             let (lo, hi) = match &sel.tokens {
-                Some(r) => (r.start.min(info.tokens), r.end.min(info.tokens).max(r.start.min(info.tokens))),
+                Some(r) => (
+                    r.start.min(info.tokens),
+                    r.end.min(info.tokens).max(r.start.min(info.tokens)),
+                ),
                 None => (0, info.tokens),
             };
-            let out_info = TensorInfo { tokens: hi - lo, dtype: dtype.unwrap_or(info.dtype), ..info };
+            let out_info = TensorInfo {
+                tokens: hi - lo,
+                dtype: dtype.unwrap_or(info.dtype),
+                ..info
+            };
             let data = TensorData::zeros(out_info.dtype, out_info.elements() as usize);
-            tensors.push(Tensor { info: out_info, data });
+            tensors.push(Tensor {
+                info: out_info,
+                data,
+            });
             wanted.push((i, lo, hi));
         }
         // Split every output tensor into per-page destinations.
@@ -123,7 +146,8 @@ impl<'a> Archive<'a> {
             let d = tensor.info.head_dim as usize;
             let n = (hi - lo) as usize;
             let info = &tensor.info;
-            let mut per_page: Vec<Vec<ElemsMut<'_>>> = (0..pages.len()).map(|_| Vec::new()).collect();
+            let mut per_page: Vec<Vec<ElemsMut<'_>>> =
+                (0..pages.len()).map(|_| Vec::new()).collect();
             let mut rest = tensor.data.as_elems_mut();
             for _plane in 0..info.planes() {
                 let (mut plane, r) = rest.split_at(n * d);
@@ -141,7 +165,10 @@ impl<'a> Archive<'a> {
                 jobs.push((pages[k], info, lo, hi, planes));
             }
         }
-        jobs.into_par_iter().try_for_each(|(pi, info, lo, hi, planes)| self.decode_page(pi, info, lo, hi, planes, stats))?;
+        jobs.into_par_iter()
+            .try_for_each(|(pi, info, lo, hi, planes)| {
+                self.decode_page(pi, info, lo, hi, planes, stats)
+            })?;
         let r = &self.reader;
         let src_ids = &r.index().token_ids;
         Ok(KvCache {
@@ -170,10 +197,17 @@ impl<'a> Archive<'a> {
             s.bytes_read.fetch_add(entry.frame_len, Ordering::Relaxed);
         }
         let codec = self.codec(m.codec as usize);
-        let src_info = TensorInfo { tokens: self.reader.tokens(m.tensor as usize), ..self.reader.header().tensors[m.tensor as usize].clone() };
+        let src_info = TensorInfo {
+            tokens: self.reader.tokens(m.tensor as usize),
+            ..self.reader.header().tensors[m.tensor as usize].clone()
+        };
         let inside = m.token_start >= lo && m.token_start + m.tokens <= hi;
         if inside {
-            let mut out = PageOut { tensor: &src_info, tokens: m.tokens, planes };
+            let mut out = PageOut {
+                tensor: &src_info,
+                tokens: m.tokens,
+                planes,
+            };
             return codec.decode(&view, &mut out);
         }
         // Partial page: decode into a scratch page, copy the overlap.
@@ -187,7 +221,11 @@ impl<'a> Archive<'a> {
                 sp.push(a);
                 rest = b;
             }
-            let mut out = PageOut { tensor: &src_info, tokens: m.tokens, planes: sp };
+            let mut out = PageOut {
+                tensor: &src_info,
+                tokens: m.tokens,
+                planes: sp,
+            };
             codec.decode(&view, &mut out)?;
         }
         let skip = (lo.max(m.token_start) - m.token_start) as usize;
@@ -221,10 +259,22 @@ impl<'a> Archive<'a> {
 /// # Errors
 /// [`Error::Parameter`] for malformed input or `a > b`.
 pub fn parse_range(s: &str) -> Result<Range<u32>> {
-    let bad = || Error::param(format!("{s:?} is not a range like 0..4, 128..512, ..8 or 16.."));
+    let bad = || {
+        Error::param(format!(
+            "{s:?} is not a range like 0..4, 128..512, ..8 or 16.."
+        ))
+    };
     let (a, b) = s.split_once("..").ok_or_else(bad)?;
-    let a = if a.is_empty() { 0 } else { a.trim().parse().map_err(|_| bad())? };
-    let b = if b.is_empty() { u32::MAX } else { b.trim().parse().map_err(|_| bad())? };
+    let a = if a.is_empty() {
+        0
+    } else {
+        a.trim().parse().map_err(|_| bad())?
+    };
+    let b = if b.is_empty() {
+        u32::MAX
+    } else {
+        b.trim().parse().map_err(|_| bad())?
+    };
     if a > b {
         return Err(bad());
     }

@@ -4,15 +4,15 @@
 #![warn(missing_docs)]
 
 pub mod cache;
+pub mod codec;
 pub mod error;
 pub mod format;
-pub mod codec;
 pub mod kernels;
 
-pub use cache::{DType, KvCache, Kind, Tensor, TensorData, TensorInfo};
+pub use cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
 pub use error::{Error, Location, Result};
 pub mod compress;
 pub mod decode;
-pub mod plan;
 pub mod io;
 pub mod metrics;
+pub mod plan;

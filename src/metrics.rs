@@ -49,16 +49,32 @@ pub fn tensor_error(orig: &Tensor, dec: &Tensor) -> Result<TensorError> {
             xx += p * p;
             yy += q * q;
         }
-        let c = if xx == 0.0 && yy == 0.0 { 1.0 } else { xy / (xx.sqrt() * yy.sqrt()).max(f64::MIN_POSITIVE) };
+        let c = if xx == 0.0 && yy == 0.0 {
+            1.0
+        } else {
+            xy / (xx.sqrt() * yy.sqrt()).max(f64::MIN_POSITIVE)
+        };
         cos_sum += c;
         cos_min = cos_min.min(c);
         rows += 1;
     }
-    let rel = if den == 0.0 { if num == 0.0 { 0.0 } else { f64::INFINITY } } else { num / den };
+    let rel = if den == 0.0 {
+        if num == 0.0 { 0.0 } else { f64::INFINITY }
+    } else {
+        num / den
+    };
     Ok(TensorError {
         rel_mse: rel,
-        snr_db: if rel == 0.0 { f64::INFINITY } else { -10.0 * rel.log10() },
-        cosine: if rows == 0 { 1.0 } else { cos_sum / rows as f64 },
+        snr_db: if rel == 0.0 {
+            f64::INFINITY
+        } else {
+            -10.0 * rel.log10()
+        },
+        cosine: if rows == 0 {
+            1.0
+        } else {
+            cos_sum / rows as f64
+        },
         min_cosine: if rows == 0 { 1.0 } else { cos_min },
         max_abs_err: maxe,
     })
@@ -74,7 +90,13 @@ pub fn tensor_error(orig: &Tensor, dec: &Tensor) -> Result<TensorError> {
 pub fn attention(q: &Queries, k: &Tensor, v: &Tensor, scale: f64) -> Result<Vec<f64>> {
     let [qb, qh, qt, qd] = q.shape;
     let (ki, vi) = (&k.info, &v.info);
-    if qb != 1 || ki.batch != 1 || qd != ki.head_dim as usize || ki.heads == 0 || qh % ki.heads as usize != 0 || ki.tokens != vi.tokens {
+    if qb != 1
+        || ki.batch != 1
+        || qd != ki.head_dim as usize
+        || ki.heads == 0
+        || qh % ki.heads as usize != 0
+        || ki.tokens != vi.tokens
+    {
         return Err(Error::param(format!(
             "layer {}: queries {:?} do not fit K {:?} / V {:?}",
             q.layer,
@@ -97,7 +119,11 @@ pub fn attention(q: &Queries, k: &Tensor, v: &Tensor, scale: f64) -> Result<Vec<
             let qv = &q.data[(h * qt + i) * qd..(h * qt + i + 1) * qd];
             let mut m = f64::NEG_INFINITY;
             for j in 0..t {
-                let dot: f64 = qv.iter().zip(&kh[j * qd..(j + 1) * qd]).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum();
+                let dot: f64 = qv
+                    .iter()
+                    .zip(&kh[j * qd..(j + 1) * qd])
+                    .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                    .sum();
                 s[j] = dot * scale;
                 m = m.max(s[j]);
             }
@@ -123,12 +149,23 @@ pub fn attention(q: &Queries, k: &Tensor, v: &Tensor, scale: f64) -> Result<Vec<
 ///
 /// # Errors
 /// As [`attention`].
-pub fn attention_error(q: &Queries, k: &Tensor, v: &Tensor, k2: &Tensor, v2: &Tensor, scale: f64) -> Result<f64> {
+pub fn attention_error(
+    q: &Queries,
+    k: &Tensor,
+    v: &Tensor,
+    k2: &Tensor,
+    v2: &Tensor,
+    scale: f64,
+) -> Result<f64> {
     let a = attention(q, k, v, scale)?;
     let b = attention(q, k2, v2, scale)?;
     let num: f64 = a.iter().zip(&b).map(|(x, y)| (x - y) * (x - y)).sum();
     let den: f64 = a.iter().map(|x| x * x).sum();
-    Ok(if den == 0.0 { num.sqrt() } else { (num / den).sqrt() })
+    Ok(if den == 0.0 {
+        num.sqrt()
+    } else {
+        (num / den).sqrt()
+    })
 }
 
 #[cfg(test)]
@@ -137,7 +174,16 @@ mod tests {
     use crate::cache::{DType, Kind, TensorData, TensorInfo};
 
     fn t(vals: Vec<f32>, tokens: u32, d: u32) -> Tensor {
-        let info = TensorInfo { name: "x".into(), layer: 0, kind: Kind::Key, dtype: DType::F32, batch: 1, heads: 1, tokens, head_dim: d };
+        let info = TensorInfo {
+            name: "x".into(),
+            layer: 0,
+            kind: Kind::Key,
+            dtype: DType::F32,
+            batch: 1,
+            heads: 1,
+            tokens,
+            head_dim: d,
+        };
         Tensor::new(info, TensorData::F32(vals)).unwrap()
     }
 
@@ -146,7 +192,7 @@ mod tests {
         let a = t(vec![1.0, 2.0, 3.0, 4.0], 2, 2);
         let e = tensor_error(&a, &a).unwrap();
         assert_eq!(e.rel_mse, 0.0);
-        assert_eq!(e.cosine, 1.0);
+        assert!((1.0 - e.cosine).abs() < 1e-12);
         assert!(e.snr_db.is_infinite());
     }
 
@@ -166,7 +212,11 @@ mod tests {
         // One query aligned with key 0: with a large scale the output is V[0].
         let k = t(vec![1.0, 0.0, 0.0, 1.0], 2, 2);
         let v = t(vec![5.0, 6.0, 7.0, 8.0], 2, 2);
-        let q = Queries { layer: 0, shape: [1, 1, 1, 2], data: vec![1.0, 0.0] };
+        let q = Queries {
+            layer: 0,
+            shape: [1, 1, 1, 2],
+            data: vec![1.0, 0.0],
+        };
         let o = attention(&q, &k, &v, 100.0).unwrap();
         assert!((o[0] - 5.0).abs() < 1e-9 && (o[1] - 6.0).abs() < 1e-9);
     }

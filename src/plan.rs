@@ -23,7 +23,11 @@ pub struct Layout {
 
 impl Default for Layout {
     fn default() -> Self {
-        Layout { page_tokens: 256, sink: 0, recent: 0 }
+        Layout {
+            page_tokens: 256,
+            sink: 0,
+            recent: 0,
+        }
     }
 }
 
@@ -69,7 +73,12 @@ pub fn plan(tensors: &[TensorInfo], from: &[u32], layout: Layout) -> Result<Vec<
         let mut push = |lo: u32, hi: u32, raw: bool| {
             let lo = lo.max(start);
             if hi > lo {
-                pages.push(PlannedPage { tensor: i as u32, token_start: lo, tokens: hi - lo, raw });
+                pages.push(PlannedPage {
+                    tensor: i as u32,
+                    token_start: lo,
+                    tokens: hi - lo,
+                    raw,
+                });
             }
         };
         push(0, sink_end, true);
@@ -108,9 +117,23 @@ mod tests {
 
     #[test]
     fn windows_and_pages() {
-        let l = Layout { page_tokens: 100, sink: 32, recent: 96 };
+        let l = Layout {
+            page_tokens: 100,
+            sink: 32,
+            recent: 96,
+        };
         let p = plan(&[info(520)], &[0], l).unwrap();
-        assert_eq!(ranges(&p), vec![(0, 32, true), (32, 100, false), (132, 100, false), (232, 100, false), (332, 92, false), (424, 96, true)]);
+        assert_eq!(
+            ranges(&p),
+            vec![
+                (0, 32, true),
+                (32, 100, false),
+                (132, 100, false),
+                (232, 100, false),
+                (332, 92, false),
+                (424, 96, true)
+            ]
+        );
         // Fewer tokens than the windows: all raw, no overlap.
         let p = plan(&[info(50)], &[0], l).unwrap();
         assert_eq!(ranges(&p), vec![(0, 32, true), (32, 18, true)]);
@@ -120,7 +143,11 @@ mod tests {
 
     #[test]
     fn append_keeps_absolute_boundaries() {
-        let l = Layout { page_tokens: 100, sink: 0, recent: 0 };
+        let l = Layout {
+            page_tokens: 100,
+            sink: 0,
+            recent: 0,
+        };
         let whole = plan(&[info(350)], &[0], l).unwrap();
         let first = plan(&[info(200)], &[0], l).unwrap();
         let rest = plan(&[info(350)], &[200], l).unwrap();

@@ -11,13 +11,31 @@ use kvpack::plan::Layout;
 use proptest::prelude::*;
 
 fn decode_all(bytes: &[u8], dtype: Option<DType>) -> kvpack::KvCache {
-    Archive::open(bytes).unwrap().decode(&Selection::default(), dtype, None).unwrap()
+    Archive::open(bytes)
+        .unwrap()
+        .decode(&Selection::default(), dtype, None)
+        .unwrap()
 }
 
 const SHAPES: &[LayerSpec] = &[
-    LayerSpec { batch: 1, heads: 2, tokens: 37, head_dim: 64 },
-    LayerSpec { batch: 2, heads: 1, tokens: 300, head_dim: 64 },
-    LayerSpec { batch: 1, heads: 3, tokens: 1, head_dim: 64 },
+    LayerSpec {
+        batch: 1,
+        heads: 2,
+        tokens: 37,
+        head_dim: 64,
+    },
+    LayerSpec {
+        batch: 2,
+        heads: 1,
+        tokens: 300,
+        head_dim: 64,
+    },
+    LayerSpec {
+        batch: 1,
+        heads: 3,
+        tokens: 1,
+        head_dim: 64,
+    },
 ];
 
 #[test]
@@ -25,7 +43,16 @@ fn raw_is_lossless_for_every_dtype() {
     for dtype in [DType::Bf16, DType::F16, DType::F32] {
         let c = synthetic(SHAPES, dtype, 11);
         for zstd in [None, Some(3)] {
-            let b = compress_bytes(&c, "raw", Layout { page_tokens: 16, sink: 0, recent: 0 }, zstd);
+            let b = compress_bytes(
+                &c,
+                "raw",
+                Layout {
+                    page_tokens: 16,
+                    sink: 0,
+                    recent: 0,
+                },
+                zstd,
+            );
             let d = decode_all(&b, None);
             assert_eq!(d.tensors, c.tensors, "{dtype:?} zstd {zstd:?}");
             assert_eq!(d.token_ids, c.token_ids);
@@ -39,13 +66,26 @@ fn raw_is_lossless_for_every_dtype() {
 /// output rounding.
 fn check_affine_bound(codec: &str, bits: u32, rotate: Option<usize>, keys_only: bool) {
     let c = synthetic(SHAPES, DType::F32, 5);
-    let b = compress_bytes(&c, codec, Layout { page_tokens: 32, sink: 0, recent: 0 }, None);
+    let b = compress_bytes(
+        &c,
+        codec,
+        Layout {
+            page_tokens: 32,
+            sink: 0,
+            recent: 0,
+        },
+        None,
+    );
     let d = decode_all(&b, Some(DType::F32));
     for (o, r) in c.tensors.iter().zip(&d.tensors) {
         let hd = o.info.head_dim as usize;
         let x = o.data.to_f32();
         let y = r.data.to_f32();
-        let h = if keys_only && o.info.kind == Kind::Value { None } else { rotate };
+        let h = if keys_only && o.info.kind == Kind::Value {
+            None
+        } else {
+            rotate
+        };
         for (xr, yr) in x.chunks(hd).zip(y.chunks(hd)) {
             let mut u = xr.to_vec();
             let mut v = yr.to_vec();
@@ -60,7 +100,11 @@ fn check_affine_bound(codec: &str, bits: u32, rotate: Option<usize>, keys_only: 
             let mx = u.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             let step = (mx - mn) / ((1 << bits) - 1) as f32;
             for (a, b) in u.iter().zip(&v) {
-                assert!((a - b).abs() <= 0.5 * step * 1.001 + 1e-4, "{codec}: |{a} - {b}| > step/2 = {}", step / 2.0);
+                assert!(
+                    (a - b).abs() <= 0.5 * step * 1.001 + 1e-4,
+                    "{codec}: |{a} - {b}| > step/2 = {}",
+                    step / 2.0
+                );
             }
         }
     }
@@ -85,7 +129,11 @@ fn bdr_error_is_at_most_half_a_step_in_the_rotated_space() {
 #[test]
 fn windows_keep_source_precision() {
     let c = synthetic(SHAPES, DType::Bf16, 9);
-    let l = Layout { page_tokens: 16, sink: 4, recent: 8 };
+    let l = Layout {
+        page_tokens: 16,
+        sink: 4,
+        recent: 8,
+    };
     let b = compress_bytes(&c, "int2", l, None);
     let d = decode_all(&b, None);
     for (o, r) in c.tensors.iter().zip(&d.tensors) {
@@ -111,8 +159,12 @@ fn windows_keep_source_precision() {
 fn align_4096_round_trips() {
     let c = synthetic(SHAPES, DType::Bf16, 3);
     let codec = kvpack::codec::parse("bdr32").unwrap();
-    let opts = kvpack::compress::CompressOptions { align_log2: 12, ..Default::default() };
-    let (b, _) = kvpack::compress::compress(&c, codec.as_ref(), &opts, Vec::new(), &|_| {}).unwrap();
+    let opts = kvpack::compress::CompressOptions {
+        align_log2: 12,
+        ..Default::default()
+    };
+    let (b, _) =
+        kvpack::compress::compress(&c, codec.as_ref(), &opts, Vec::new(), &|_| {}).unwrap();
     let ar = Archive::open(&b).unwrap();
     for e in &ar.reader().index().entries {
         assert_eq!((ar.reader().header_len() + e.offset) % 4096, 0);
@@ -125,10 +177,23 @@ fn align_4096_round_trips() {
 #[test]
 fn partial_decode_equals_slice_of_full_decode() {
     let c = synthetic(SHAPES, DType::Bf16, 21);
-    let b = compress_bytes(&c, "bdr64", Layout { page_tokens: 50, sink: 3, recent: 5 }, Some(1));
+    let b = compress_bytes(
+        &c,
+        "bdr64",
+        Layout {
+            page_tokens: 50,
+            sink: 3,
+            recent: 5,
+        },
+        Some(1),
+    );
     let ar = Archive::open(&b).unwrap();
     let full = ar.decode(&Selection::default(), None, None).unwrap();
-    let sel = Selection { layers: Some(1..2), tokens: Some(40..173), kind: Some(Kind::Value) };
+    let sel = Selection {
+        layers: Some(1..2),
+        tokens: Some(40..173),
+        kind: Some(Kind::Value),
+    };
     let part = ar.decode(&sel, None, None).unwrap();
     assert_eq!(part.tensors.len(), 1);
     let p = &part.tensors[0];
@@ -150,9 +215,24 @@ fn partial_decode_equals_slice_of_full_decode() {
 fn different_token_counts_per_layer_are_kept() {
     let c = synthetic(
         &[
-            LayerSpec { batch: 1, heads: 1, tokens: 511, head_dim: 32 },
-            LayerSpec { batch: 1, heads: 1, tokens: 520, head_dim: 32 },
-            LayerSpec { batch: 1, heads: 1, tokens: 0, head_dim: 32 },
+            LayerSpec {
+                batch: 1,
+                heads: 1,
+                tokens: 511,
+                head_dim: 32,
+            },
+            LayerSpec {
+                batch: 1,
+                heads: 1,
+                tokens: 520,
+                head_dim: 32,
+            },
+            LayerSpec {
+                batch: 1,
+                heads: 1,
+                tokens: 0,
+                head_dim: 32,
+            },
         ],
         DType::Bf16,
         4,
@@ -165,23 +245,48 @@ fn different_token_counts_per_layer_are_kept() {
 
 #[test]
 fn head_dim_not_divisible_names_the_largest_valid_block() {
-    let c = synthetic(&[LayerSpec { batch: 1, heads: 1, tokens: 4, head_dim: 96 }], DType::Bf16, 1);
+    let c = synthetic(
+        &[LayerSpec {
+            batch: 1,
+            heads: 1,
+            tokens: 4,
+            head_dim: 96,
+        }],
+        DType::Bf16,
+        1,
+    );
     let codec = kvpack::codec::parse("bdr64").unwrap();
-    let err = kvpack::compress::compress(&c, codec.as_ref(), &Default::default(), Vec::new(), &|_| {}).unwrap_err();
+    let err =
+        kvpack::compress::compress(&c, codec.as_ref(), &Default::default(), Vec::new(), &|_| {})
+            .unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("bdr32") && msg.contains("96"), "{msg}");
 }
 
 #[test]
 fn non_finite_values_are_refused_with_a_location() {
-    let mut c = synthetic(&[LayerSpec { batch: 1, heads: 1, tokens: 4, head_dim: 16 }], DType::F32, 1);
+    let mut c = synthetic(
+        &[LayerSpec {
+            batch: 1,
+            heads: 1,
+            tokens: 4,
+            head_dim: 16,
+        }],
+        DType::F32,
+        1,
+    );
     if let kvpack::TensorData::F32(v) = &mut c.tensors[1].data {
         v[2 * 16 + 5] = f32::NAN;
     }
     let codec = kvpack::codec::parse("int4").unwrap();
-    let err = kvpack::compress::compress(&c, codec.as_ref(), &Default::default(), Vec::new(), &|_| {}).unwrap_err();
+    let err =
+        kvpack::compress::compress(&c, codec.as_ref(), &Default::default(), Vec::new(), &|_| {})
+            .unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("layer 0 V") && msg.contains("token 2"), "{msg}");
+    assert!(
+        msg.contains("layer 0 V") && msg.contains("token 2"),
+        "{msg}"
+    );
     // raw keeps NaN bit-exactly.
     let b = compress_bytes(&c, "raw", Layout::default(), None);
     assert!(decode_all(&b, None).tensors[1].data.to_f32()[37].is_nan());
@@ -202,7 +307,11 @@ fn simd_and_scalar_paths_give_identical_files() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("scalar.kvpack");
     let st = std::process::Command::new(exe)
-        .args(["--exact", "simd_and_scalar_paths_give_identical_files", "--nocapture"])
+        .args([
+            "--exact",
+            "simd_and_scalar_paths_give_identical_files",
+            "--nocapture",
+        ])
         .env("KVPACK_NO_SIMD", "1")
         .env("KVPACK_SCALAR_OUT", &out)
         .status()

@@ -73,7 +73,13 @@ fn parse_int(s: &str) -> Option<Result<Box<dyn Codec>>> {
     let b = s.strip_prefix("int")?;
     Some(
         parse_bits(b)
-            .map(|bits| Box::new(Affine { bits, block: None, keys_only: false }) as Box<dyn Codec>)
+            .map(|bits| {
+                Box::new(Affine {
+                    bits,
+                    block: None,
+                    keys_only: false,
+                }) as Box<dyn Codec>
+            })
             .ok_or_else(|| Error::param(format!("{s:?}: int codecs take 1 to 8 bits, e.g. int4"))),
     )
 }
@@ -90,7 +96,11 @@ fn parse_bdr(s: &str) -> Option<Result<Box<dyn Codec>>> {
             ))));
         }
     };
-    let mut c = Affine { bits: 4, block: Some(block), keys_only: false };
+    let mut c = Affine {
+        bits: 4,
+        block: Some(block),
+        keys_only: false,
+    };
     for opt in parts {
         if opt == "k" {
             c.keys_only = true;
@@ -107,25 +117,39 @@ fn parse_bdr(s: &str) -> Option<Result<Box<dyn Codec>>> {
 
 fn int_from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
     match p {
-        [bits, 0, 0, 0] if (1..=8).contains(bits) => {
-            Ok(Box::new(Affine { bits: *bits, block: None, keys_only: false }))
-        }
-        _ => Err(Error::param(format!("int parameters must be [bits 1..8, 0, 0, 0], found {p:02x?}"))),
+        [bits, 0, 0, 0] if (1..=8).contains(bits) => Ok(Box::new(Affine {
+            bits: *bits,
+            block: None,
+            keys_only: false,
+        })),
+        _ => Err(Error::param(format!(
+            "int parameters must be [bits 1..8, 0, 0, 0], found {p:02x?}"
+        ))),
     }
 }
 
 fn bdr_from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
     if p.len() != 8 || p[4..] != [0, 0, 0, 0] {
-        return Err(Error::param(format!("bdr parameters must be 8 bytes ending in zeros, found {p:02x?}")));
+        return Err(Error::param(format!(
+            "bdr parameters must be 8 bytes ending in zeros, found {p:02x?}"
+        )));
     }
     let block = u32::from(u16::from_le_bytes([p[0], p[1]]));
     let (bits, flags) = (p[2], p[3]);
-    if !block.is_power_of_two() || !(2..=MAX_BLOCK).contains(&block) || !(1..=8).contains(&bits) || flags > 1 {
+    if !block.is_power_of_two()
+        || !(2..=MAX_BLOCK).contains(&block)
+        || !(1..=8).contains(&bits)
+        || flags > 1
+    {
         return Err(Error::param(format!(
             "bdr parameters out of range: block {block}, bits {bits}, flags {flags}"
         )));
     }
-    Ok(Box::new(Affine { bits, block: Some(block), keys_only: flags & 1 == 1 }))
+    Ok(Box::new(Affine {
+        bits,
+        block: Some(block),
+        keys_only: flags & 1 == 1,
+    }))
 }
 
 impl Affine {
@@ -180,7 +204,7 @@ impl Codec for Affine {
             )));
         }
         if let Some(h) = self.block_for(t.kind)
-            && t.head_dim as usize % h != 0
+            && !(t.head_dim as usize).is_multiple_of(h)
         {
             let largest = 1u32 << t.head_dim.trailing_zeros().min(MAX_BLOCK.trailing_zeros());
             let hint = if largest >= 2 {
@@ -209,16 +233,20 @@ impl Codec for Affine {
         let mut zeros = Vec::with_capacity(rows);
         let n_codes = rows * d;
         let mut index = vec![0u8; bitpack::packed_len(n_codes, bits)];
-        let row_aligned = (d * bits as usize) % 8 == 0;
+        let row_aligned = (d * bits as usize).is_multiple_of(8);
         let row_bytes = d * bits as usize / 8;
-        let mut all_codes = if row_aligned { Vec::new() } else { vec![0u8; n_codes] };
+        let mut all_codes = if row_aligned {
+            Vec::new()
+        } else {
+            vec![0u8; n_codes]
+        };
         let mut buf = vec![0f32; d];
         let mut codes = vec![0u8; d];
         for r in 0..rows {
             page.load_row(r, &mut buf);
             if let Some(h) = block {
                 wht::fwht_blocks(&mut buf, h);
-                buf.iter_mut().for_each(|v| *v *= c);
+                crate::kernels::scale(&mut buf, c);
             }
             let p = if row_aligned {
                 affine::quantize_row(&buf, bits, &mut index[r * row_bytes..(r + 1) * row_bytes])
@@ -260,10 +288,16 @@ impl Codec for Affine {
         let bits = u32::from(self.bits);
         let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F32, rows)?;
         let zeros = expect_section(page, SectionKind::Zero, 0, ElemType::F32, rows)?;
-        let index = expect_section(page, SectionKind::Index, 0, ElemType::Packed(self.bits), rows * d)?;
+        let index = expect_section(
+            page,
+            SectionKind::Index,
+            0,
+            ElemType::Packed(self.bits),
+            rows * d,
+        )?;
         let block = self.block_for(out.tensor.kind);
         let c = block.map(wht::inv_sqrt).unwrap_or(1.0);
-        let row_aligned = (d * bits as usize) % 8 == 0;
+        let row_aligned = (d * bits as usize).is_multiple_of(8);
         let row_bytes = d * bits as usize / 8;
         let all_codes = if row_aligned {
             Vec::new()
@@ -274,9 +308,17 @@ impl Codec for Affine {
         };
         let mut buf = vec![0f32; d];
         for r in 0..rows {
-            let p = affine::RowParams { scale: f32_at(scales, r) * c, zero: f32_at(zeros, r) };
+            let p = affine::RowParams {
+                scale: f32_at(scales, r) * c,
+                zero: f32_at(zeros, r),
+            };
             if row_aligned {
-                affine::dequantize_row(&index[r * row_bytes..(r + 1) * row_bytes], bits, p, &mut buf);
+                affine::dequantize_row(
+                    &index[r * row_bytes..(r + 1) * row_bytes],
+                    bits,
+                    p,
+                    &mut buf,
+                );
             } else {
                 for (o, &q) in buf.iter_mut().zip(&all_codes[r * d..(r + 1) * d]) {
                     *o = (q as f32 - p.zero) * p.scale;

@@ -24,7 +24,10 @@ pub const FAMILY: super::Family = super::Family {
     parse: |s| (s == "raw").then(|| Ok(Box::new(Raw) as Box<dyn Codec>)),
     from_params: |p| {
         if !p.is_empty() {
-            return Err(Error::param(format!("raw takes no parameters, found {} bytes", p.len())));
+            return Err(Error::param(format!(
+                "raw takes no parameters, found {} bytes",
+                p.len()
+            )));
         }
         Ok(Box::new(Raw))
     },
@@ -71,7 +74,13 @@ impl Codec for Raw {
         let d = out.tensor.head_dim as usize;
         let rows = out.rows();
         let src_t = out.tensor.dtype;
-        let bytes = expect_section(page, SectionKind::Raw, 0, ElemType::from_dtype(src_t), rows * d)?;
+        let bytes = expect_section(
+            page,
+            SectionKind::Raw,
+            0,
+            ElemType::from_dtype(src_t),
+            rows * d,
+        )?;
         let plane_bytes = out.tokens as usize * d * src_t.size();
         let mut row = vec![0f32; d];
         for (p, plane) in out.planes.iter_mut().enumerate() {

@@ -5,6 +5,9 @@ use crate::format::CodecEntry;
 
 use super::Codec;
 
+/// Parser of a codec name: `None` when the name belongs to another family.
+pub type ParseFn = fn(&str) -> Option<Result<Box<dyn Codec>>>;
+
 /// A codec family: one codec id, a name parser and a parameter decoder.
 #[derive(Debug, Clone, Copy)]
 pub struct Family {
@@ -17,13 +20,17 @@ pub struct Family {
     /// One-line description.
     pub summary: &'static str,
     /// Parses a full codec name; `None` when the name is not of this family.
-    pub parse: fn(&str) -> Option<Result<Box<dyn Codec>>>,
+    pub parse: ParseFn,
     /// Rebuilds the codec from its parameter block.
     pub from_params: fn(&[u8]) -> Result<Box<dyn Codec>>,
 }
 
 /// Every registered codec family.
-pub const FAMILIES: &[Family] = &[super::raw::FAMILY, super::affine::INT_FAMILY, super::affine::BDR_FAMILY];
+pub const FAMILIES: &[Family] = &[
+    super::raw::FAMILY,
+    super::affine::INT_FAMILY,
+    super::affine::BDR_FAMILY,
+];
 
 /// Parses a codec name such as `raw`, `int4`, `bdr128` or `bdr128:k`.
 ///
@@ -52,11 +59,17 @@ pub fn from_entry(slot: usize, e: &CodecEntry) -> Result<Box<dyn Codec>> {
     let f = FAMILIES.iter().find(|f| f.id == e.id).ok_or_else(|| {
         Error::format(
             Location::Header,
-            format!("codec slot {slot}: unknown codec id {} (written by a newer kvpack?)", e.id),
+            format!(
+                "codec slot {slot}: unknown codec id {} (written by a newer kvpack?)",
+                e.id
+            ),
         )
     })?;
     (f.from_params)(&e.params).map_err(|err| {
-        Error::format(Location::Header, format!("codec slot {slot} ({}): {err}", f.name))
+        Error::format(
+            Location::Header,
+            format!("codec slot {slot} ({}): {err}", f.name),
+        )
     })
 }
 
@@ -66,17 +79,28 @@ mod tests {
 
     #[test]
     fn names_round_trip_through_params() {
-        for n in ["raw", "int2", "int3", "int4", "int8", "bdr16", "bdr128", "bdr256:k", "bdr64:b3"] {
+        for n in [
+            "raw", "int2", "int3", "int4", "int8", "bdr16", "bdr128", "bdr256:k", "bdr64:b3",
+        ] {
             let c = parse(n).unwrap();
             assert_eq!(c.name(), n);
-            let back = from_entry(0, &CodecEntry { id: c.id(), params: c.params() }).unwrap();
+            let back = from_entry(
+                0,
+                &CodecEntry {
+                    id: c.id(),
+                    params: c.params(),
+                },
+            )
+            .unwrap();
             assert_eq!(back.name(), n);
         }
     }
 
     #[test]
     fn bad_names_are_rejected() {
-        for n in ["int0", "int9", "bdr100", "bdr", "bdr128:x", "foo", "bdr8192"] {
+        for n in [
+            "int0", "int9", "bdr100", "bdr", "bdr128:x", "foo", "bdr8192",
+        ] {
             assert!(parse(n).is_err(), "{n}");
         }
     }

@@ -33,13 +33,17 @@ impl<'a> Cursor<'a> {
     }
 
     pub(crate) fn bytes(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| {
-            self.err(format!(
-                "{what} needs {n} bytes at offset {} but only {} remain",
-                self.pos,
-                self.remaining()
-            ))
-        })?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| {
+                self.err(format!(
+                    "{what} needs {n} bytes at offset {} but only {} remain",
+                    self.pos,
+                    self.remaining()
+                ))
+            })?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -106,7 +110,11 @@ pub(crate) fn check_zero_padding(b: &[u8], base: u64, at: Location) -> Result<()
     if let Some(i) = b.iter().position(|&x| x != 0) {
         return Err(Error::format(
             at,
-            format!("padding byte at {} is 0x{:02x}, must be zero", base + i as u64, b[i]),
+            format!(
+                "padding byte at {} is 0x{:02x}, must be zero",
+                base + i as u64,
+                b[i]
+            ),
         ));
     }
     Ok(())

@@ -154,9 +154,7 @@ impl FileHeader {
                 limits.max_header_bytes
             )));
         }
-        if header_len % (1 << align_log2) != 0
-            || header_len < FRAME_HEADER_LEN as u64 + body_len
-        {
+        if header_len % (1 << align_log2) != 0 || header_len < FRAME_HEADER_LEN as u64 + body_len {
             return Err(c.err(format!(
                 "header_len {header_len} is not aligned or shorter than 64 + body_len {body_len}"
             )));
@@ -175,7 +173,9 @@ impl FileHeader {
         let prefix: &[u8; FRAME_HEADER_LEN] = buf
             .get(..FRAME_HEADER_LEN)
             .and_then(|p| p.try_into().ok())
-            .ok_or_else(|| Error::format(Location::Header, "file is shorter than the 64-byte prefix"))?;
+            .ok_or_else(|| {
+                Error::format(Location::Header, "file is shorter than the 64-byte prefix")
+            })?;
         let header_len = Self::prefix_len(prefix, limits)?;
         if buf.len() as u64 != header_len {
             return Err(Error::format(
@@ -262,7 +262,9 @@ impl FileHeader {
             let k = c.string(&what)?;
             let v = c.string(&what)?;
             if last.as_ref().is_some_and(|l| *l >= k) {
-                return Err(c.err(format!("{what}: key {k:?} is not in strictly ascending order")));
+                return Err(c.err(format!(
+                    "{what}: key {k:?} is not in strictly ascending order"
+                )));
             }
             last = Some(k.clone());
             metadata.insert(k, v);
@@ -288,7 +290,10 @@ impl FileHeader {
     fn validate(&self) -> Result<()> {
         let err = |m: String| Err(Error::format(Location::Header, m));
         if !(6..=12).contains(&self.align_log2) {
-            return err(format!("alignment 2^{} is outside 2^6..2^12", self.align_log2));
+            return err(format!(
+                "alignment 2^{} is outside 2^6..2^12",
+                self.align_log2
+            ));
         }
         if self.codecs.is_empty() {
             return err("codec table is empty".into());
@@ -309,10 +314,16 @@ impl FileHeader {
                 .and_then(|x| x.checked_mul(u64::from(t.head_dim)))
                 .and_then(|x| x.checked_mul(u64::from(t.tokens.max(1))));
             if elems.is_none_or(|e| e > 1 << 48) {
-                return err(format!("tensor {i} ({}) has more than 2^48 elements", t.name));
+                return err(format!(
+                    "tensor {i} ({}) has more than 2^48 elements",
+                    t.name
+                ));
             }
             if t.name.is_empty() || !names.insert(t.name.as_str()) {
-                return err(format!("tensor {i} has an empty or repeated name {:?}", t.name));
+                return err(format!(
+                    "tensor {i} has an empty or repeated name {:?}",
+                    t.name
+                ));
             }
             if i > 0 {
                 let p = &self.tensors[i - 1];

@@ -109,7 +109,9 @@ impl Index {
         let body_len = c.u64("body_len")?;
         let body_crc = c.u32("body_crc")?;
         c.zeros(16, "reserved")?;
-        let want = 4 * u64::from(n_tensors) + ENTRY_LEN as u64 * u64::from(n_pages) + 4 * u64::from(n_token_ids);
+        let want = 4 * u64::from(n_tensors)
+            + ENTRY_LEN as u64 * u64::from(n_pages)
+            + 4 * u64::from(n_token_ids);
         if body_len != want {
             return Err(c.err(format!(
                 "index body_len {body_len} does not match its counts (needs {want})"
@@ -230,7 +232,12 @@ impl Trailer {
     /// Parses a trailer and checks that it is self-consistent: magic at both
     /// ends, CRC, `index_offset + index_frame_len + 64 == commit_end`, and
     /// (when `expect_end` is given) that it ends at that data offset.
-    pub fn parse(b: &[u8; FRAME_HEADER_LEN], at: &Location, header_len: u64, expect_end: Option<u64>) -> Result<Trailer> {
+    pub fn parse(
+        b: &[u8; FRAME_HEADER_LEN],
+        at: &Location,
+        header_len: u64,
+        expect_end: Option<u64>,
+    ) -> Result<Trailer> {
         let mut c = Cursor::new(b, at.clone());
         if c.array::<4>("trailer magic")? != TRAILER_MAGIC || b[56..] != MAGIC {
             return Err(c.err("not a trailer: magic bytes missing (file truncated or corrupted)"));
@@ -246,15 +253,23 @@ impl Trailer {
         let hl = c.u64("header_len")?;
         c.zeros(12, "reserved")?;
         if hl != header_len {
-            return Err(c.err(format!("trailer says header_len {hl}, file header is {header_len}")));
+            return Err(c.err(format!(
+                "trailer says header_len {hl}, file header is {header_len}"
+            )));
         }
-        if index_offset.checked_add(index_frame_len).and_then(|x| x.checked_add(FRAME_HEADER_LEN as u64)) != Some(commit_end) {
+        if index_offset
+            .checked_add(index_frame_len)
+            .and_then(|x| x.checked_add(FRAME_HEADER_LEN as u64))
+            != Some(commit_end)
+        {
             return Err(c.err("trailer offsets are inconsistent (index + trailer != commit end)"));
         }
         if let Some(e) = expect_end
             && e != commit_end
         {
-            return Err(c.err(format!("trailer says the commit ends at {commit_end}, it ends at {e}")));
+            return Err(c.err(format!(
+                "trailer says the commit ends at {commit_end}, it ends at {e}"
+            )));
         }
         Ok(Trailer {
             generation,

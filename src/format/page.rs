@@ -158,7 +158,12 @@ impl PageFrame {
     /// # Errors
     /// [`Error::Parameter`] for inconsistent sections (see
     /// [`Section`]); [`Error::Io`] if zstd fails.
-    pub fn encode(meta: PageMeta, sections: &[Section], zstd_level: Option<i32>, align: u64) -> Result<PageFrame> {
+    pub fn encode(
+        meta: PageMeta,
+        sections: &[Section],
+        zstd_level: Option<i32>,
+        align: u64,
+    ) -> Result<PageFrame> {
         if meta.tokens == 0 {
             return Err(Error::param("a page must hold at least one token"));
         }
@@ -294,7 +299,9 @@ impl<'a> PageView<'a> {
             .sections
             .iter()
             .find(|d| d.kind == kind && d.stream == stream)
-            .ok_or_else(|| self.error(format!("missing section {} stream {stream}", kind.name())))?;
+            .ok_or_else(|| {
+                self.error(format!("missing section {} stream {stream}", kind.name()))
+            })?;
         let s = &self.body[d.offset as usize..d.offset as usize + d.len as usize];
         Ok((*d, s))
     }

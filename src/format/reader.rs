@@ -38,12 +38,16 @@ fn frame<'b>(data: &'b [u8], off: u64, len: u64, at: &Location) -> Result<&'b [u
 }
 
 fn head64(b: &[u8]) -> &[u8; FRAME_HEADER_LEN] {
-    b[..FRAME_HEADER_LEN].try_into().expect("caller checked length >= 64")
+    b[..FRAME_HEADER_LEN]
+        .try_into()
+        .expect("caller checked length >= 64")
 }
 
 /// Parses the index frame a trailer points to.
 fn load_index(data: &[u8], t: &Trailer, limits: &Limits, align: u64) -> Result<Index> {
-    let at = Location::Index { generation: t.generation };
+    let at = Location::Index {
+        generation: t.generation,
+    };
     let f = frame(data, t.index_offset, t.index_frame_len, &at)?;
     if f.len() < FRAME_HEADER_LEN {
         return Err(Error::format(at, "index frame shorter than its header"));
@@ -51,13 +55,23 @@ fn load_index(data: &[u8], t: &Trailer, limits: &Limits, align: u64) -> Result<I
     let h = Index::parse_header(head64(f), &at, limits)?;
     let body_end = FRAME_HEADER_LEN as u64 + h.body_len;
     if body_end.next_multiple_of(align) != t.index_frame_len {
-        return Err(Error::format(at, "index frame length disagrees with the trailer"));
+        return Err(Error::format(
+            at,
+            "index frame length disagrees with the trailer",
+        ));
     }
     let body = &f[FRAME_HEADER_LEN..body_end as usize];
-    check_zero_padding(&f[body_end as usize..], t.index_offset + body_end, at.clone())?;
+    check_zero_padding(
+        &f[body_end as usize..],
+        t.index_offset + body_end,
+        at.clone(),
+    )?;
     let idx = Index::parse_body(&h, body, &at)?;
     if idx.generation != t.generation {
-        return Err(Error::format(at, "index generation disagrees with the trailer"));
+        return Err(Error::format(
+            at,
+            "index generation disagrees with the trailer",
+        ));
     }
     Ok(idx)
 }
@@ -65,12 +79,22 @@ fn load_index(data: &[u8], t: &Trailer, limits: &Limits, align: u64) -> Result<I
 /// Checks an index against the header: entry fields, offsets, per-commit
 /// layer-major order, per-tensor token tiling. `gen_starts[g]` is the first
 /// entry of generation `g`.
-pub(crate) fn validate_index(header: &FileHeader, idx: &Index, gen_starts: &[usize], end: u64) -> Result<Vec<Vec<usize>>> {
-    let at = Location::Index { generation: idx.generation };
+pub(crate) fn validate_index(
+    header: &FileHeader,
+    idx: &Index,
+    gen_starts: &[usize],
+    end: u64,
+) -> Result<Vec<Vec<usize>>> {
+    let at = Location::Index {
+        generation: idx.generation,
+    };
     let err = |m: String| Err(Error::format(at.clone(), m));
     let n = header.tensors.len();
     if idx.token_counts.len() != n {
-        return err(format!("index lists {} tensors, header has {n}", idx.token_counts.len()));
+        return err(format!(
+            "index lists {} tensors, header has {n}",
+            idx.token_counts.len()
+        ));
     }
     let align = header.align();
     let mut by_tensor: Vec<Vec<usize>> = vec![Vec::new(); n];
@@ -86,11 +110,20 @@ pub(crate) fn validate_index(header: &FileHeader, idx: &Index, gen_starts: &[usi
         if m.tokens == 0 || e.flags & !super::page::FLAG_ZSTD != 0 {
             return err(format!("entry {i}: zero tokens or unknown flags"));
         }
-        if e.offset % align != 0 || e.frame_len % align != 0 || e.frame_len < FRAME_HEADER_LEN as u64 {
-            return err(format!("entry {i}: frame at {} len {} is not aligned", e.offset, e.frame_len));
+        if e.offset % align != 0
+            || e.frame_len % align != 0
+            || e.frame_len < FRAME_HEADER_LEN as u64
+        {
+            return err(format!(
+                "entry {i}: frame at {} len {} is not aligned",
+                e.offset, e.frame_len
+            ));
         }
         if e.offset < prev_end || e.offset.checked_add(e.frame_len).is_none_or(|x| x > end) {
-            return err(format!("entry {i}: frame at {} overlaps another or runs past the commit", e.offset));
+            return err(format!(
+                "entry {i}: frame at {} overlaps another or runs past the commit",
+                e.offset
+            ));
         }
         prev_end = e.offset + e.frame_len;
         by_tensor[m.tensor as usize].push(i);
@@ -102,7 +135,9 @@ pub(crate) fn validate_index(header: &FileHeader, idx: &Index, gen_starts: &[usi
         for i in lo + 1..hi {
             let (a, b) = (idx.entries[i - 1].meta, idx.entries[i].meta);
             if (a.tensor, a.token_start) >= (b.tensor, b.token_start) {
-                return err(format!("entry {i}: pages of commit {g} are not in layer-major order"));
+                return err(format!(
+                    "entry {i}: pages of commit {g} are not in layer-major order"
+                ));
             }
         }
     }
@@ -118,7 +153,10 @@ pub(crate) fn validate_index(header: &FileHeader, idx: &Index, gen_starts: &[usi
                     m.token_start
                 ));
             }
-            next = m.token_start.checked_add(m.tokens).ok_or_else(|| Error::format(at.clone(), "token overflow"))?;
+            next = m
+                .token_start
+                .checked_add(m.tokens)
+                .ok_or_else(|| Error::format(at.clone(), "token overflow"))?;
         }
         if next != idx.token_counts[t] {
             return err(format!(
@@ -155,10 +193,18 @@ impl<'a> Reader<'a> {
         let prefix: &[u8; FRAME_HEADER_LEN] = buf
             .get(..FRAME_HEADER_LEN)
             .and_then(|p| p.try_into().ok())
-            .ok_or_else(|| Error::format(Location::Header, format!("file is {} bytes, too short for a kvpack header", buf.len())))?;
+            .ok_or_else(|| {
+                Error::format(
+                    Location::Header,
+                    format!("file is {} bytes, too short for a kvpack header", buf.len()),
+                )
+            })?;
         let header_len = FileHeader::prefix_len(prefix, &limits)?;
         let hb = buf.get(..header_len as usize).ok_or_else(|| {
-            Error::format(Location::Header, format!("file is {} bytes, header needs {header_len}", buf.len()))
+            Error::format(
+                Location::Header,
+                format!("file is {} bytes, header needs {header_len}", buf.len()),
+            )
         })?;
         let header = FileHeader::parse(hb, &limits)?;
         let data = &buf[header_len as usize..];
@@ -173,25 +219,52 @@ impl<'a> Reader<'a> {
         let mut cur = index.clone();
         while let Some(prev_off) = cur.prev_index {
             let g = cur.generation.checked_sub(1).ok_or_else(|| {
-                Error::format(Location::Index { generation: 0 }, "commit 0 points to a previous commit")
+                Error::format(
+                    Location::Index { generation: 0 },
+                    "commit 0 points to a previous commit",
+                )
             })?;
             let at = Location::Index { generation: g };
             // The previous trailer follows its index frame; read the index
             // header to learn the frame length.
-            let h = Index::parse_header(head64(frame(data, prev_off, FRAME_HEADER_LEN as u64, &at)?), &at, &limits)?;
+            let h = Index::parse_header(
+                head64(frame(data, prev_off, FRAME_HEADER_LEN as u64, &at)?),
+                &at,
+                &limits,
+            )?;
             let frame_len = (FRAME_HEADER_LEN as u64 + h.body_len).next_multiple_of(align);
             let toff = prev_off + frame_len;
             let tb = frame(data, toff, FRAME_HEADER_LEN as u64, &at)?;
-            let pt = Trailer::parse(head64(tb), &Location::Trailer { offset: header_len + toff }, header_len, Some(toff + 64))?;
+            let pt = Trailer::parse(
+                head64(tb),
+                &Location::Trailer {
+                    offset: header_len + toff,
+                },
+                header_len,
+                Some(toff + 64),
+            )?;
             if pt.generation != g || pt.index_offset != prev_off {
-                return Err(Error::format(at, "previous commit's trailer does not match its index"));
+                return Err(Error::format(
+                    at,
+                    "previous commit's trailer does not match its index",
+                ));
             }
             let prev = load_index(data, &pt, &limits, align)?;
-            if prev.entries.len() > cur.entries.len() || prev.entries[..] != cur.entries[..prev.entries.len()] {
-                return Err(Error::format(at, "a later commit does not extend this commit's pages"));
+            if prev.entries.len() > cur.entries.len()
+                || prev.entries[..] != cur.entries[..prev.entries.len()]
+            {
+                return Err(Error::format(
+                    at,
+                    "a later commit does not extend this commit's pages",
+                ));
             }
-            if prev.token_ids.len() > cur.token_ids.len() || prev.token_ids[..] != cur.token_ids[..prev.token_ids.len()] {
-                return Err(Error::format(at, "a later commit changes this commit's token ids"));
+            if prev.token_ids.len() > cur.token_ids.len()
+                || prev.token_ids[..] != cur.token_ids[..prev.token_ids.len()]
+            {
+                return Err(Error::format(
+                    at,
+                    "a later commit changes this commit's token ids",
+                ));
             }
             gen_starts[g as usize + 1] = prev.entries.len();
             occupied.push((pt.index_offset, pt.commit_end));
@@ -199,7 +272,9 @@ impl<'a> Reader<'a> {
         }
         if cur.generation != 0 {
             return Err(Error::format(
-                Location::Index { generation: cur.generation },
+                Location::Index {
+                    generation: cur.generation,
+                },
                 "commit chain does not reach commit 0",
             ));
         }
@@ -207,7 +282,12 @@ impl<'a> Reader<'a> {
             if cur.token_counts.get(t) != Some(&info.tokens) {
                 return Err(Error::format(
                     Location::Index { generation: 0 },
-                    format!("{}: header says {} tokens, commit 0 has {:?}", info.describe(), info.tokens, cur.token_counts.get(t)),
+                    format!(
+                        "{}: header says {} tokens, commit 0 has {:?}",
+                        info.describe(),
+                        info.tokens,
+                        cur.token_counts.get(t)
+                    ),
                 ));
             }
         }
@@ -215,26 +295,49 @@ impl<'a> Reader<'a> {
 
         // Frames tile the committed data exactly (gaps only as alignment
         // padding after a trailer).
-        occupied.extend(index.entries.iter().map(|e| (e.offset, e.offset + e.frame_len)));
+        occupied.extend(
+            index
+                .entries
+                .iter()
+                .map(|e| (e.offset, e.offset + e.frame_len)),
+        );
         occupied.sort_unstable();
         let mut pos = 0u64;
         for &(s, e) in &occupied {
             if s < pos {
-                return Err(Error::format(Location::Data { offset: header_len + s }, "frames overlap"));
+                return Err(Error::format(
+                    Location::Data {
+                        offset: header_len + s,
+                    },
+                    "frames overlap",
+                ));
             }
             if s > pos {
-                if s - pos >= align || pos % align == 0 {
+                if s - pos >= align || pos.is_multiple_of(align) {
                     return Err(Error::format(
-                        Location::Data { offset: header_len + pos },
+                        Location::Data {
+                            offset: header_len + pos,
+                        },
                         format!("{} bytes belong to no frame", s - pos),
                     ));
                 }
-                check_zero_padding(&data[pos as usize..s as usize], header_len + pos, Location::Data { offset: header_len + pos })?;
+                check_zero_padding(
+                    &data[pos as usize..s as usize],
+                    header_len + pos,
+                    Location::Data {
+                        offset: header_len + pos,
+                    },
+                )?;
             }
             pos = e;
         }
         if pos != trailer.commit_end {
-            return Err(Error::format(Location::Data { offset: header_len + pos }, "frames do not reach the trailer"));
+            return Err(Error::format(
+                Location::Data {
+                    offset: header_len + pos,
+                },
+                "frames do not reach the trailer",
+            ));
         }
         Ok(Reader {
             buf,
@@ -311,11 +414,12 @@ impl<'a> Reader<'a> {
     /// a header that disagrees with the index, non-zero padding or an
     /// invalid section table.
     pub fn page(&self, i: usize) -> Result<PageView<'a>> {
-        let e: &IndexEntry = self
-            .index
-            .entries
-            .get(i)
-            .ok_or_else(|| Error::param(format!("page {i} does not exist ({} pages)", self.index.entries.len())))?;
+        let e: &IndexEntry = self.index.entries.get(i).ok_or_else(|| {
+            Error::param(format!(
+                "page {i} does not exist ({} pages)",
+                self.index.entries.len()
+            ))
+        })?;
         let info = &self.header.tensors[e.meta.tensor as usize];
         let what = format!(
             "{} tokens {}..{}",
@@ -332,14 +436,30 @@ impl<'a> Reader<'a> {
         let f = frame(data, e.offset, e.frame_len, &at)?;
         let h = PageHeader::parse(head64(f), &at, &self.limits)?;
         if h.meta != e.meta || h.flags != e.flags || h.body_crc != e.body_crc {
-            return Err(Error::format(at, "page header disagrees with its index entry"));
+            return Err(Error::format(
+                at,
+                "page header disagrees with its index entry",
+            ));
         }
         if h.frame_len(self.header.align()) != e.frame_len {
-            return Err(Error::format(at, "page frame length disagrees with its index entry"));
+            return Err(Error::format(
+                at,
+                "page frame length disagrees with its index entry",
+            ));
         }
         let end = FRAME_HEADER_LEN + h.stored_len as usize;
-        check_zero_padding(&f[end..], self.header_len + e.offset + end as u64, at.clone())?;
-        PageView::from_stored(h, Cow::Borrowed(&f[FRAME_HEADER_LEN..end]), i as u64, what, &at)
+        check_zero_padding(
+            &f[end..],
+            self.header_len + e.offset + end as u64,
+            at.clone(),
+        )?;
+        PageView::from_stored(
+            h,
+            Cow::Borrowed(&f[FRAME_HEADER_LEN..end]),
+            i as u64,
+            what,
+            &at,
+        )
     }
 }
 
@@ -351,7 +471,9 @@ fn find_commit(data: &[u8], header_len: u64) -> Result<(Trailer, u64)> {
         let off = end - FRAME_HEADER_LEN as u64;
         Trailer::parse(
             head64(&data[off as usize..end as usize]),
-            &Location::Trailer { offset: header_len + off },
+            &Location::Trailer {
+                offset: header_len + off,
+            },
             header_len,
             Some(end),
         )

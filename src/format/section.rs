@@ -238,7 +238,8 @@ pub(crate) fn encode_body(sections: &[Section]) -> Result<Vec<u8>> {
                 s.elem.name()
             )));
         }
-        let off = u32::try_from(offset).map_err(|_| Error::Limits("page body over 4 GiB".into()))?;
+        let off =
+            u32::try_from(offset).map_err(|_| Error::Limits("page body over 4 GiB".into()))?;
         descs.push((off, s.data.len() as u32));
         offset = (offset + s.data.len()).next_multiple_of(SECTION_ALIGN);
     }
@@ -278,8 +279,11 @@ pub(crate) fn parse_body(body: &[u8], n: usize, at: &Location) -> Result<Vec<Sec
         let stream = c.u8(&what)?;
         let code = c.u8(&what)?;
         let bits = c.u8(&what)?;
-        let elem = ElemType::from_code_bits(code, bits)
-            .ok_or_else(|| err(format!("{what}: unknown element type {code} with {bits} bits")))?;
+        let elem = ElemType::from_code_bits(code, bits).ok_or_else(|| {
+            err(format!(
+                "{what}: unknown element type {code} with {bits} bits"
+            ))
+        })?;
         let count = c.u32(&what)?;
         let offset = c.u32(&what)?;
         let len = c.u32(&what)?;
@@ -297,7 +301,10 @@ pub(crate) fn parse_body(body: &[u8], n: usize, at: &Location) -> Result<Vec<Sec
             )));
         }
         if descs.iter().any(|d| d.kind == kind && d.stream == stream) {
-            return Err(err(format!("{what}: duplicate section {} stream {stream}", kind.name())));
+            return Err(err(format!(
+                "{what}: duplicate section {} stream {stream}",
+                kind.name()
+            )));
         }
         descs.push(SectionDesc {
             kind,

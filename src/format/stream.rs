@@ -84,8 +84,13 @@ impl<R: Read> StreamReader<R> {
         let header_len = FileHeader::prefix_len(&prefix, &limits)?;
         let mut buf = vec![0u8; header_len as usize];
         buf[..FRAME_HEADER_LEN].copy_from_slice(&prefix);
-        if !read_full(&mut r, &mut buf[FRAME_HEADER_LEN..], &|| Location::Header)? && header_len > 64 {
-            return Err(Error::format(Location::Header, "stream truncated inside the header"));
+        if !read_full(&mut r, &mut buf[FRAME_HEADER_LEN..], &|| Location::Header)?
+            && header_len > 64
+        {
+            return Err(Error::format(
+                Location::Header,
+                "stream truncated inside the header",
+            ));
         }
         let header = FileHeader::parse(&buf, &limits)?;
         let n = header.tensors.len();
@@ -150,7 +155,7 @@ impl<R: Read> StreamReader<R> {
         }
         let align = self.header.align();
         let hl = self.header_len;
-        if self.committed && self.pos % align != 0 {
+        if self.committed && !self.pos.is_multiple_of(align) {
             let pad = (self.pos.next_multiple_of(align) - self.pos) as usize;
             let mut b = vec![0u8; pad];
             let off = self.pos;
@@ -173,12 +178,19 @@ impl<R: Read> StreamReader<R> {
                 what: Some(format!(
                     "after page #{} (tensor {} tokens {}..{})",
                     n_pages - 1,
-                    hdr.tensors.get(m.tensor as usize).map(|t| t.describe()).unwrap_or_default(),
+                    hdr.tensors
+                        .get(m.tensor as usize)
+                        .map(|t| t.describe())
+                        .unwrap_or_default(),
                     m.token_start,
                     m.token_start + m.tokens
                 )),
             },
-            None => Location::Page { page: 0, offset: hl + off, what: None },
+            None => Location::Page {
+                page: 0,
+                offset: hl + off,
+                what: None,
+            },
         };
         if !read_full(&mut self.r, &mut fh, &truncated_at)? {
             if self.committed {
@@ -195,11 +207,15 @@ impl<R: Read> StreamReader<R> {
         if magic == PAGE_MAGIC {
             self.read_page(fh).map(|p| Some(StreamEvent::Page(p)))
         } else if magic == INDEX_MAGIC {
-            self.read_commit(fh).map(|(i, t)| Some(StreamEvent::Commit(i, t)))
+            self.read_commit(fh)
+                .map(|(i, t)| Some(StreamEvent::Commit(i, t)))
         } else {
             Err(Error::format(
                 Location::Data { offset: hl + off },
-                format!("expected a page (KVPG) or index (KVIX) frame, found {:02x?}", &fh[..4]),
+                format!(
+                    "expected a page (KVPG) or index (KVIX) frame, found {:02x?}",
+                    &fh[..4]
+                ),
             ))
         }
     }
@@ -207,14 +223,25 @@ impl<R: Read> StreamReader<R> {
     fn read_page(&mut self, fh: [u8; FRAME_HEADER_LEN]) -> Result<PageView<'static>> {
         let number = self.entries.len() as u64;
         let off = self.pos;
-        let mut at = Location::Page { page: number, offset: self.header_len + off, what: None };
+        let mut at = Location::Page {
+            page: number,
+            offset: self.header_len + off,
+            what: None,
+        };
         let h = PageHeader::parse(&fh, &at, &self.limits)?;
         let what = self.describe(&h);
-        at = Location::Page { page: number, offset: self.header_len + off, what: Some(what.clone()) };
+        at = Location::Page {
+            page: number,
+            offset: self.header_len + off,
+            what: Some(what.clone()),
+        };
         let m = h.meta;
         let t = m.tensor as usize;
         if t >= self.header.tensors.len() || m.codec as usize >= self.header.codecs.len() {
-            return Err(Error::format(at, "page refers to a tensor or codec slot that does not exist"));
+            return Err(Error::format(
+                at,
+                "page refers to a tensor or codec slot that does not exist",
+            ));
         }
         if self.last_tensor.is_some_and(|l| l > m.tensor) || m.token_start != self.next_token[t] {
             return Err(Error::format(
@@ -233,7 +260,11 @@ impl<R: Read> StreamReader<R> {
             return Err(Error::format(at, "stream truncated inside the page"));
         }
         let stored_len = h.stored_len as usize;
-        check_zero_padding(&rest[stored_len..], self.header_len + off + 64 + stored_len as u64, at.clone())?;
+        check_zero_padding(
+            &rest[stored_len..],
+            self.header_len + off + 64 + stored_len as u64,
+            at.clone(),
+        )?;
         rest.truncate(stored_len);
         let page = PageView::from_stored(h, Cow::Owned(rest), number, what, &at)?;
         self.entries.push(IndexEntry {
@@ -250,7 +281,9 @@ impl<R: Read> StreamReader<R> {
     }
 
     fn read_commit(&mut self, fh: [u8; FRAME_HEADER_LEN]) -> Result<(Index, Trailer)> {
-        let at = Location::Index { generation: self.generation };
+        let at = Location::Index {
+            generation: self.generation,
+        };
         let h = Index::parse_header(&fh, &at, &self.limits)?;
         let align = self.header.align();
         let frame_len = (FRAME_HEADER_LEN as u64 + h.body_len).next_multiple_of(align);
@@ -260,10 +293,17 @@ impl<R: Read> StreamReader<R> {
             return Err(Error::format(at, "stream truncated inside the index"));
         }
         let body_len = h.body_len as usize;
-        check_zero_padding(&rest[body_len..], self.header_len + self.pos + 64 + h.body_len, at.clone())?;
+        check_zero_padding(
+            &rest[body_len..],
+            self.header_len + self.pos + 64 + h.body_len,
+            at.clone(),
+        )?;
         let idx = Index::parse_body(&h, &rest[..body_len], &at)?;
         if idx.generation != self.generation || idx.prev_index != self.prev_index {
-            return Err(Error::format(at, "index generation or previous-commit pointer is wrong"));
+            return Err(Error::format(
+                at,
+                "index generation or previous-commit pointer is wrong",
+            ));
         }
         if idx.entries != self.entries {
             return Err(Error::format(
@@ -276,9 +316,13 @@ impl<R: Read> StreamReader<R> {
             ));
         }
         if idx.generation == 0
-            && let Some(t) = (0..self.header.tensors.len()).find(|&t| idx.token_counts[t] != self.header.tensors[t].tokens)
+            && let Some(t) = (0..self.header.tensors.len())
+                .find(|&t| idx.token_counts[t] != self.header.tensors[t].tokens)
         {
-            return Err(Error::format(at, format!("tensor {t} token count differs from the header")));
+            return Err(Error::format(
+                at,
+                format!("tensor {t} token count differs from the header"),
+            ));
         }
         validate_index(&self.header, &idx, &self.gen_starts, self.pos)?;
         let index_offset = self.pos;
@@ -286,11 +330,22 @@ impl<R: Read> StreamReader<R> {
         let mut tb = [0u8; FRAME_HEADER_LEN];
         let toff = self.header_len + self.pos;
         if !read_full(&mut self.r, &mut tb, &|| Location::Trailer { offset: toff })? {
-            return Err(Error::format(Location::Trailer { offset: toff }, "stream ended before the trailer"));
+            return Err(Error::format(
+                Location::Trailer { offset: toff },
+                "stream ended before the trailer",
+            ));
         }
-        let tr = Trailer::parse(&tb, &Location::Trailer { offset: toff }, self.header_len, Some(self.pos + 64))?;
+        let tr = Trailer::parse(
+            &tb,
+            &Location::Trailer { offset: toff },
+            self.header_len,
+            Some(self.pos + 64),
+        )?;
         if tr.index_offset != index_offset || tr.generation != self.generation {
-            return Err(Error::format(Location::Trailer { offset: toff }, "trailer does not point to the index before it"));
+            return Err(Error::format(
+                Location::Trailer { offset: toff },
+                "trailer does not point to the index before it",
+            ));
         }
         self.pos += FRAME_HEADER_LEN as u64;
         self.prev_index = Some(index_offset);

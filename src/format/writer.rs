@@ -40,7 +40,8 @@ impl<W: Write> Writer<W> {
     /// failure.
     pub fn new(mut out: W, header: &FileHeader) -> Result<Writer<W>> {
         let bytes = header.encode()?;
-        out.write_all(&bytes).map_err(|e| Error::io("writing the kvpack header", e))?;
+        out.write_all(&bytes)
+            .map_err(|e| Error::io("writing the kvpack header", e))?;
         Ok(Writer {
             out,
             header_len: bytes.len() as u64,
@@ -62,11 +63,18 @@ impl<W: Write> Writer<W> {
     ///
     /// # Errors
     /// [`Error::Io`] when writing alignment padding fails.
-    pub fn resume(mut out: W, header: &FileHeader, header_len: u64, index: &Index, trailer: &Trailer) -> Result<Writer<W>> {
+    pub fn resume(
+        mut out: W,
+        header: &FileHeader,
+        header_len: u64,
+        index: &Index,
+        trailer: &Trailer,
+    ) -> Result<Writer<W>> {
         let align = header.align();
         let pos = super::align_up(trailer.commit_end, align);
         let pad = (pos - trailer.commit_end) as usize;
-        out.write_all(&vec![0u8; pad]).map_err(|e| Error::io("writing padding", e))?;
+        out.write_all(&vec![0u8; pad])
+            .map_err(|e| Error::io("writing padding", e))?;
         Ok(Writer {
             out,
             header_len,
@@ -92,7 +100,10 @@ impl<W: Write> Writer<W> {
         let m = frame.header.meta;
         let t = m.tensor as usize;
         if t >= self.next_token.len() {
-            return Err(Error::param(format!("page for tensor {t}, the file has {}", self.next_token.len())));
+            return Err(Error::param(format!(
+                "page for tensor {t}, the file has {}",
+                self.next_token.len()
+            )));
         }
         if self.last_tensor.is_some_and(|l| l > m.tensor) {
             return Err(Error::param(format!(
@@ -107,7 +118,7 @@ impl<W: Write> Writer<W> {
                 m.token_start, self.next_token[t]
             )));
         }
-        if frame.bytes.len() as u64 % self.align != 0 {
+        if !(frame.bytes.len() as u64).is_multiple_of(self.align) {
             return Err(Error::param("page frame was encoded for another alignment"));
         }
         self.out
@@ -162,7 +173,9 @@ impl<W: Write> Writer<W> {
             commit_end: self.pos + frame.len() as u64 + FRAME_HEADER_LEN as u64,
             header_len: self.header_len,
         };
-        self.out.write_all(&frame).map_err(|e| Error::io("writing the index", e))?;
+        self.out
+            .write_all(&frame)
+            .map_err(|e| Error::io("writing the index", e))?;
         self.out
             .write_all(&trailer.encode())
             .map_err(|e| Error::io("writing the trailer", e))?;

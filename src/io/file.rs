@@ -38,19 +38,27 @@ impl Deref for InputBytes {
 pub fn open_input(path: &str) -> Result<InputBytes> {
     if path == "-" {
         let mut v = Vec::new();
-        std::io::stdin().lock().read_to_end(&mut v).map_err(|e| Error::io("reading stdin", e))?;
+        std::io::stdin()
+            .lock()
+            .read_to_end(&mut v)
+            .map_err(|e| Error::io("reading stdin", e))?;
         return Ok(InputBytes::Owned(v));
     }
     let f = File::open(path).map_err(|e| Error::io(format!("opening {path}"), e))?;
-    let len = f.metadata().map_err(|e| Error::io(format!("reading metadata of {path}"), e))?.len();
+    let len = f
+        .metadata()
+        .map_err(|e| Error::io(format!("reading metadata of {path}"), e))?
+        .len();
     if len == 0 || !f.metadata().map(|m| m.is_file()).unwrap_or(false) {
         let mut v = Vec::new();
-        (&f).read_to_end(&mut v).map_err(|e| Error::io(format!("reading {path}"), e))?;
+        (&f).read_to_end(&mut v)
+            .map_err(|e| Error::io(format!("reading {path}"), e))?;
         return Ok(InputBytes::Owned(v));
     }
     // SAFETY: the map is read-only. Another process truncating the file
     // while it is mapped would fault; kvpack never does so (see above).
-    let m = unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(format!("mapping {path}"), e))?;
+    let m =
+        unsafe { memmap2::Mmap::map(&f) }.map_err(|e| Error::io(format!("mapping {path}"), e))?;
     Ok(InputBytes::Mapped(m))
 }
 
@@ -63,9 +71,16 @@ pub fn open_input(path: &str) -> Result<InputBytes> {
 /// [`Error::Parameter`] when `path` exists and `force` is false;
 /// [`Error::Io`] naming the path; any error of `fill` (the temporary file is
 /// then removed and `path` untouched).
-pub fn write_atomic(path: &Path, force: bool, fill: impl FnOnce(&mut dyn Write) -> Result<()>) -> Result<()> {
+pub fn write_atomic(
+    path: &Path,
+    force: bool,
+    fill: impl FnOnce(&mut dyn Write) -> Result<()>,
+) -> Result<()> {
     if !force && path.exists() {
-        return Err(Error::param(format!("{} exists; use --force to overwrite it", path.display())));
+        return Err(Error::param(format!(
+            "{} exists; use --force to overwrite it",
+            path.display()
+        )));
     }
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -78,9 +93,21 @@ pub fn write_atomic(path: &Path, force: bool, fill: impl FnOnce(&mut dyn Write) 
     {
         let mut w = BufWriter::with_capacity(1 << 20, tmp.as_file());
         fill(&mut w)?;
-        w.flush().map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+        w.flush()
+            .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
     }
-    tmp.as_file().sync_all().map_err(|e| Error::io(format!("syncing {}", path.display()), e))?;
-    let res = if force { tmp.persist(path).map(|_| ()) } else { tmp.persist_noclobber(path).map(|_| ()) };
-    res.map_err(|e| Error::io(format!("renaming the temporary file to {}", path.display()), e.error))
+    tmp.as_file()
+        .sync_all()
+        .map_err(|e| Error::io(format!("syncing {}", path.display()), e))?;
+    let res = if force {
+        tmp.persist(path).map(|_| ())
+    } else {
+        tmp.persist_noclobber(path).map(|_| ())
+    };
+    res.map_err(|e| {
+        Error::io(
+            format!("renaming the temporary file to {}", path.display()),
+            e.error,
+        )
+    })
 }

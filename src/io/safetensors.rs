@@ -13,7 +13,7 @@ use std::io::Write;
 
 use safetensors::{Dtype, SafeTensors};
 
-use crate::cache::{DType, KvCache, Kind, Tensor, TensorData, TensorInfo};
+use crate::cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use crate::error::{Error, Location, Result};
 
 /// Metadata key holding the token ids of the cached prefix.
@@ -81,7 +81,9 @@ fn classify(name: &str) -> Result<Name> {
                 )));
             }
         };
-        let layer = l.parse().map_err(|_| Error::param(format!("tensor {name}: layer {l:?} is not a number")))?;
+        let layer = l
+            .parse()
+            .map_err(|_| Error::param(format!("tensor {name}: layer {l:?} is not a number")))?;
         return Ok(Name::Kv(layer, kind));
     }
     if let Some(l) = name.strip_prefix("queries.")
@@ -100,8 +102,12 @@ fn classify(name: &str) -> Result<Name> {
 /// K or V of a layer, K/V shape mismatches, bad `kvpack.token_ids`, or no
 /// K/V tensors at all.
 pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
-    let st = SafeTensors::deserialize(bytes)
-        .map_err(|e| Error::format(Location::Input(source.to_string()), format!("not a valid safetensors file: {e}")))?;
+    let st = SafeTensors::deserialize(bytes).map_err(|e| {
+        Error::format(
+            Location::Input(source.to_string()),
+            format!("not a valid safetensors file: {e}"),
+        )
+    })?;
     let (_, meta) = SafeTensors::read_metadata(bytes)
         .map_err(|e| Error::format(Location::Input(source.to_string()), e.to_string()))?;
     let mut kv: BTreeMap<(u32, Kind), Tensor> = BTreeMap::new();
@@ -110,12 +116,18 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
     let mut names: Vec<_> = st.names().into_iter().map(str::to_string).collect();
     names.sort();
     for name in &names {
-        let view = st.tensor(name).map_err(|e| Error::format(Location::Input(name.clone()), e.to_string()))?;
+        let view = st
+            .tensor(name)
+            .map_err(|e| Error::format(Location::Input(name.clone()), e.to_string()))?;
         match classify(name)? {
             Name::Kv(layer, kind) => {
                 let dtype = dtype_of(view.dtype(), name)?;
                 let [b, h, t, d] = shape4(view.shape(), name)?;
-                let fits = |x: usize| u32::try_from(x).map_err(|_| Error::param(format!("tensor {name}: dimension {x} too large")));
+                let fits = |x: usize| {
+                    u32::try_from(x).map_err(|_| {
+                        Error::param(format!("tensor {name}: dimension {x} too large"))
+                    })
+                };
                 let info = TensorInfo {
                     name: name.clone(),
                     layer,
@@ -127,7 +139,10 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
                     head_dim: fits(d)?,
                 };
                 if b == 0 || h == 0 || d == 0 {
-                    return Err(Error::param(format!("tensor {name} has an empty axis: shape {:?}", view.shape())));
+                    return Err(Error::param(format!(
+                        "tensor {name} has an empty axis: shape {:?}",
+                        view.shape()
+                    )));
                 }
                 let data = TensorData::from_le_bytes(dtype, view.data())?;
                 kv.insert((layer, kind), Tensor::new(info, data)?);
@@ -151,7 +166,11 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
         )));
     }
     for ((layer, kind), t) in &kv {
-        let other = if *kind == Kind::Key { Kind::Value } else { Kind::Key };
+        let other = if *kind == Kind::Key {
+            Kind::Value
+        } else {
+            Kind::Key
+        };
         match kv.get(&(*layer, other)) {
             None => {
                 return Err(Error::param(format!(
@@ -172,15 +191,27 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
             }
         }
     }
-    let mut metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+    let mut metadata: BTreeMap<String, String> = meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
     let token_ids = match metadata.remove(TOKEN_IDS_KEY) {
-        Some(s) => serde_json::from_str::<Vec<u32>>(&s)
-            .map_err(|e| Error::param(format!("{source}: metadata {TOKEN_IDS_KEY} is not a JSON list of token ids: {e}")))?,
+        Some(s) => serde_json::from_str::<Vec<u32>>(&s).map_err(|e| {
+            Error::param(format!(
+                "{source}: metadata {TOKEN_IDS_KEY} is not a JSON list of token ids: {e}"
+            ))
+        })?,
         None => Vec::new(),
     };
     queries.sort_by_key(|q| q.layer);
     Ok(Loaded {
-        cache: KvCache { tensors: kv.into_values().collect(), metadata, token_ids },
+        cache: KvCache {
+            tensors: kv.into_values().collect(),
+            metadata,
+            token_ids,
+        },
         queries,
         ignored,
     })
@@ -201,10 +232,16 @@ fn st_dtype(d: DType) -> &'static str {
 /// [`Error::Io`] when writing fails.
 pub fn write(cache: &KvCache, w: &mut dyn Write) -> Result<()> {
     let mut header = serde_json::Map::new();
-    let mut meta: serde_json::Map<String, serde_json::Value> =
-        cache.metadata.iter().map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone()))).collect();
+    let mut meta: serde_json::Map<String, serde_json::Value> = cache
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+        .collect();
     if !cache.token_ids.is_empty() {
-        meta.insert(TOKEN_IDS_KEY.into(), serde_json::Value::String(serde_json::to_string(&cache.token_ids).expect("ints")));
+        meta.insert(
+            TOKEN_IDS_KEY.into(),
+            serde_json::Value::String(serde_json::to_string(&cache.token_ids).expect("ints")),
+        );
     }
     if !meta.is_empty() {
         header.insert("__metadata__".into(), serde_json::Value::Object(meta));

@@ -41,6 +41,24 @@ pub struct RowParams {
 /// [`Error::Parameter`] when the row contains NaN or ±inf (a quantizing
 /// codec cannot represent it; the caller adds the location).
 pub fn min_max(x: &[f32]) -> Result<(f32, f32)> {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd_available() {
+        // SAFETY: AVX2 availability checked.
+        let (lo, hi, ok) = unsafe { super::x86::min_max(x) };
+        return if ok { Ok((lo, hi)) } else { Err(non_finite()) };
+    }
+    min_max_scalar(x)
+}
+
+fn non_finite() -> Error {
+    Error::param("non-finite value (NaN or inf) in a row to quantize")
+}
+
+/// Portable reference of [`min_max`].
+///
+/// # Errors
+/// As [`min_max`].
+pub fn min_max_scalar(x: &[f32]) -> Result<(f32, f32)> {
     let mut mn = [f32::INFINITY; 8];
     let mut mx = [f32::NEG_INFINITY; 8];
     let mut bad = [0.0f32; 8];
@@ -67,7 +85,7 @@ pub fn min_max(x: &[f32]) -> Result<(f32, f32)> {
         b += v * 0.0;
     }
     if b != 0.0 || b.is_nan() {
-        return Err(Error::param("non-finite value (NaN or inf) in a row to quantize"));
+        return Err(non_finite());
     }
     Ok((lo, hi))
 }
@@ -110,6 +128,14 @@ pub fn quantize_row(x: &[f32], bits: u32, packed: &mut [u8]) -> Result<RowParams
     let (mn, mx) = min_max(x)?;
     let levels = (1u32 << bits) - 1;
     let (p, inv) = params(mn, mx, levels);
+    #[cfg(target_arch = "x86_64")]
+    if bits == 4 && x.len().is_multiple_of(32) && super::simd_available() {
+        // SAFETY: AVX2 checked; x.len() is a multiple of 32 and
+        // packed.len() == x.len() / 2 is asserted by pack_u8's contract below.
+        assert_eq!(packed.len(), x.len() / 2);
+        unsafe { super::x86::quantize_pack4(x, inv, p.zero, packed) };
+        return Ok(p);
+    }
     let mut codes = [0u8; 1024];
     let codes = &mut codes[..x.len()];
     quantize_codes(x, inv, p.zero, levels, codes);
@@ -123,6 +149,13 @@ pub fn quantize_row(x: &[f32], bits: u32, packed: &mut [u8]) -> Result<RowParams
 /// # Panics
 /// If `packed` is too short or `out.len() > 1024`.
 pub fn dequantize_row(packed: &[u8], bits: u32, p: RowParams, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if bits == 4 && out.len().is_multiple_of(8) && super::simd_available() {
+        assert!(packed.len() >= out.len() / 2);
+        // SAFETY: AVX2 checked; lengths asserted above.
+        unsafe { super::x86::dequant4(packed, p.scale, p.zero, out) };
+        return;
+    }
     if bits == 4 {
         dequantize_row_4bit(packed, p, out);
         return;

@@ -20,7 +20,11 @@ pub fn packed_len(n: usize, bits: u32) -> usize {
 pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
     assert!((1..=32).contains(&bits));
     assert_eq!(out.len(), packed_len(codes.len(), bits));
-    let mask = if bits == 32 { u64::from(u32::MAX) } else { (1u64 << bits) - 1 };
+    let mask = if bits == 32 {
+        u64::from(u32::MAX)
+    } else {
+        (1u64 << bits) - 1
+    };
     let mut acc: u64 = 0;
     let mut nacc = 0u32;
     let mut o = 0;
@@ -46,7 +50,11 @@ pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
 pub fn unpack_u32(packed: &[u8], bits: u32, out: &mut [u32]) {
     assert!((1..=32).contains(&bits));
     assert!(packed.len() >= packed_len(out.len(), bits));
-    let mask = if bits == 32 { u64::from(u32::MAX) } else { (1u64 << bits) - 1 };
+    let mask = if bits == 32 {
+        u64::from(u32::MAX)
+    } else {
+        (1u64 << bits) - 1
+    };
     let mut acc: u64 = 0;
     let mut nacc = 0u32;
     let mut i = 0;

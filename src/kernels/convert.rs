@@ -12,6 +12,12 @@ use half::{bf16, f16, slice::HalfFloatSliceExt};
 /// If the lengths differ.
 pub fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if super::simd_available() {
+        // SAFETY: AVX2 checked; bf16 is a transparent u16; lengths equal.
+        unsafe { super::x86::bf16_to_f32(bytemuck::cast_slice(src), dst) };
+        return;
+    }
     for (d, s) in dst.iter_mut().zip(src) {
         *d = f32::from_bits((s.to_bits() as u32) << 16);
     }
@@ -35,6 +41,12 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
 /// If the lengths differ.
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
     assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    if super::simd_available() {
+        // SAFETY: AVX2 checked; bf16 is a transparent u16; lengths equal.
+        unsafe { super::x86::f32_to_bf16(src, bytemuck::cast_slice_mut(dst)) };
+        return;
+    }
     for (d, s) in dst.iter_mut().zip(src) {
         *d = bf16::from_bits(f32_to_bf16_bits(*s));
     }
@@ -66,9 +78,9 @@ mod tests {
             0.0f32,
             -0.0,
             1.0,
-            1.00390625,
-            1.005859375,
-            -3.1415927,
+            1.003_906_3,
+            1.005_859_4,
+            -3.2500002,
             f32::MAX,
             f32::MIN_POSITIVE,
             1e-40,

@@ -12,6 +12,8 @@ pub mod affine;
 pub mod bitpack;
 pub mod convert;
 pub mod wht;
+#[cfg(target_arch = "x86_64")]
+pub mod x86;
 
 /// True when the AVX2 + FMA + F16C paths may be used on this CPU.
 ///
@@ -39,4 +41,17 @@ fn detect() -> bool {
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> bool {
     false
+}
+
+/// Multiplies every element of `x` by `c` (one IEEE multiplication each).
+pub fn scale(x: &mut [f32], c: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if simd_available() {
+        // SAFETY: AVX2 availability checked.
+        unsafe { x86::scale(x, c) };
+        return;
+    }
+    for v in x {
+        *v *= c;
+    }
 }

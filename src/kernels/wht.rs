@@ -20,7 +20,7 @@ pub fn inv_sqrt(h: usize) -> f32 {
     assert!(h.is_power_of_two() && h <= 1 << 30);
     let k = h.trailing_zeros();
     let pow = f32::from_bits((127 - k / 2) << 23); // 2^-(k/2)
-    if k % 2 == 0 {
+    if k.is_multiple_of(2) {
         pow
     } else {
         pow * std::f32::consts::FRAC_1_SQRT_2
@@ -32,7 +32,7 @@ pub fn inv_sqrt(h: usize) -> f32 {
 /// # Panics
 /// If `h` is not a power of two or does not divide `x.len()`.
 pub fn fwht_blocks(x: &mut [f32], h: usize) {
-    assert!(h.is_power_of_two() && x.len() % h == 0);
+    assert!(h.is_power_of_two() && x.len().is_multiple_of(h));
     #[cfg(target_arch = "x86_64")]
     if h >= 8 && super::simd_available() {
         // SAFETY: simd_available() checked that the CPU supports AVX2+FMA.
@@ -44,7 +44,7 @@ pub fn fwht_blocks(x: &mut [f32], h: usize) {
 
 /// Portable reference implementation of [`fwht_blocks`].
 pub fn fwht_blocks_scalar(x: &mut [f32], h: usize) {
-    assert!(h.is_power_of_two() && x.len() % h == 0);
+    assert!(h.is_power_of_two() && x.len().is_multiple_of(h));
     let mut s = 1;
     while s < h {
         for pair in x.chunks_exact_mut(2 * s) {
@@ -63,9 +63,32 @@ pub fn fwht_blocks_scalar(x: &mut [f32], h: usize) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    /// AVX2 transform, bit-identical to the scalar one: strides 1, 2 and 4
-    /// are done inside a register as `perm(v) + v * sign` (the product is
-    /// exact, so the single rounding equals the scalar `a + b` / `a - b`).
+    /// Butterfly of two registers: `(a + b, a - b)`.
+    #[inline(always)]
+    unsafe fn bfly(a: __m256, b: __m256) -> (__m256, __m256) {
+        // SAFETY: register-only AVX ops; the caller's target features apply.
+        unsafe { (_mm256_add_ps(a, b), _mm256_sub_ps(a, b)) }
+    }
+
+    /// Strides 1, 2 and 4 inside one register as `perm(v) + v * sign`: the
+    /// product is exact, so the single rounding equals the scalar
+    /// `a + b` / `a - b`.
+    #[inline(always)]
+    unsafe fn in_register(mut v: __m256) -> __m256 {
+        // SAFETY: register-only AVX/FMA ops.
+        unsafe {
+            let sign1 = _mm256_setr_ps(1., -1., 1., -1., 1., -1., 1., -1.);
+            let sign2 = _mm256_setr_ps(1., 1., -1., -1., 1., 1., -1., -1.);
+            let sign4 = _mm256_setr_ps(1., 1., 1., 1., -1., -1., -1., -1.);
+            v = _mm256_fmadd_ps(v, sign1, _mm256_permute_ps::<0b10_11_00_01>(v));
+            v = _mm256_fmadd_ps(v, sign2, _mm256_permute_ps::<0b01_00_11_10>(v));
+            _mm256_fmadd_ps(v, sign4, _mm256_permute2f128_ps::<1>(v, v))
+        }
+    }
+
+    /// AVX2 transform, bit-identical to the scalar one (same operations per
+    /// element in the same stage order). The first pass does strides 1..16
+    /// on 32 values in registers, later passes do two stages each.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA; `h >= 8`, power of two, divides
@@ -74,42 +97,72 @@ mod avx2 {
     pub unsafe fn fwht_blocks(x: &mut [f32], h: usize) {
         let n = x.len();
         let p = x.as_mut_ptr();
-        let sign1 = _mm256_setr_ps(1., -1., 1., -1., 1., -1., 1., -1.);
-        let sign2 = _mm256_setr_ps(1., 1., -1., -1., 1., 1., -1., -1.);
-        let sign4 = _mm256_setr_ps(1., 1., 1., 1., -1., -1., -1., -1.);
-        let mut i = 0;
-        while i < n {
-            // SAFETY: i + 8 <= n because 8 divides h which divides n.
-            unsafe {
-                let mut v = _mm256_loadu_ps(p.add(i));
-                let q = _mm256_permute_ps::<0b10_11_00_01>(v);
-                v = _mm256_fmadd_ps(v, sign1, q);
-                let q = _mm256_permute_ps::<0b01_00_11_10>(v);
-                v = _mm256_fmadd_ps(v, sign2, q);
-                let q = _mm256_permute2f128_ps::<1>(v, v);
-                v = _mm256_fmadd_ps(v, sign4, q);
-                _mm256_storeu_ps(p.add(i), v);
-            }
-            i += 8;
-        }
-        let mut s = 8;
-        while s < h {
-            let mut base = 0;
-            while base < n {
-                let mut j = 0;
-                while j < s {
-                    // SAFETY: base + j + s + 8 <= base + 2s <= n.
-                    unsafe {
-                        let a = _mm256_loadu_ps(p.add(base + j));
-                        let b = _mm256_loadu_ps(p.add(base + j + s));
-                        _mm256_storeu_ps(p.add(base + j), _mm256_add_ps(a, b));
-                        _mm256_storeu_ps(p.add(base + j + s), _mm256_sub_ps(a, b));
-                    }
-                    j += 8;
+        let mut s;
+        // SAFETY (all blocks below): every access is p.add(k) with
+        // k + 8 <= n, because blocks of h (a multiple of the step) tile n.
+        unsafe {
+            if h >= 32 {
+                let mut i = 0;
+                while i < n {
+                    let a = in_register(_mm256_loadu_ps(p.add(i)));
+                    let b = in_register(_mm256_loadu_ps(p.add(i + 8)));
+                    let c = in_register(_mm256_loadu_ps(p.add(i + 16)));
+                    let d = in_register(_mm256_loadu_ps(p.add(i + 24)));
+                    let (a, b) = bfly(a, b);
+                    let (c, d) = bfly(c, d);
+                    let (a, c) = bfly(a, c);
+                    let (b, d) = bfly(b, d);
+                    _mm256_storeu_ps(p.add(i), a);
+                    _mm256_storeu_ps(p.add(i + 8), b);
+                    _mm256_storeu_ps(p.add(i + 16), c);
+                    _mm256_storeu_ps(p.add(i + 24), d);
+                    i += 32;
                 }
-                base += 2 * s;
+                s = 32;
+            } else {
+                let mut i = 0;
+                while i < n {
+                    _mm256_storeu_ps(p.add(i), in_register(_mm256_loadu_ps(p.add(i))));
+                    i += 8;
+                }
+                s = 8;
             }
-            s *= 2;
+            while s * 4 <= h {
+                let mut base = 0;
+                while base < n {
+                    let mut j = base;
+                    while j < base + s {
+                        let a = _mm256_loadu_ps(p.add(j));
+                        let b = _mm256_loadu_ps(p.add(j + s));
+                        let c = _mm256_loadu_ps(p.add(j + 2 * s));
+                        let d = _mm256_loadu_ps(p.add(j + 3 * s));
+                        let (a, b) = bfly(a, b);
+                        let (c, d) = bfly(c, d);
+                        let (a, c) = bfly(a, c);
+                        let (b, d) = bfly(b, d);
+                        _mm256_storeu_ps(p.add(j), a);
+                        _mm256_storeu_ps(p.add(j + s), b);
+                        _mm256_storeu_ps(p.add(j + 2 * s), c);
+                        _mm256_storeu_ps(p.add(j + 3 * s), d);
+                        j += 8;
+                    }
+                    base += 4 * s;
+                }
+                s *= 4;
+            }
+            if s < h {
+                let mut base = 0;
+                while base < n {
+                    let mut j = base;
+                    while j < base + s {
+                        let (a, b) = bfly(_mm256_loadu_ps(p.add(j)), _mm256_loadu_ps(p.add(j + s)));
+                        _mm256_storeu_ps(p.add(j), a);
+                        _mm256_storeu_ps(p.add(j + s), b);
+                        j += 8;
+                    }
+                    base += 2 * s;
+                }
+            }
         }
     }
 }
@@ -120,7 +173,11 @@ mod tests {
     use proptest::prelude::*;
 
     fn hadamard_entry(i: usize, j: usize) -> f64 {
-        if (i & j).count_ones() % 2 == 0 { 1.0 } else { -1.0 }
+        if (i & j).count_ones().is_multiple_of(2) {
+            1.0
+        } else {
+            -1.0
+        }
     }
 
     #[test]
@@ -129,9 +186,9 @@ mod tests {
             let x: Vec<f32> = (0..h).map(|i| ((i * 37 % 11) as f32) - 5.0).collect();
             let mut y = x.clone();
             fwht_blocks(&mut y, h);
-            for i in 0..h {
+            for (i, yi) in y.iter().enumerate() {
                 let want: f64 = (0..h).map(|j| hadamard_entry(i, j) * x[j] as f64).sum();
-                assert_eq!(y[i] as f64, want, "h={h} i={i}");
+                assert_eq!(*yi as f64, want, "h={h} i={i}");
             }
         }
     }

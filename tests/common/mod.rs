@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 use half::{bf16, f16};
-use kvpack::cache::{DType, KvCache, Kind, Tensor, TensorData, TensorInfo};
+use kvpack::cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use kvpack::compress::{CompressOptions, compress};
 use kvpack::plan::Layout;
 
@@ -48,7 +48,10 @@ pub fn synthetic(layers: &[LayerSpec], dtype: DType, seed: u64) -> KvCache {
     for (l, s) in layers.iter().enumerate() {
         for kind in [Kind::Key, Kind::Value] {
             let info = TensorInfo {
-                name: format!("past_key_values.{l}.{}", if kind == Kind::Key { "key" } else { "value" }),
+                name: format!(
+                    "past_key_values.{l}.{}",
+                    if kind == Kind::Key { "key" } else { "value" }
+                ),
                 layer: l as u32,
                 kind,
                 dtype,
@@ -62,7 +65,11 @@ pub fn synthetic(layers: &[LayerSpec], dtype: DType, seed: u64) -> KvCache {
             let vals: Vec<f32> = (0..n)
                 .map(|i| {
                     let ch = i % d;
-                    let boost = if kind == Kind::Key && ch % 17 == 3 { 8.0 } else { 1.0 };
+                    let boost = if kind == Kind::Key && ch % 17 == 3 {
+                        8.0
+                    } else {
+                        1.0
+                    };
                     (rng.normal() * boost) as f32
                 })
                 .collect();
@@ -74,17 +81,28 @@ pub fn synthetic(layers: &[LayerSpec], dtype: DType, seed: u64) -> KvCache {
             tensors.push(Tensor::new(info, data).unwrap());
         }
     }
-    let mut c = KvCache { tensors, ..Default::default() };
+    let mut c = KvCache {
+        tensors,
+        ..Default::default()
+    };
     c.metadata.insert("kvpack.model".into(), "synthetic".into());
-    c.token_ids = (0..layers.iter().map(|l| l.tokens).max().unwrap_or(0)).map(|i| i * 7 + 1).collect();
+    c.token_ids = (0..layers.iter().map(|l| l.tokens).max().unwrap_or(0))
+        .map(|i| i * 7 + 1)
+        .collect();
     c
 }
 
 /// Compresses into memory.
 pub fn compress_bytes(cache: &KvCache, codec: &str, layout: Layout, zstd: Option<i32>) -> Vec<u8> {
     let codec = kvpack::codec::parse(codec).unwrap();
-    let opts = CompressOptions { layout, zstd_level: zstd, ..Default::default() };
-    compress(cache, codec.as_ref(), &opts, Vec::new(), &|_| {}).unwrap().0
+    let opts = CompressOptions {
+        layout,
+        zstd_level: zstd,
+        ..Default::default()
+    };
+    compress(cache, codec.as_ref(), &opts, Vec::new(), &|_| {})
+        .unwrap()
+        .0
 }
 
 /// Path of a file under the repository root.
@@ -104,7 +122,10 @@ pub fn fixture() -> kvpack::io::safetensors::Loaded {
 /// SHA-256 hex of `b`.
 pub fn sha256(b: &[u8]) -> String {
     use sha2::Digest;
-    sha2::Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+    sha2::Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
 }
 
 /// The golden-vector digest input: every tensor as little-endian f32.

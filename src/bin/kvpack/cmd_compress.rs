@@ -68,11 +68,19 @@ pub fn run(a: Args) -> Result<u8> {
     let cache = loaded.cache;
     let out_name = match &a.output {
         Some(o) => o.clone(),
-        None if a.input == "-" => anyhow::bail!(kvpack::Error::param("reading stdin needs -o OUTPUT (or -o - for stdout)")),
-        None => output::with_extension(&a.input, "kvpack").display().to_string(),
+        None if a.input == "-" => anyhow::bail!(kvpack::Error::param(
+            "reading stdin needs -o OUTPUT (or -o - for stdout)"
+        )),
+        None => output::with_extension(&a.input, "kvpack")
+            .display()
+            .to_string(),
     };
     let opts = CompressOptions {
-        layout: Layout { page_tokens: a.page_tokens, sink: a.sink, recent: a.recent },
+        layout: Layout {
+            page_tokens: a.page_tokens,
+            sink: a.sink,
+            recent: a.recent,
+        },
         zstd_level: a.zstd,
         align_log2: a.align.trailing_zeros() as u8,
     };
@@ -80,7 +88,13 @@ pub fn run(a: Args) -> Result<u8> {
     let progress = |n: u64| pb.set_position(n);
     let report = if out_name == "-" {
         let stdout = std::io::stdout().lock();
-        let (mut w, r) = compress(&cache, codec.as_ref(), &opts, std::io::BufWriter::new(stdout), &progress)?;
+        let (mut w, r) = compress(
+            &cache,
+            codec.as_ref(),
+            &opts,
+            std::io::BufWriter::new(stdout),
+            &progress,
+        )?;
         w.flush().context("writing stdout")?;
         r
     } else {
@@ -114,14 +128,26 @@ pub fn run(a: Args) -> Result<u8> {
         });
         output::print_json(&v, out_name == "-");
     } else if !a.quiet {
-        let tokens: Vec<u32> = cache.tensors.iter().step_by(2).map(|t| t.info.tokens).collect();
-        let (tmin, tmax) = (tokens.iter().min().copied().unwrap_or(0), tokens.iter().max().copied().unwrap_or(0));
+        let tokens: Vec<u32> = cache
+            .tensors
+            .iter()
+            .step_by(2)
+            .map(|t| t.info.tokens)
+            .collect();
+        let (tmin, tmax) = (
+            tokens.iter().min().copied().unwrap_or(0),
+            tokens.iter().max().copied().unwrap_or(0),
+        );
         eprintln!(
             "{} -> {}: {} layers, {} tokens/layer, codec {}, {} pages ({} raw)",
             a.input,
             out_name,
             cache.layers(),
-            if tmin == tmax { tmin.to_string() } else { format!("{tmin}..{tmax}") },
+            if tmin == tmax {
+                tmin.to_string()
+            } else {
+                format!("{tmin}..{tmax}")
+            },
             report.codec,
             report.pages,
             report.raw_pages
@@ -136,7 +162,11 @@ pub fn run(a: Args) -> Result<u8> {
             gbps
         );
         if !loaded.ignored.is_empty() {
-            eprintln!("note: {} non-KV tensors not stored (e.g. {})", loaded.ignored.len(), loaded.ignored[0]);
+            eprintln!(
+                "note: {} non-KV tensors not stored (e.g. {})",
+                loaded.ignored.len(),
+                loaded.ignored[0]
+            );
         }
     }
     Ok(crate::EXIT_OK)

@@ -50,7 +50,10 @@ pub fn run(a: Args) -> Result<u8> {
     let sel = Selection {
         layers: a.layers.as_deref().map(parse_range).transpose()?,
         tokens: a.tokens.as_deref().map(parse_range).transpose()?,
-        kind: a.kind.as_deref().map(|k| if k == "k" { Kind::Key } else { Kind::Value }),
+        kind: a
+            .kind
+            .as_deref()
+            .map(|k| if k == "k" { Kind::Key } else { Kind::Value }),
     };
     let dtype = a.dtype.as_deref().map(DType::parse).transpose()?;
     let input = file::open_input(&a.input)?;
@@ -64,15 +67,21 @@ pub fn run(a: Args) -> Result<u8> {
     }
     let out_name = match &a.output {
         Some(o) => o.clone(),
-        None if a.input == "-" => anyhow::bail!(kvpack::Error::param("reading stdin needs -o OUTPUT (or -o - for stdout)")),
-        None => output::with_extension(&a.input, "safetensors").display().to_string(),
+        None if a.input == "-" => anyhow::bail!(kvpack::Error::param(
+            "reading stdin needs -o OUTPUT (or -o - for stdout)"
+        )),
+        None => output::with_extension(&a.input, "safetensors")
+            .display()
+            .to_string(),
     };
     if out_name == "-" {
         let mut w = std::io::BufWriter::new(std::io::stdout().lock());
         safetensors::write(&cache, &mut w)?;
         w.flush().context("writing stdout")?;
     } else {
-        file::write_atomic(&PathBuf::from(&out_name), a.force, |w| safetensors::write(&cache, w))?;
+        file::write_atomic(&PathBuf::from(&out_name), a.force, |w| {
+            safetensors::write(&cache, w)
+        })?;
     }
     let out_bytes = cache.source_bytes();
     let pages = stats.pages.load(std::sync::atomic::Ordering::Relaxed);

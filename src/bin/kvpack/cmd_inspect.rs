@@ -52,9 +52,16 @@ pub fn run(a: Args) -> Result<u8> {
         p.1 += e.frame_len;
     }
     let elements: u64 = tensors.iter().map(TensorInfo::elements).sum();
-    let source: u64 = tensors.iter().map(|t| t.elements() * t.dtype.size() as u64).sum();
+    let source: u64 = tensors
+        .iter()
+        .map(|t| t.elements() * t.dtype.size() as u64)
+        .sum();
     let file_bytes = r.committed_len();
-    let bpe = if elements == 0 { 0.0 } else { 8.0 * file_bytes as f64 / elements as f64 };
+    let bpe = if elements == 0 {
+        0.0
+    } else {
+        8.0 * file_bytes as f64 / elements as f64
+    };
     let codecs: Vec<_> = ar
         .codecs()
         .iter()
@@ -125,7 +132,13 @@ pub fn run(a: Args) -> Result<u8> {
         output::print_json(&v, false);
         return Ok(crate::EXIT_OK);
     }
-    println!("{}: kvpack format {}.{}, {}", a.file, h.version_major, h.version_minor, output::bytes(file_bytes));
+    println!(
+        "{}: kvpack format {}.{}, {}",
+        a.file,
+        h.version_major,
+        h.version_minor,
+        output::bytes(file_bytes)
+    );
     println!(
         "  commits: {} (latest generation {}), alignment {} B, page {} tokens, sink {}, recent {}",
         idx.generation + 1,
@@ -136,24 +149,43 @@ pub fn run(a: Args) -> Result<u8> {
         h.recent_tokens
     );
     if r.torn_tail() > 0 {
-        println!("  warning: {} bytes after the last commit are an interrupted append (ignored)", r.torn_tail());
+        println!(
+            "  warning: {} bytes after the last commit are an interrupted append (ignored)",
+            r.torn_tail()
+        );
     }
     if let Some(m) = h.metadata.get("kvpack.model") {
         println!("  model: {m}");
     }
     if !idx.token_ids.is_empty() {
-        let head: Vec<String> = idx.token_ids.iter().take(8).map(|t| t.to_string()).collect();
-        println!("  prompt: {} token ids [{}{}]", idx.token_ids.len(), head.join(", "), if idx.token_ids.len() > 8 { ", ..." } else { "" });
+        let head: Vec<String> = idx
+            .token_ids
+            .iter()
+            .take(8)
+            .map(|t| t.to_string())
+            .collect();
+        println!(
+            "  prompt: {} token ids [{}{}]",
+            idx.token_ids.len(),
+            head.join(", "),
+            if idx.token_ids.len() > 8 { ", ..." } else { "" }
+        );
     }
     println!("  codecs:");
     for c in &codecs {
         println!(
             "    slot {}: {} (id {}, params {}), {:.3} bits/element nominal",
-            c["slot"], c["name"].as_str().unwrap_or(""), c["id"], c["params_hex"].as_str().unwrap_or(""),
+            c["slot"],
+            c["name"].as_str().unwrap_or(""),
+            c["id"],
+            c["params_hex"].as_str().unwrap_or(""),
             c["nominal_bits_per_element"].as_f64().unwrap_or(0.0)
         );
     }
-    println!("  {:>5} {:>2} {:>6} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9}", "layer", "", "dtype", "heads", "head_dim", "tokens", "pages", "bytes", "bits/elem");
+    println!(
+        "  {:>5} {:>2} {:>6} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9}",
+        "layer", "", "dtype", "heads", "head_dim", "tokens", "pages", "bytes", "bits/elem"
+    );
     for (t, j) in tensors.iter().zip(&tjson) {
         println!(
             "  {:>5} {:>2} {:>6} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9.3}",
@@ -180,15 +212,29 @@ pub fn run(a: Args) -> Result<u8> {
     if !h.metadata.is_empty() {
         println!("  metadata:");
         for (k, v) in &h.metadata {
-            let v = if v.len() > 80 { format!("{}...", &v[..v.floor_char_boundary(77)]) } else { v.clone() };
+            let v = if v.len() > 80 {
+                format!("{}...", &v[..v.floor_char_boundary(77)])
+            } else {
+                v.clone()
+            };
             println!("    {k} = {v}");
         }
     }
     for p in &pages_json {
         println!(
             "  page {:>4} @{:>10} {:>8} B {} tokens {}+{} slot {}{}",
-            p["page"], p["offset"], p["frame_bytes"], p["tensor"].as_str().unwrap_or(""), p["token_start"], p["tokens"], p["codec_slot"],
-            if p["zstd"].as_bool() == Some(true) { " zstd" } else { "" }
+            p["page"],
+            p["offset"],
+            p["frame_bytes"],
+            p["tensor"].as_str().unwrap_or(""),
+            p["token_start"],
+            p["tokens"],
+            p["codec_slot"],
+            if p["zstd"].as_bool() == Some(true) {
+                " zstd"
+            } else {
+                ""
+            }
         );
         for s in p["sections"].as_array().into_iter().flatten() {
             println!("        {}", s);
@@ -198,7 +244,10 @@ pub fn run(a: Args) -> Result<u8> {
 }
 
 pub fn codecs(a: CodecsArgs) -> Result<u8> {
-    let examples = ["raw", "int2", "int3", "int4", "int8", "bdr16", "bdr32", "bdr64", "bdr128", "bdr256", "bdr128:k"];
+    let examples = [
+        "raw", "int2", "int3", "int4", "int8", "bdr16", "bdr32", "bdr64", "bdr128", "bdr256",
+        "bdr128:k",
+    ];
     let shape = |d: u32| TensorInfo {
         name: String::new(),
         layer: 0,
@@ -215,7 +264,10 @@ pub fn codecs(a: CodecsArgs) -> Result<u8> {
         .map(|c| json!({"name": c.name(), "id": c.id(), "bits_per_element_d128": c.bits_per_element(&shape(128)), "bits_per_element_d256": c.bits_per_element(&shape(256))}))
         .collect();
     if a.json {
-        let fams: Vec<_> = FAMILIES.iter().map(|f| json!({"id": f.id, "name": f.name, "syntax": f.syntax, "summary": f.summary})).collect();
+        let fams: Vec<_> = FAMILIES
+            .iter()
+            .map(|f| json!({"id": f.id, "name": f.name, "syntax": f.syntax, "summary": f.summary}))
+            .collect();
         output::print_json(&json!({"families": fams, "examples": rows}), false);
         return Ok(crate::EXIT_OK);
     }

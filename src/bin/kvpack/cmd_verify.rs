@@ -68,8 +68,12 @@ pub fn run(a: Args) -> Result<u8> {
             Ok(dec) => {
                 if let Some(orig) = &original {
                     for o in &orig.cache.tensors {
-                        let Some(d) = dec.tensors.iter().find(|d| d.info.name == o.info.name) else {
-                            problems.push(format!("{} is in the original but not in {}", o.info.name, a.file));
+                        let Some(d) = dec.tensors.iter().find(|d| d.info.name == o.info.name)
+                        else {
+                            problems.push(format!(
+                                "{} is in the original but not in {}",
+                                o.info.name, a.file
+                            ));
                             continue;
                         };
                         match metrics::tensor_error(o, d) {
@@ -77,7 +81,10 @@ pub fn run(a: Args) -> Result<u8> {
                                 if let Some(c) = a.min_cosine
                                     && m.cosine < c
                                 {
-                                    problems.push(format!("{}: cosine {:.6} below {c}", o.info.name, m.cosine));
+                                    problems.push(format!(
+                                        "{}: cosine {:.6} below {c}",
+                                        o.info.name, m.cosine
+                                    ));
                                 }
                                 rows.push((o.info.layer, o.info.kind, m));
                             }
@@ -85,22 +92,35 @@ pub fn run(a: Args) -> Result<u8> {
                         }
                     }
                     if dec.tensors.len() != orig.cache.tensors.len() {
-                        problems.push(format!("{} has {} tensors, the original {}", a.file, dec.tensors.len(), orig.cache.tensors.len()));
+                        problems.push(format!(
+                            "{} has {} tensors, the original {}",
+                            a.file,
+                            dec.tensors.len(),
+                            orig.cache.tensors.len()
+                        ));
                     }
-                    let meta_scale = orig.cache.metadata.get(safetensors::ATTN_SCALE_KEY).and_then(|s| s.parse::<f64>().ok());
+                    let meta_scale = orig
+                        .cache
+                        .metadata
+                        .get(safetensors::ATTN_SCALE_KEY)
+                        .and_then(|s| s.parse::<f64>().ok());
                     for q in &orig.queries {
                         let k = orig.cache.get(q.layer, kvpack::Kind::Key);
                         let v = orig.cache.get(q.layer, kvpack::Kind::Value);
                         let k2 = dec.get(q.layer, kvpack::Kind::Key);
                         let v2 = dec.get(q.layer, kvpack::Kind::Value);
                         if let (Some(k), Some(v), Some(k2), Some(v2)) = (k, v, k2, v2) {
-                            let scale = meta_scale.unwrap_or(1.0 / f64::from(k.info.head_dim).sqrt());
+                            let scale =
+                                meta_scale.unwrap_or(1.0 / f64::from(k.info.head_dim).sqrt());
                             match metrics::attention_error(q, k, v, k2, v2, scale) {
                                 Ok(e) => {
                                     if let Some(m) = a.max_attn_err
                                         && e > m
                                     {
-                                        problems.push(format!("layer {}: attention error {e:.6} above {m}", q.layer));
+                                        problems.push(format!(
+                                            "layer {}: attention error {e:.6} above {m}",
+                                            q.layer
+                                        ));
                                     }
                                     attn.push((q.layer, e));
                                 }
@@ -114,10 +134,22 @@ pub fn run(a: Args) -> Result<u8> {
     }
     let ok = problems.is_empty();
     let mean = |kind: kvpack::Kind, f: fn(&metrics::TensorError) -> f64| {
-        let v: Vec<f64> = rows.iter().filter(|r| r.1 == kind).map(|r| f(&r.2)).collect();
-        if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 }
+        let v: Vec<f64> = rows
+            .iter()
+            .filter(|r| r.1 == kind)
+            .map(|r| f(&r.2))
+            .collect();
+        if v.is_empty() {
+            f64::NAN
+        } else {
+            v.iter().sum::<f64>() / v.len() as f64
+        }
     };
-    let attn_mean = if attn.is_empty() { f64::NAN } else { attn.iter().map(|a| a.1).sum::<f64>() / attn.len() as f64 };
+    let attn_mean = if attn.is_empty() {
+        f64::NAN
+    } else {
+        attn.iter().map(|a| a.1).sum::<f64>() / attn.len() as f64
+    };
     if a.json {
         report["ok"] = json!(ok);
         report["problems"] = json!(problems);
@@ -126,7 +158,11 @@ pub fn run(a: Args) -> Result<u8> {
                 .iter()
                 .map(|(l, k, m)| json!({"layer": l, "kind": k.letter(), "rel_mse": m.rel_mse, "snr_db": m.snr_db, "cosine": m.cosine, "min_cosine": m.min_cosine, "max_abs_err": m.max_abs_err}))
                 .collect::<Vec<_>>());
-            report["attention"] = json!(attn.iter().map(|(l, e)| json!({"layer": l, "rel_err": e})).collect::<Vec<_>>());
+            report["attention"] = json!(
+                attn.iter()
+                    .map(|(l, e)| json!({"layer": l, "rel_err": e}))
+                    .collect::<Vec<_>>()
+            );
             report["summary"] = json!({
                 "k_rel_mse": mean(kvpack::Kind::Key, |m| m.rel_mse), "v_rel_mse": mean(kvpack::Kind::Value, |m| m.rel_mse),
                 "k_snr_db": mean(kvpack::Kind::Key, |m| m.snr_db), "v_snr_db": mean(kvpack::Kind::Value, |m| m.snr_db),
@@ -146,14 +182,36 @@ pub fn run(a: Args) -> Result<u8> {
                 report["bits_per_element"].as_f64().unwrap_or(0.0)
             );
             if r.torn_tail() > 0 {
-                println!("  note: {} bytes after the last commit belong to an interrupted append and are ignored", r.torn_tail());
+                println!(
+                    "  note: {} bytes after the last commit belong to an interrupted append and are ignored",
+                    r.torn_tail()
+                );
             }
         }
         if original.is_some() && !rows.is_empty() {
-            println!("  {:>5} {:>2} {:>11} {:>8} {:>9} {:>10} {:>10}", "layer", "", "rel MSE", "SNR dB", "cosine", "max |err|", "attn err");
+            println!(
+                "  {:>5} {:>2} {:>11} {:>8} {:>9} {:>10} {:>10}",
+                "layer", "", "rel MSE", "SNR dB", "cosine", "max |err|", "attn err"
+            );
             for (l, k, m) in &rows {
-                let att = if *k == kvpack::Kind::Value { attn.iter().find(|x| x.0 == *l).map(|x| format!("{:.5}", x.1)).unwrap_or_default() } else { String::new() };
-                println!("  {:>5} {:>2} {:>11.4e} {:>8.2} {:>9.6} {:>10.4} {:>10}", l, k.letter(), m.rel_mse, m.snr_db, m.cosine, m.max_abs_err, att);
+                let att = if *k == kvpack::Kind::Value {
+                    attn.iter()
+                        .find(|x| x.0 == *l)
+                        .map(|x| format!("{:.5}", x.1))
+                        .unwrap_or_default()
+                } else {
+                    String::new()
+                };
+                println!(
+                    "  {:>5} {:>2} {:>11.4e} {:>8.2} {:>9.6} {:>10.4} {:>10}",
+                    l,
+                    k.letter(),
+                    m.rel_mse,
+                    m.snr_db,
+                    m.cosine,
+                    m.max_abs_err,
+                    att
+                );
             }
             println!(
                 "  mean: K cos {:.6} SNR {:.2} dB | V cos {:.6} SNR {:.2} dB | attention rel err {:.5}",
@@ -169,5 +227,9 @@ pub fn run(a: Args) -> Result<u8> {
         }
         println!("{}", if ok { "verify: OK" } else { "verify: FAILED" });
     }
-    Ok(if ok { crate::EXIT_OK } else { crate::EXIT_VERIFY_FAILED })
+    Ok(if ok {
+        crate::EXIT_OK
+    } else {
+        crate::EXIT_VERIFY_FAILED
+    })
 }

@@ -23,9 +23,11 @@ pub fn progress(total: u64, what: &str, quiet: bool) -> ProgressBar {
     }
     let pb = ProgressBar::with_draw_target(Some(total), indicatif::ProgressDrawTarget::stderr());
     pb.set_style(
-        ProgressStyle::with_template("{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
+        ProgressStyle::with_template(
+            "{msg} [{bar:30}] {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
     );
     pb.set_message(what.to_string());
     pb

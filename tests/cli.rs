@@ -1,0 +1,305 @@
+//! The `kvpack` binary: exit codes, JSON output, refusing to clobber,
+//! stdin/stdout, and clear errors for bad input.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use common::*;
+use kvpack::cache::DType;
+
+fn kvpack(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvpack"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn code(o: &Output) -> i32 {
+    o.status.code().unwrap()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&o.stdout)))
+}
+
+fn write_cache(path: &Path, c: &kvpack::KvCache) {
+    let mut f = std::fs::File::create(path).unwrap();
+    kvpack::io::safetensors::write(c, &mut f).unwrap();
+}
+
+#[test]
+fn compress_inspect_verify_decompress_on_the_fixture() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("c.kvpack");
+    let o = kvpack(&[
+        "compress",
+        FIXTURE_ABS(),
+        "--codec",
+        "bdr128",
+        "-o",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let j = json(&o);
+    assert_eq!(j["codec"], "bdr128");
+    let bpe = j["bits_per_element"].as_f64().unwrap();
+    assert!(bpe > 4.25 && bpe <= 4.6, "bits/element {bpe}");
+
+    let o = kvpack(&["inspect", out.to_str().unwrap(), "--json"]);
+    assert_eq!(code(&o), 0);
+    let j = json(&o);
+    assert_eq!(j["bits_per_element"].as_f64().unwrap(), bpe);
+    assert_eq!(j["layers"], 18);
+    let tokens: Vec<u64> = j["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["tokens"].as_u64().unwrap())
+        .collect();
+    assert!(tokens.contains(&511) && tokens.contains(&520), "{tokens:?}");
+    assert_eq!(j["model"], "gemma-3-270m-q4_k_m");
+
+    let o = kvpack(&[
+        "verify",
+        out.to_str().unwrap(),
+        "--against",
+        FIXTURE_ABS(),
+        "--json",
+    ]);
+    assert_eq!(code(&o), 0, "{}", String::from_utf8_lossy(&o.stdout));
+    let j = json(&o);
+    assert_eq!(j["ok"], true);
+    assert_eq!(j["attention"].as_array().unwrap().len(), 18);
+    assert!(j["summary"]["k_cosine"].as_f64().unwrap() > 0.99);
+
+    // A threshold that cannot hold makes verify fail with exit 1.
+    let o = kvpack(&[
+        "verify",
+        out.to_str().unwrap(),
+        "--against",
+        FIXTURE_ABS(),
+        "--max-attn-err",
+        "1e-9",
+    ]);
+    assert_eq!(code(&o), 1);
+
+    let st = dir.path().join("back.safetensors");
+    let o = kvpack(&[
+        "decompress",
+        out.to_str().unwrap(),
+        "-o",
+        st.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let back = kvpack::io::safetensors::parse(&std::fs::read(&st).unwrap(), "back").unwrap();
+    let orig = fixture();
+    assert_eq!(back.cache.tensors.len(), orig.cache.tensors.len());
+    for (a, b) in back.cache.tensors.iter().zip(&orig.cache.tensors) {
+        assert_eq!(
+            (&a.info.name, a.info.shape(), a.info.dtype),
+            (&b.info.name, b.info.shape(), b.info.dtype)
+        );
+    }
+    assert_eq!(back.cache.token_ids, orig.cache.token_ids);
+    assert_eq!(back.cache.metadata, orig.cache.metadata);
+}
+
+#[allow(non_snake_case)]
+fn FIXTURE_ABS() -> &'static str {
+    Box::leak(repo(FIXTURE).display().to_string().into_boxed_str())
+}
+
+#[test]
+fn existing_output_needs_force_and_is_not_touched() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("c.kvpack");
+    std::fs::write(&out, b"precious").unwrap();
+    let o = kvpack(&["compress", FIXTURE_ABS(), "-o", out.to_str().unwrap()]);
+    assert_eq!(code(&o), 2);
+    assert!(stderr(&o).contains("--force"), "{}", stderr(&o));
+    assert_eq!(std::fs::read(&out).unwrap(), b"precious");
+    let o = kvpack(&[
+        "compress",
+        FIXTURE_ABS(),
+        "-o",
+        out.to_str().unwrap(),
+        "--force",
+        "-q",
+    ]);
+    assert_eq!(code(&o), 0);
+    assert_ne!(std::fs::read(&out).unwrap(), b"precious");
+    // No temporary files are left behind.
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 1, "{names:?}");
+}
+
+#[test]
+fn raw_round_trip_through_stdin_and_stdout_is_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("s.safetensors");
+    let c = synthetic(
+        &[LayerSpec {
+            batch: 1,
+            heads: 2,
+            tokens: 33,
+            head_dim: 32,
+        }],
+        DType::F16,
+        2,
+    );
+    write_cache(&src, &c);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvpack"))
+        .args(["compress", "-", "--codec", "raw", "-o", "-", "-q"])
+        .stdin(std::fs::File::open(&src).unwrap())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut packed = Vec::new();
+    std::io::Read::read_to_end(child.stdout.as_mut().unwrap(), &mut packed).unwrap();
+    assert!(child.wait().unwrap().success());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvpack"))
+        .args(["decompress", "-", "-o", "-", "-q"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let w = std::thread::spawn(move || std::io::Write::write_all(&mut stdin, &packed).unwrap());
+    let mut back = Vec::new();
+    std::io::Read::read_to_end(child.stdout.as_mut().unwrap(), &mut back).unwrap();
+    w.join().unwrap();
+    assert!(child.wait().unwrap().success());
+    let back = kvpack::io::safetensors::parse(&back, "stdout").unwrap();
+    assert_eq!(back.cache.tensors, c.tensors);
+}
+
+#[test]
+fn bad_input_gives_exit_2_and_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = |n: &str| dir.path().join(n).display().to_string();
+    // Unknown codec.
+    let o = kvpack(&["compress", FIXTURE_ABS(), "--codec", "zip9", "-o", &p("x")]);
+    assert_eq!(code(&o), 2);
+    assert!(stderr(&o).contains("unknown codec"), "{}", stderr(&o));
+    // Missing file.
+    let o = kvpack(&["inspect", &p("nope.kvpack")]);
+    assert_eq!(code(&o), 2);
+    assert!(stderr(&o).contains("nope.kvpack"));
+    // Not a safetensors file.
+    std::fs::write(p("junk"), b"not a tensor file at all").unwrap();
+    let o = kvpack(&["compress", &p("junk"), "-o", &p("j.kvpack")]);
+    assert_eq!(code(&o), 2);
+    assert!(stderr(&o).contains("safetensors"), "{}", stderr(&o));
+    // Head_dim that bdr64 cannot divide names the largest valid block.
+    let c = synthetic(
+        &[LayerSpec {
+            batch: 1,
+            heads: 1,
+            tokens: 5,
+            head_dim: 96,
+        }],
+        DType::Bf16,
+        2,
+    );
+    write_cache(Path::new(&p("hd96.safetensors")), &c);
+    let o = kvpack(&[
+        "compress",
+        &p("hd96.safetensors"),
+        "--codec",
+        "bdr64",
+        "-o",
+        &p("h.kvpack"),
+    ]);
+    assert_eq!(code(&o), 2);
+    assert!(stderr(&o).contains("bdr32"), "{}", stderr(&o));
+    assert!(!Path::new(&p("h.kvpack")).exists());
+    // Misnamed tensors.
+    let mut c2 = c.clone();
+    c2.tensors[1].info.name = "past_key_values.0.val".into();
+    write_cache(Path::new(&p("bad.safetensors")), &c2);
+    let o = kvpack(&["compress", &p("bad.safetensors"), "-o", &p("b.kvpack")]);
+    assert_eq!(code(&o), 2);
+    assert!(
+        stderr(&o).contains("past_key_values.0.val"),
+        "{}",
+        stderr(&o)
+    );
+    // K present, V missing.
+    let mut c3 = c.clone();
+    c3.tensors.pop();
+    write_cache(Path::new(&p("nov.safetensors")), &c3);
+    let o = kvpack(&["compress", &p("nov.safetensors"), "-o", &p("n.kvpack")]);
+    assert_eq!(code(&o), 2);
+    assert!(
+        stderr(&o).contains("past_key_values.0.value is missing"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn verify_reports_corruption_with_exit_1() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("c.kvpack");
+    assert_eq!(
+        code(&kvpack(&[
+            "compress",
+            FIXTURE_ABS(),
+            "--codec",
+            "int4",
+            "-o",
+            out.to_str().unwrap(),
+            "-q"
+        ])),
+        0
+    );
+    let mut b = std::fs::read(&out).unwrap();
+    let n = b.len();
+    b[n / 2] ^= 4;
+    std::fs::write(&out, &b).unwrap();
+    let o = kvpack(&["verify", out.to_str().unwrap(), "--json"]);
+    assert_eq!(code(&o), 1);
+    let j = json(&o);
+    assert_eq!(j["ok"], false);
+    assert!(j["problems"][0].as_str().unwrap().contains("page #"), "{j}");
+    // Other commands refuse the file with exit 2.
+    assert_eq!(
+        code(&kvpack(&[
+            "decompress",
+            out.to_str().unwrap(),
+            "-o",
+            dir.path().join("x").to_str().unwrap()
+        ])),
+        2
+    );
+}
+
+#[test]
+fn codecs_lists_bits_per_element() {
+    let o = kvpack(&["codecs", "--json"]);
+    assert_eq!(code(&o), 0);
+    let j = json(&o);
+    let bdr = j["examples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["name"] == "bdr128")
+        .unwrap()
+        .clone();
+    assert_eq!(bdr["bits_per_element_d128"].as_f64().unwrap(), 4.5);
+    assert_eq!(bdr["bits_per_element_d256"].as_f64().unwrap(), 4.25);
+    let o = kvpack(&["--help"]);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("Exit status"));
+}
