@@ -165,7 +165,7 @@ pub fn compress<W: Write>(
     for t in &cache.tensors {
         codec.check(&t.info)?;
     }
-    let prepared = codec.prepare(cache)?;
+    let prepared = codec.prepare(cache, &opts.layout)?;
     let codec: &dyn Codec = prepared.as_deref().unwrap_or(codec);
     let infos: Vec<_> = cache.tensors.iter().map(|t| t.info.clone()).collect();
     let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;

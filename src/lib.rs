@@ -6,6 +6,7 @@
 pub mod cache;
 pub mod codec;
 pub mod error;
+pub mod eval;
 pub mod format;
 pub mod kernels;
 

@@ -8,11 +8,9 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::*;
-use kvpack::cache::Kind;
-use kvpack::decode::{Archive, Selection};
-use kvpack::io::safetensors::{ATTN_SCALE_KEY, Loaded};
-use kvpack::metrics;
-use kvpack::plan::Layout;
+use kvpack::compress::CompressOptions;
+use kvpack::eval::evaluate;
+use kvpack::io::safetensors::Loaded;
 
 struct Quality {
     bits: f64,
@@ -22,40 +20,13 @@ struct Quality {
 }
 
 fn measure(fx: &Loaded, codec: &str) -> Quality {
-    let bytes = compress_bytes(&fx.cache, codec, Layout::default(), None);
-    let dec = Archive::open(&bytes)
-        .unwrap()
-        .decode(&Selection::default(), None, None)
-        .unwrap();
-    let scale: f64 = fx.cache.metadata[ATTN_SCALE_KEY].parse().unwrap();
-    let (mut kc, mut vc, mut n) = (0.0, 0.0, 0.0);
-    for (o, d) in fx.cache.tensors.iter().zip(&dec.tensors) {
-        assert_eq!(o.info, d.info);
-        let e = metrics::tensor_error(o, d).unwrap();
-        if o.info.kind == Kind::Key {
-            kc += e.cosine
-        } else {
-            vc += e.cosine
-        }
-        n += 0.5;
-    }
-    let mut attn = 0.0;
-    for q in &fx.queries {
-        let (k, v) = (
-            fx.cache.get(q.layer, Kind::Key).unwrap(),
-            fx.cache.get(q.layer, Kind::Value).unwrap(),
-        );
-        let (k2, v2) = (
-            dec.get(q.layer, Kind::Key).unwrap(),
-            dec.get(q.layer, Kind::Value).unwrap(),
-        );
-        attn += metrics::attention_error(q, k, v, k2, v2, scale).unwrap();
-    }
+    let c = kvpack::codec::parse(codec).unwrap();
+    let e = evaluate(fx, c.as_ref(), &CompressOptions::default()).unwrap();
     Quality {
-        bits: 8.0 * bytes.len() as f64 / fx.cache.elements() as f64,
-        k_cos: kc / n,
-        v_cos: vc / n,
-        attn: attn / fx.queries.len() as f64,
+        bits: e.bits_per_element,
+        k_cos: e.k.cosine,
+        v_cos: e.v.cosine,
+        attn: e.attention.unwrap(),
     }
 }
 

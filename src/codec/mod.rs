@@ -16,12 +16,14 @@
 //! The container, the pipeline and the CLI need no change.
 
 pub mod affine;
+pub mod outliers;
 pub mod raw;
 pub mod registry;
 
 use crate::cache::{Elems, ElemsMut, KvCache, TensorInfo};
 use crate::error::Result;
 use crate::format::{PageView, Section};
+use crate::plan::Layout;
 
 pub use registry::{Family, from_entry, parse};
 
@@ -111,14 +113,22 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
     fn check(&self, tensor: &TensorInfo) -> Result<()>;
 
     /// Data-dependent preparation over the whole cache before encoding
-    /// (calibration that ends up in the parameter block). Returns the codec
+    /// (calibration that ends up in the parameter block). `layout` tells
+    /// which tokens will be coded (outside the sink/recent windows). Returns the codec
     /// to use instead of `self`, or `None` when there is nothing to
     /// prepare (the default).
     ///
     /// # Errors
     /// As [`Codec::check`].
-    fn prepare(&self, _cache: &KvCache) -> Result<Option<Box<dyn Codec>>> {
+    fn prepare(&self, _cache: &KvCache, _layout: &Layout) -> Result<Option<Box<dyn Codec>>> {
         Ok(None)
+    }
+
+    /// Sink and recent windows (tokens kept at source precision) this codec
+    /// uses when the caller does not choose them, e.g. InnerQ's 32 + 96 or
+    /// KIVI's 128-token residual. Default: none.
+    fn default_windows(&self) -> (u32, u32) {
+        (0, 0)
     }
 
     /// Encodes one page into sections.

@@ -25,12 +25,14 @@ pub struct Args {
     /// Output file, or - for stdout [default: INPUT with extension .kvpack].
     #[arg(long, short = 'o')]
     pub output: Option<String>,
-    /// Leading tokens per layer kept at source precision (attention sinks).
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    pub sink: u32,
-    /// Trailing tokens per layer kept at source precision.
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    pub recent: u32,
+    /// Leading tokens per layer kept at source precision (attention sinks)
+    /// [default: the codec's own, 0 for raw/int/bdr].
+    #[arg(long, value_name = "N")]
+    pub sink: Option<u32>,
+    /// Trailing tokens per layer kept at source precision [default: the
+    /// codec's own, 0 for raw/int/bdr].
+    #[arg(long, value_name = "N")]
+    pub recent: Option<u32>,
     /// Tokens per page (the unit of random access and streaming).
     #[arg(long, default_value_t = 256, value_name = "N")]
     pub page_tokens: u32,
@@ -75,11 +77,12 @@ pub fn run(a: Args) -> Result<u8> {
             .display()
             .to_string(),
     };
+    let (def_sink, def_recent) = codec.default_windows();
     let opts = CompressOptions {
         layout: Layout {
             page_tokens: a.page_tokens,
-            sink: a.sink,
-            recent: a.recent,
+            sink: a.sink.unwrap_or(def_sink),
+            recent: a.recent.unwrap_or(def_recent),
         },
         zstd_level: a.zstd,
         align_log2: a.align.trailing_zeros() as u8,

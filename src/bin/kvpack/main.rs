@@ -4,6 +4,7 @@
 
 mod cmd_compress;
 mod cmd_decompress;
+mod cmd_eval;
 mod cmd_inspect;
 mod cmd_verify;
 mod output;
@@ -57,6 +58,8 @@ enum Command {
     Verify(cmd_verify::Args),
     /// List the available codecs and their bits per element.
     Codecs(cmd_inspect::CodecsArgs),
+    /// Compare codecs on a cache: size, reconstruction and attention error.
+    Eval(cmd_eval::Args),
 }
 
 fn main() -> ExitCode {
@@ -75,6 +78,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => cmd_inspect::run(a),
         Command::Verify(a) => cmd_verify::run(a),
         Command::Codecs(a) => cmd_inspect::codecs(a),
+        Command::Eval(a) => cmd_eval::run(a),
     };
     match r {
         Ok(code) => ExitCode::from(code),
