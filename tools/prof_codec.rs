@@ -1,5 +1,5 @@
 //! Profiling driver: repeatedly encodes and decodes the fixture with one
-//! codec on one thread (`cargo run --release --example prof_bdr -- bdr128`).
+//! codec on one thread (`cargo run --release --example prof_codec -- bdr128 [encode|decode|both] [iters]`).
 
 use kvpack::cache::DType;
 use kvpack::compress::{CompressOptions, compress};

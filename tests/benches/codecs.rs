@@ -2,7 +2,7 @@
 //! bytes for encode, output bytes for decode), on one thread and on all
 //! threads, next to zstd level 1 on the same bytes in the same run.
 //!
-//! `cargo bench --bench codecs` (all codecs) or `cargo bench --bench codecs
+//! `cargo bench --bench codecs` (bdr128 and int4) or `cargo bench --bench codecs
 //! -- bdr128` (one). Set `KVPACK_BENCH_CODECS=int4,bdr128` to choose codecs.
 
 use std::path::Path;
