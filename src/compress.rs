@@ -237,18 +237,27 @@ pub fn compress<W: Write>(
 
 /// Appends the tokens of `longer` that follow those stored in `existing`
 /// as a new commit written to `out`, which must be positioned at the end of
-/// the last commit. Existing pages are not rewritten.
+/// the last commit. Existing pages are not rewritten. `sync` is called after
+/// the pages and index and again after the trailer (see
+/// [`crate::format::Writer::commit_durable`]).
+///
+/// The prefix check: when the stored cache has token ids, `longer` must
+/// carry token ids that start with them; when neither has token ids the
+/// append is refused unless `unverified_ok` (nothing proves the new tokens
+/// follow the stored ones). A different `kvpack.model` is always refused.
 ///
 /// # Errors
 /// [`Error::Parameter`] when `longer` does not extend the stored cache
-/// (different tensors, shapes, fewer tokens, or token ids that do not start
-/// with the stored ones).
+/// (different model, tensors, shapes, fewer tokens, or token ids that do not
+/// start with the stored ones).
 pub fn append<W: Write>(
     existing: &Reader<'_>,
     longer: &KvCache,
+    unverified_ok: bool,
     opts: &CompressOptions,
     out: W,
     progress: &(dyn Fn(u64) + Sync),
+    sync: &mut dyn FnMut(&mut W) -> std::io::Result<()>,
 ) -> Result<(W, CompressReport, Trailer)> {
     let start = Instant::now();
     let h = existing.header();
@@ -289,6 +298,18 @@ pub fn append<W: Write>(
                 idx.token_counts[t]
             )));
         }
+    }
+    const MODEL: &str = "kvpack.model";
+    if let (Some(a), Some(b)) = (h.metadata.get(MODEL), longer.metadata.get(MODEL))
+        && a != b
+    {
+        return Err(Error::param(format!("the stored cache is for model {a:?}, the new one for {b:?}")));
+    }
+    if idx.token_ids.is_empty() && !unverified_ok {
+        return Err(Error::param(
+            "the stored cache has no token ids, so the new tokens cannot be checked to follow them \
+             (pass --force to append anyway)",
+        ));
     }
     if !idx.token_ids.is_empty() && !longer.token_ids.starts_with(&idx.token_ids) {
         let at = idx
@@ -364,7 +385,7 @@ pub fn append<W: Write>(
         },
     )?;
     let before = existing.trailer().commit_end;
-    let (out, trailer) = w.commit(&longer.token_ids)?;
+    let (out, trailer) = w.commit_durable(&longer.token_ids, sync)?;
     Ok((
         out,
         CompressReport {

@@ -149,7 +149,23 @@ impl<W: Write> Writer<W> {
     /// # Errors
     /// [`Error::Parameter`] when a new file's tensors are not fully covered
     /// by pages; [`Error::Io`] on write failure.
-    pub fn commit(mut self, token_ids: &[u32]) -> Result<(W, Trailer)> {
+    pub fn commit(self, token_ids: &[u32]) -> Result<(W, Trailer)> {
+        self.commit_durable(token_ids, &mut |_| Ok(()))
+    }
+
+    /// Like [`Writer::commit`], calling `sync` after the index is written
+    /// and again after the trailer, so that the trailer reaches the disk only
+    /// after the pages and index it commits (format/SPEC.md section 10.1).
+    /// For a file, `sync` flushes user-space buffers and calls
+    /// `File::sync_data`.
+    ///
+    /// # Errors
+    /// As [`Writer::commit`]; [`Error::Io`] when `sync` fails.
+    pub fn commit_durable(
+        mut self,
+        token_ids: &[u32],
+        sync: &mut dyn FnMut(&mut W) -> std::io::Result<()>,
+    ) -> Result<(W, Trailer)> {
         if let Some(exp) = &self.expected_tokens
             && let Some(t) = (0..exp.len()).find(|&t| exp[t] != self.next_token[t])
         {
@@ -176,10 +192,13 @@ impl<W: Write> Writer<W> {
         self.out
             .write_all(&frame)
             .map_err(|e| Error::io("writing the index", e))?;
+        self.out.flush().map_err(|e| Error::io("flushing", e))?;
+        sync(&mut self.out).map_err(|e| Error::io("syncing pages and index", e))?;
         self.out
             .write_all(&trailer.encode())
             .map_err(|e| Error::io("writing the trailer", e))?;
         self.out.flush().map_err(|e| Error::io("flushing", e))?;
+        sync(&mut self.out).map_err(|e| Error::io("syncing the trailer", e))?;
         Ok((self.out, trailer))
     }
 }

@@ -86,8 +86,13 @@ pub fn write_atomic(
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
-    let tmp = tempfile::Builder::new()
-        .prefix(".kvpack-tmp-")
+    let mut builder = tempfile::Builder::new();
+    builder.prefix(".kvpack-tmp-");
+    // Created with mode 0666 minus the umask, like any new file (tempfile's
+    // default 0600 would make outputs unreadable to other users).
+    #[cfg(unix)]
+    builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+    let tmp = builder
         .tempfile_in(dir)
         .map_err(|e| Error::io(format!("creating a temporary file in {}", dir.display()), e))?;
     {
@@ -110,4 +115,68 @@ pub fn write_atomic(
             e.error,
         )
     })
+}
+
+/// What [`append_file`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AppendReport {
+    /// The new commit's encoding report (bytes are the appended bytes).
+    pub report: crate::compress::CompressReport,
+    /// Generation of the new commit.
+    pub generation: u32,
+    /// Bytes of an earlier interrupted append that were removed first.
+    pub torn_tail_removed: u64,
+}
+
+/// Appends the tokens of `longer` that follow the stored ones to the
+/// kvpack file at `path`, as a new commit, without rewriting existing bytes
+/// (format/SPEC.md section 10): takes an exclusive lock, truncates the torn
+/// tail of an earlier interrupted append if any, writes pages and index,
+/// syncs, writes the trailer, syncs. A crash at any point leaves a file
+/// that opens as the previous commit or the new one.
+///
+/// # Errors
+/// [`Error::Io`] naming the path (including "locked by another process");
+/// the errors of [`crate::compress::append`]; [`Error::Format`] when the
+/// existing file is invalid.
+pub fn append_file(
+    path: &Path,
+    longer: &crate::KvCache,
+    unverified_ok: bool,
+    opts: &crate::compress::CompressOptions,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<AppendReport> {
+    use std::io::{Seek, SeekFrom};
+    let name = path.display();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| Error::io(format!("opening {name} for append"), e))?;
+    file.try_lock().map_err(|e| match e {
+        std::fs::TryLockError::WouldBlock => Error::io(
+            format!("locking {name}"),
+            std::io::Error::new(std::io::ErrorKind::WouldBlock, "another process is appending to it"),
+        ),
+        std::fs::TryLockError::Error(e) => Error::io(format!("locking {name}"), e),
+    })?;
+    // SAFETY: read-only map; kvpack never truncates committed bytes, and
+    // the exclusive lock keeps other kvpack appenders out.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(format!("mapping {name}"), e))?;
+    let reader = crate::format::Reader::open(&map)?;
+    let committed = reader.committed_len();
+    let torn = reader.torn_tail();
+    if torn > 0 {
+        file.set_len(committed).map_err(|e| Error::io(format!("removing the torn tail of {name}"), e))?;
+        file.sync_data().map_err(|e| Error::io(format!("syncing {name}"), e))?;
+    }
+    let mut f = &file;
+    f.seek(SeekFrom::Start(committed)).map_err(|e| Error::io(format!("seeking {name}"), e))?;
+    let w = BufWriter::with_capacity(1 << 20, f);
+    let mut sync = |w: &mut BufWriter<&File>| -> std::io::Result<()> {
+        w.flush()?;
+        w.get_ref().sync_data()
+    };
+    let (_, report, trailer) = crate::compress::append(&reader, longer, unverified_ok, opts, w, progress, &mut sync)?;
+    Ok(AppendReport { report, generation: trailer.generation, torn_tail_removed: torn })
 }
