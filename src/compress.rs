@@ -303,7 +303,9 @@ pub fn append<W: Write>(
     if let (Some(a), Some(b)) = (h.metadata.get(MODEL), longer.metadata.get(MODEL))
         && a != b
     {
-        return Err(Error::param(format!("the stored cache is for model {a:?}, the new one for {b:?}")));
+        return Err(Error::param(format!(
+            "the stored cache is for model {a:?}, the new one for {b:?}"
+        )));
     }
     if idx.token_ids.is_empty() && !unverified_ok {
         return Err(Error::param(

@@ -17,3 +17,5 @@ pub mod decode;
 pub mod io;
 pub mod metrics;
 pub mod plan;
+pub mod stream_decode;
+pub mod transport;
