@@ -206,7 +206,7 @@ fn cli_send_to_cli_recv_writes_output_only_when_complete() {
     let out2 = dir.path().join("never.safetensors");
     let (l, addr2) = listener();
     drop(l);
-    let mut recv = std::process::Command::new(exe)
+    let recv = std::process::Command::new(exe)
         .args([
             "recv",
             "--listen",
