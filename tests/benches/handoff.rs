@@ -110,8 +110,8 @@ fn synthetic(o: &Opts) -> KvCache {
             v.par_chunks_mut(1 << 16)
                 .enumerate()
                 .for_each(|(c, chunk)| {
-                    let mut s = (layer as u64 * 2 + kind.code() as u64) << 40
-                        ^ (c as u64 + 1) * 0x9E37_79B9_7F4A_7C15;
+                    let mut s = ((layer as u64 * 2 + kind.code() as u64) << 40)
+                        ^ ((c as u64 + 1) * 0x9E37_79B9_7F4A_7C15);
                     for (i, x) in chunk.iter_mut().enumerate() {
                         let mut g = 0.0f32;
                         for _ in 0..4 {
