@@ -123,6 +123,62 @@ pub unsafe fn min_max(x: &[f32]) -> (f32, f32, bool) {
     (lo, hi, ok)
 }
 
+/// Multiplies `x` by `c` in place and returns the minimum, maximum and
+/// "all finite" of the products ([`super::scale`] then
+/// [`super::affine::min_max`], in one pass).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available (checked by `simd_available`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn scale_min_max(x: &mut [f32], c: f32) -> (f32, f32, bool) {
+    let n = x.len();
+    let vc = _mm256_set1_ps(c);
+    let mut mn = _mm256_set1_ps(f32::INFINITY);
+    let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut bad = _mm256_setzero_ps();
+    let zero = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n.
+        let v = unsafe {
+            let p = x.as_mut_ptr().add(i);
+            let v = _mm256_mul_ps(_mm256_loadu_ps(p), vc);
+            _mm256_storeu_ps(p, v);
+            v
+        };
+        mn = _mm256_min_ps(mn, v);
+        mx = _mm256_max_ps(mx, v);
+        bad = _mm256_or_ps(
+            bad,
+            _mm256_cmp_ps::<_CMP_UNORD_Q>(_mm256_mul_ps(v, zero), zero),
+        );
+        i += 8;
+    }
+    let mut a = [0f32; 8];
+    let mut b = [0f32; 8];
+    let mut cc = [0f32; 8];
+    // SAFETY: 8-float stores into 8-float arrays.
+    unsafe {
+        _mm256_storeu_ps(a.as_mut_ptr(), mn);
+        _mm256_storeu_ps(b.as_mut_ptr(), mx);
+        _mm256_storeu_ps(cc.as_mut_ptr(), bad);
+    }
+    let mut lo = f32::INFINITY;
+    let mut hi = f32::NEG_INFINITY;
+    let mut ok = cc.iter().all(|v| v.to_bits() == 0);
+    for l in 0..8 {
+        lo = if a[l] < lo { a[l] } else { lo };
+        hi = if b[l] > hi { b[l] } else { hi };
+    }
+    for v in &mut x[i..] {
+        *v *= c;
+        lo = if *v < lo { *v } else { lo };
+        hi = if *v > hi { *v } else { hi };
+        ok &= v.is_finite();
+    }
+    (lo, hi, ok)
+}
+
 /// Quantizes `x` to 4-bit codes and packs them two per byte, low nibble
 /// first ([`super::affine::quantize_codes`] + [`super::bitpack::pack_u8`]).
 /// `x.len()` must be a multiple of 32 and `out.len() == x.len() / 2`.
@@ -253,6 +309,14 @@ mod tests {
             let (lo, hi, ok) = unsafe { min_max(&x) };
             prop_assert!(ok);
             prop_assert_eq!((lo, hi), affine::min_max_scalar(&x).unwrap());
+            // scale + min/max in one pass
+            let mut y = x.clone();
+            let (slo, shi, sok) = unsafe { scale_min_max(&mut y, 0.0883883) };
+            let mut z = x.clone();
+            z.iter_mut().for_each(|v| *v *= 0.0883883);
+            prop_assert!(sok);
+            prop_assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), z.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            prop_assert_eq!((slo, shi), affine::min_max_scalar(&z).unwrap());
             // quantize + pack
             let (p, inv) = affine::params(lo, hi, 15);
             let mut codes = vec![0u8; n];
