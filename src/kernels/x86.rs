@@ -74,6 +74,33 @@ pub unsafe fn f32_to_bf16(src: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// Reduces 8-lane min/max/non-finite accumulators and folds in `tail`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn reduce_min_max(mn: __m256, mx: __m256, bad: __m256, tail: &[f32]) -> (f32, f32, bool) {
+    let mut a = [0f32; 8];
+    let mut b = [0f32; 8];
+    let mut c = [0f32; 8];
+    // SAFETY: 8-float stores into 8-float arrays.
+    unsafe {
+        _mm256_storeu_ps(a.as_mut_ptr(), mn);
+        _mm256_storeu_ps(b.as_mut_ptr(), mx);
+        _mm256_storeu_ps(c.as_mut_ptr(), bad);
+    }
+    let mut lo = f32::INFINITY;
+    let mut hi = f32::NEG_INFINITY;
+    let mut ok = c.iter().all(|v| v.to_bits() == 0);
+    for l in 0..8 {
+        lo = if a[l] < lo { a[l] } else { lo };
+        hi = if b[l] > hi { b[l] } else { hi };
+    }
+    for &v in tail {
+        lo = if v < lo { v } else { lo };
+        hi = if v > hi { v } else { hi };
+        ok &= v.is_finite();
+    }
+    (lo, hi, ok)
+}
+
 /// Minimum, maximum and "all finite" of `x` ([`super::affine::min_max`]).
 ///
 /// # Safety
@@ -99,28 +126,8 @@ pub unsafe fn min_max(x: &[f32]) -> (f32, f32, bool) {
         );
         i += 8;
     }
-    let mut a = [0f32; 8];
-    let mut b = [0f32; 8];
-    let mut c = [0f32; 8];
-    // SAFETY: 8-float stores into 8-float arrays.
-    unsafe {
-        _mm256_storeu_ps(a.as_mut_ptr(), mn);
-        _mm256_storeu_ps(b.as_mut_ptr(), mx);
-        _mm256_storeu_ps(c.as_mut_ptr(), bad);
-    }
-    let mut lo = f32::INFINITY;
-    let mut hi = f32::NEG_INFINITY;
-    let mut ok = c.iter().all(|v| v.to_bits() == 0);
-    for l in 0..8 {
-        lo = if a[l] < lo { a[l] } else { lo };
-        hi = if b[l] > hi { b[l] } else { hi };
-    }
-    for &v in &x[i..] {
-        lo = if v < lo { v } else { lo };
-        hi = if v > hi { v } else { hi };
-        ok &= v.is_finite();
-    }
-    (lo, hi, ok)
+    // SAFETY: same target features.
+    unsafe { reduce_min_max(mn, mx, bad, &x[i..]) }
 }
 
 /// Multiplies `x` by `c` in place and returns the minimum, maximum and
@@ -154,29 +161,11 @@ pub unsafe fn scale_min_max(x: &mut [f32], c: f32) -> (f32, f32, bool) {
         );
         i += 8;
     }
-    let mut a = [0f32; 8];
-    let mut b = [0f32; 8];
-    let mut cc = [0f32; 8];
-    // SAFETY: 8-float stores into 8-float arrays.
-    unsafe {
-        _mm256_storeu_ps(a.as_mut_ptr(), mn);
-        _mm256_storeu_ps(b.as_mut_ptr(), mx);
-        _mm256_storeu_ps(cc.as_mut_ptr(), bad);
-    }
-    let mut lo = f32::INFINITY;
-    let mut hi = f32::NEG_INFINITY;
-    let mut ok = cc.iter().all(|v| v.to_bits() == 0);
-    for l in 0..8 {
-        lo = if a[l] < lo { a[l] } else { lo };
-        hi = if b[l] > hi { b[l] } else { hi };
-    }
     for v in &mut x[i..] {
         *v *= c;
-        lo = if *v < lo { *v } else { lo };
-        hi = if *v > hi { *v } else { hi };
-        ok &= v.is_finite();
     }
-    (lo, hi, ok)
+    // SAFETY: same target features.
+    unsafe { reduce_min_max(mn, mx, bad, &x[i..]) }
 }
 
 /// Quantizes `x` to 4-bit codes and packs them two per byte, low nibble
