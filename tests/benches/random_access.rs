@@ -8,8 +8,7 @@
 mod common;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use half::bf16;
-use kvpack::cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
+use kvpack::cache::{DType, Kind};
 use kvpack::compress::{CompressOptions, compress};
 use kvpack::decode::{Archive, Selection};
 
