@@ -304,7 +304,7 @@ impl Polar {
     }
 
     fn decode_keys(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
-        let keys = score::PolarKeys::new(self, page, out.tensor, out.planes.len(), out.tokens)?;
+        let keys = score::PolarKeys::new(self, page, out.tensor)?;
         let d = out.tensor.head_dim as usize;
         let mut row = vec![0f32; d];
         for r in 0..out.rows() {

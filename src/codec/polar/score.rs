@@ -58,8 +58,9 @@ enum Codes<'a> {
 }
 
 impl<'a> PolarKeys<'a> {
-    /// Reads a key page of `tensor` encoded by `codec` (every plane, the
-    /// page's token count).
+    /// Reads a key page of `tensor` encoded by `codec`: all
+    /// `tensor.planes()` planes, the page's tokens. `codec` is the page's
+    /// codec, e.g. `Polar::from_params` of its codec table entry.
     ///
     /// # Errors
     /// [`crate::Error::Format`] naming the page when a section is missing or
@@ -68,11 +69,10 @@ impl<'a> PolarKeys<'a> {
         codec: &'a Polar,
         page: &'a PageView<'_>,
         tensor: &TensorInfo,
-        planes: usize,
-        tokens: u32,
     ) -> Result<PolarKeys<'a>> {
         let head_dim = tensor.head_dim as usize;
-        let tokens = tokens as usize;
+        let planes = tensor.planes();
+        let tokens = page.header.meta.tokens as usize;
         let (scales, index) = key_sections(codec, page, planes, tokens, head_dim)?;
         let pairs = head_dim / 2;
         let bits = codec.code_bits();
@@ -179,6 +179,22 @@ impl<'a> PolarKeys<'a> {
                 let w = &w[row0 * pairs..(row0 + self.tokens) * pairs];
                 score_rows_scalar(&table, w, pairs, self.m, out);
             }
+        }
+    }
+
+    /// [`PolarKeys::scores`] on the portable scalar path (the reference the
+    /// AVX2 path must equal bit for bit).
+    ///
+    /// # Panics
+    /// As [`PolarKeys::scores`].
+    pub fn scores_reference(&self, plane: usize, q: &[f32], out: &mut [f32]) {
+        assert_eq!(out.len(), self.tokens);
+        let table = self.table(plane, q);
+        let pairs = self.pairs();
+        let rows = plane * self.tokens * pairs..(plane + 1) * self.tokens * pairs;
+        match &self.codes {
+            Codes::Bytes(b) => score_rows_scalar(&table, &b[rows], pairs, self.m, out),
+            Codes::Wide(w) => score_rows_scalar(&table, &w[rows], pairs, self.m, out),
         }
     }
 
