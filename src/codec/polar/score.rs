@@ -47,7 +47,8 @@ pub struct PolarKeys<'a> {
     /// `s_j` per plane and pair, `[planes, head_dim/2]`.
     scales: Vec<f32>,
     /// Pair codes `a | rho << m`, `[planes * tokens, head_dim/2]`: the page's
-    /// INDEX bytes when codes are exactly 8 bits, else unpacked.
+    /// INDEX bytes when codes are exactly 8 bits, else unpacked (one byte per
+    /// code up to 8 bits, two above).
     codes: Codes<'a>,
 }
 
@@ -79,6 +80,10 @@ impl<'a> PolarKeys<'a> {
         let n = planes * tokens * pairs;
         let codes = if bits == 8 {
             Codes::Bytes(Cow::Borrowed(index))
+        } else if bits < 8 {
+            let mut b = vec![0u8; n];
+            bitpack::unpack_u8(index, bits, &mut b);
+            Codes::Bytes(Cow::Owned(b))
         } else {
             let mut wide = vec![0u32; n];
             bitpack::unpack_u32(index, bits, &mut wide);
