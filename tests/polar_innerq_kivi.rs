@@ -790,55 +790,124 @@ fn mismatched_sections_are_format_errors() {
         ),
     ];
     for (name, sections) in cases {
-        let mut codec = kvpack::codec::parse(name).unwrap();
-        if name.starts_with("innerq") && !name.contains("nonorm") {
-            // A prepared codec (with factors for layer 0).
-            let mut c = KvCache::default();
-            c.tensors
-                .push(Tensor::new(info.clone(), TensorData::zeros(DType::Bf16, 64 * 64)).unwrap());
-            codec = codec.prepare(&c, &Layout::default()).unwrap().unwrap();
-        }
-        let frame = PageFrame::encode(
-            PageMeta {
-                tensor: 0,
-                token_start: 0,
-                tokens: 64,
-                codec: 0,
-            },
-            &sections,
-            None,
-            64,
-        )
-        .unwrap();
-        let at = kvpack::Location::Header;
-        let h = PageHeader::parse(
-            frame.bytes[..64].try_into().unwrap(),
-            &at,
-            &Limits::default(),
-        )
-        .unwrap();
-        let view = PageView::from_stored(
-            h,
-            Cow::Borrowed(&frame.bytes[64..64 + h.stored_len as usize]),
-            7,
-            "layer 0 K tokens 0..64".into(),
-            &kvpack::Location::Page {
-                page: 7,
-                offset: 0,
-                what: Some("layer 0 K tokens 0..64".into()),
-            },
-        )
-        .unwrap();
-        let mut data = TensorData::zeros(DType::F32, 64 * 64);
-        let mut out = PageOut {
-            tensor: &info,
-            tokens: 64,
-            planes: vec![data.as_elems_mut()],
-        };
-        let err = codec.decode(&view, &mut out).expect_err(name);
-        assert!(matches!(err, kvpack::Error::Format { .. }), "{name}: {err}");
+        let err = decode_error(name, &info, &sections);
         assert!(err.to_string().contains("page #7"), "{name}: {err}");
     }
+    // Shapes the codec cannot have written: odd head_dim for polar keys,
+    // head_dim not a multiple of G for InnerQ keys and KIVI values; and a
+    // non-finite KIVI scale.
+    let shaped = |kind, head_dim| TensorInfo {
+        kind,
+        head_dim,
+        ..info.clone()
+    };
+    let err = decode_error(
+        "polar:m4n4",
+        &shaped(Kind::Key, 63),
+        &[f32s(31), packed(SectionKind::Index, 8, 64 * 31)],
+    );
+    assert!(err.to_string().contains("odd head_dim"), "{err}");
+    let err = decode_error(
+        "innerq:k2v2:nonorm",
+        &shaped(Kind::Key, 48),
+        &[
+            f16s(SectionKind::Scale, 64),
+            u32s(SectionKind::Zero, 64, 0),
+            packed(SectionKind::Aux, 1, 64),
+            packed(SectionKind::Index, 2, 64 * 48),
+        ],
+    );
+    assert!(
+        err.to_string().contains("multiple of the group size"),
+        "{err}"
+    );
+    let err = decode_error(
+        "kivi:2",
+        &shaped(Kind::Value, 48),
+        &[
+            f16s(SectionKind::Scale, 64),
+            f16s(SectionKind::Zero, 64),
+            packed(SectionKind::Index, 2, 64 * 48),
+        ],
+    );
+    assert!(
+        err.to_string().contains("multiple of the group size"),
+        "{err}"
+    );
+    let mut nan_scale = f16s(SectionKind::Scale, 128);
+    nan_scale.data[..2].copy_from_slice(&half::f16::NAN.to_le_bytes());
+    let err = decode_error(
+        "kivi:2",
+        &info,
+        &[
+            nan_scale,
+            f16s(SectionKind::Zero, 128),
+            packed(SectionKind::Index, 2, 4096),
+        ],
+    );
+    assert!(err.to_string().contains("not finite"), "{err}");
+}
+
+/// Decodes one 64-token page made of `sections` with codec `name` into a
+/// tensor shaped like `info`; the decode must fail with a Format error.
+fn decode_error(name: &str, info: &TensorInfo, sections: &[Section]) -> kvpack::Error {
+    let mut codec = kvpack::codec::parse(name).unwrap();
+    if name.starts_with("innerq") && !name.contains("nonorm") {
+        // A prepared codec (with factors for layer 0).
+        let mut c = KvCache::default();
+        let n = info.elements() as usize;
+        c.tensors.push(
+            Tensor::new(
+                TensorInfo {
+                    dtype: DType::Bf16,
+                    ..info.clone()
+                },
+                TensorData::zeros(DType::Bf16, n),
+            )
+            .unwrap(),
+        );
+        codec = codec.prepare(&c, &Layout::default()).unwrap().unwrap();
+    }
+    let frame = PageFrame::encode(
+        PageMeta {
+            tensor: 0,
+            token_start: 0,
+            tokens: 64,
+            codec: 0,
+        },
+        sections,
+        None,
+        64,
+    )
+    .unwrap();
+    let at = kvpack::Location::Header;
+    let h = PageHeader::parse(
+        frame.bytes[..64].try_into().unwrap(),
+        &at,
+        &Limits::default(),
+    )
+    .unwrap();
+    let view = PageView::from_stored(
+        h,
+        Cow::Borrowed(&frame.bytes[64..64 + h.stored_len as usize]),
+        7,
+        "layer 0 K tokens 0..64".into(),
+        &kvpack::Location::Page {
+            page: 7,
+            offset: 0,
+            what: Some("layer 0 K tokens 0..64".into()),
+        },
+    )
+    .unwrap();
+    let mut data = TensorData::zeros(DType::F32, 64 * info.head_dim as usize);
+    let mut out = PageOut {
+        tensor: info,
+        tokens: 64,
+        planes: vec![data.as_elems_mut()],
+    };
+    let err = codec.decode(&view, &mut out).expect_err(name);
+    assert!(matches!(err, kvpack::Error::Format { .. }), "{name}: {err}");
+    err
 }
 
 /// Appending to a file keeps the parameter block (InnerQ's factors, the

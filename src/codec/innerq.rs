@@ -606,6 +606,12 @@ impl Codec for InnerQ {
         let gr = self.groups(kind, out.planes.len(), tokens, d);
         let n = gr.count();
         let w = self.words();
+        if kind == Kind::Key && !d.is_multiple_of(usize::from(self.group)) {
+            return Err(page.error(format!(
+                "key page with head_dim {d}, not a multiple of the group size {}",
+                self.group
+            )));
+        }
         let norm = self.factors_for(out.tensor).map_err(|m| page.error(m))?;
         let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, n)?;
         let slots = expect_section(page, SectionKind::Zero, 0, ElemType::U32, n * w)?;

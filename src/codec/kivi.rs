@@ -192,6 +192,12 @@ impl Codec for Kivi {
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
         let d = out.tensor.head_dim as usize;
         let n_el = out.rows() * d;
+        if out.tensor.kind == Kind::Value && !d.is_multiple_of(usize::from(self.group)) {
+            return Err(page.error(format!(
+                "value page with head_dim {d}, not a multiple of the group size {}",
+                self.group
+            )));
+        }
         let gr = self.groups(out.tensor.kind, out.planes.len(), out.tokens as usize, d);
         let n = gr.count();
         let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, n)?;
@@ -208,6 +214,11 @@ impl Codec for Kivi {
         let mut buf = vec![0f32; n_el];
         for g in 0..n {
             let (s, z) = (pagebuf::f16_at(scales, g), pagebuf::f16_at(zeros, g));
+            if !(s.is_finite() && z.is_finite()) {
+                return Err(
+                    page.error(format!("group {g}: scale {s} or zero point {z} not finite"))
+                );
+            }
             for pos in gr.span(g).positions() {
                 buf[pos] = group::dequantize_asym(codes[pos], s, z);
             }

@@ -304,6 +304,12 @@ impl Polar {
     }
 
     fn decode_keys(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
+        if !out.tensor.head_dim.is_multiple_of(2) {
+            return Err(page.error(format!(
+                "polar key page of a tensor with the odd head_dim {}",
+                out.tensor.head_dim
+            )));
+        }
         let keys = score::PolarKeys::new(self, page, out.tensor)?;
         let d = out.tensor.head_dim as usize;
         let mut row = vec![0f32; d];
