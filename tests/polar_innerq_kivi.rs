@@ -285,7 +285,9 @@ fn polar_pairing_follows_the_rope_layout() {
     let (tokens, d) = (256u32, 64usize);
     let mut rng = Rng(11);
     let radii: Vec<f64> = (0..d / 2).map(|_| 0.5 + 4.0 * rng.uniform()).collect();
-    let phase: Vec<f64> = (0..d / 2).map(|_| rng.uniform() * 6.283).collect();
+    let phase: Vec<f64> = (0..d / 2)
+        .map(|_| rng.uniform() * std::f64::consts::TAU)
+        .collect();
     let make = |half: bool| {
         let mut v = vec![0f32; tokens as usize * d];
         for t in 0..tokens as usize {
