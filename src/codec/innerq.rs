@@ -320,13 +320,16 @@ impl InnerQ {
     }
 }
 
-/// The factor of buffer position `pos` (plane-major rows of `head_dim`).
-#[inline]
-fn factor(e: &NormEntry, tokens: usize, pos: usize) -> f32 {
+/// Applies `op(x, n_{h,c})` to every element of a page buffer (plane-major
+/// rows of `head_dim`, plane `p` of head `p % heads`).
+fn apply_factors(e: &NormEntry, tokens: usize, buf: &mut [f32], op: impl Fn(f32, f32) -> f32) {
     let d = e.head_dim as usize;
-    let plane = pos / (tokens * d);
-    let head = plane % e.heads as usize;
-    e.factors[head * d + pos % d]
+    for (r, row) in buf.chunks_exact_mut(d).enumerate() {
+        let head = (r / tokens.max(1)) % e.heads as usize;
+        for (x, &f) in row.iter_mut().zip(&e.factors[head * d..(head + 1) * d]) {
+            *x = op(*x, f);
+        }
+    }
 }
 
 /// One quantized group: codes are written by the caller's buffer.
@@ -381,18 +384,17 @@ impl InnerQ {
                 // one with the lower squared error (ties: symmetric).
                 let s = sym(codes, &mut slot)?;
                 let p = asym(alt)?;
-                let sf = s.to_f32();
-                let e_sym = group::squared_error(
-                    vals,
-                    codes.iter().enumerate().map(|(i, &q)| {
-                        group::dequantize_sym(q, sf, slot[i / 32] >> (i % 32) & 1 == 1)
-                    }),
-                );
-                let af = p.scale.to_f32();
-                let e_asym = group::squared_error(
-                    vals,
-                    alt.iter().map(|&q| group::dequantize_asym(q, af, p.zero)),
-                );
+                let (sf, af) = (s.to_f32(), p.scale.to_f32());
+                let (mut e_sym, mut e_asym) = (0f64, 0f64);
+                for (i, ((&x, &qs), &qa)) in
+                    vals.iter().zip(codes.iter()).zip(alt.iter()).enumerate()
+                {
+                    let neg = slot[i / 32] >> (i % 32) & 1 == 1;
+                    let es = f64::from(x) - f64::from(group::dequantize_sym(qs, sf, neg));
+                    let ea = f64::from(x) - f64::from(group::dequantize_asym(qa, af, p.zero));
+                    e_sym += es * es;
+                    e_asym += ea * ea;
+                }
                 if e_sym <= e_asym {
                     Ok(Coded {
                         scale: s,
@@ -540,9 +542,7 @@ impl Codec for InnerQ {
             .factors_for(page.tensor)
             .map_err(|m| Error::param(format!("{}: {m}", pagebuf::label(page))))?;
         if let Some(e) = norm {
-            for (pos, x) in buf.iter_mut().enumerate() {
-                *x /= factor(e, tokens, pos);
-            }
+            apply_factors(e, tokens, &mut buf, |x, n| x / n);
         }
         let gr = self.groups(kind, page.planes.len(), tokens, d);
         let n = gr.count();
@@ -670,9 +670,7 @@ impl Codec for InnerQ {
             }
         }
         if let Some(e) = norm {
-            for (pos, x) in buf.iter_mut().enumerate() {
-                *x *= factor(e, tokens, pos);
-            }
+            apply_factors(e, tokens, &mut buf, |x, n| x * n);
         }
         pagebuf::store(out, &buf);
         Ok(())

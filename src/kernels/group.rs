@@ -163,32 +163,24 @@ pub fn quantize_sym(x: &[f32], scale: f16, levels: u32, codes: &mut [u8], signs:
         return;
     }
     let l = levels as f32;
-    for (i, (c, &v)) in codes.iter_mut().zip(x).enumerate() {
-        let q = rne((v.abs() / s).clamp(0.0, l)) as u8;
-        *c = q;
-        if v < 0.0 && q > 0 {
-            signs[i / 32] |= 1 << (i % 32);
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = rne((v.abs() / s).clamp(0.0, l)) as u8;
+    }
+    for (w, (cc, xc)) in signs.iter_mut().zip(codes.chunks(32).zip(x.chunks(32))) {
+        let mut bits = 0u32;
+        for (i, (&c, &v)) in cc.iter().zip(xc).enumerate() {
+            bits |= (u32::from(v < 0.0) & u32::from(c > 0)) << i;
         }
+        *w |= bits;
     }
 }
 
 /// Symmetric dequantization: `f32(q) * S`, negated when `negative`.
 #[inline(always)]
 pub fn dequantize_sym(q: u8, scale: f32, negative: bool) -> f32 {
+    // Negation flips the sign bit (exactly `-v`), without a branch.
     let v = f32::from(q) * scale;
-    if negative { -v } else { v }
-}
-
-/// Sum of squared errors `sum (x_i - x^_i)^2`, accumulated in f64 in index
-/// order (the hybrid-mode criterion of InnerQ, section 4.1.2).
-pub fn squared_error(x: &[f32], xhat: impl Iterator<Item = f32>) -> f64 {
-    x.iter()
-        .zip(xhat)
-        .map(|(&a, b)| {
-            let e = f64::from(a) - f64::from(b);
-            e * e
-        })
-        .sum()
+    f32::from_bits(v.to_bits() ^ (u32::from(negative) << 31))
 }
 
 #[cfg(test)]
