@@ -113,13 +113,14 @@ pub fn nearest_direction_exhaustive(x: f32, y: f32, dirs: &[[f32; 2]]) -> u32 {
 /// candidates; the result never decides a code on its own.
 #[inline]
 fn approx_turns(x: f32, y: f32) -> f32 {
-    let (ax, ay) = (x.abs(), y.abs());
-    let (num, den, swap) = if ay <= ax {
-        (ay, ax, false)
-    } else {
-        (ax, ay, true)
+    // Branch-free selects: the signs of real data are unpredictable.
+    let sel = |c: bool, a: f32, b: f32| {
+        let m = 0u32.wrapping_sub(u32::from(c));
+        f32::from_bits((a.to_bits() & m) | (b.to_bits() & !m))
     };
-    let z = if den > 0.0 { num / den } else { 0.0 };
+    let (ax, ay) = (x.abs(), y.abs());
+    let (num, den) = (ax.min(ay), ax.max(ay));
+    let z = num / sel(den > 0.0, den, 1.0);
     let z2 = z * z;
     let p = 0.002_866_225_5f32;
     let p = -0.016_165_737 + z2 * p;
@@ -129,16 +130,10 @@ fn approx_turns(x: f32, y: f32) -> f32 {
     let p = -0.142_088_94 + z2 * p;
     let p = 0.199_935_51 + z2 * p;
     let p = -0.333_331_47 + z2 * p;
-    let mut a = z + z * z2 * p; // atan(z) in [0, pi/4]
-    if swap {
-        a = std::f32::consts::FRAC_PI_2 - a;
-    }
-    if x < 0.0 {
-        a = std::f32::consts::PI - a;
-    }
-    if y < 0.0 {
-        a = 2.0 * std::f32::consts::PI - a;
-    }
+    let a = z + z * z2 * p; // atan(z) in [0, pi/4]
+    let a = sel(ay > ax, std::f32::consts::FRAC_PI_2 - a, a);
+    let a = sel(x < 0.0, std::f32::consts::PI - a, a);
+    let a = sel(y < 0.0, 2.0 * std::f32::consts::PI - a, a);
     a * (0.5 * std::f32::consts::FRAC_1_PI)
 }
 
@@ -196,17 +191,22 @@ impl NearestDirection {
         let n = self.dirs.len() as u32;
         let mask = n - 1;
         let k0 = ((approx_turns(x, y) * n as f32 + 0.5) as u32) & mask;
-        // Candidates in ascending index order so ties go to the smallest.
-        let mut cand = [k0.wrapping_sub(1) & mask, k0, (k0 + 1) & mask];
-        cand.sort_unstable();
-        let mut best = cand[0];
-        let mut bd = dot(x, y, self.dirs[best as usize]);
-        for &k in &cand[1..] {
-            let d = dot(x, y, self.dirs[k as usize]);
-            if d > bd {
-                best = k;
-                bd = d;
-            }
+        // The three candidates in ascending index order, so that ties go
+        // to the smallest index as in the exhaustive search.
+        let cand = if k0 == 0 {
+            [0, 1, mask]
+        } else if k0 == mask {
+            [0, mask - 1, mask]
+        } else {
+            [k0 - 1, k0, k0 + 1]
+        };
+        let d = cand.map(|k| dot(x, y, self.dirs[k as usize]));
+        let (mut best, mut bd) = (cand[0], d[0]);
+        if d[1] > bd {
+            (best, bd) = (cand[1], d[1]);
+        }
+        if d[2] > bd {
+            best = cand[2];
         }
         best
     }
