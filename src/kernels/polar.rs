@@ -307,6 +307,25 @@ mod tests {
         assert_eq!(nd.find(1e-38, -1e-38), 14);
     }
 
+    #[test]
+    fn dense_sweep_fast_path_equals_exhaustive_search() {
+        // 2^16 angles per table (many land within an ulp of a bin edge),
+        // at magnitudes from 1e-29 to 1e29.
+        for m in 3..=MAX_ANGLE_BITS {
+            let nd = NearestDirection::new(uniform_directions(m));
+            for i in 0..1u32 << 16 {
+                let a = f64::from(i) / 65536.0 * std::f64::consts::TAU;
+                let r = 10f64.powi((i % 59) as i32 - 29);
+                let (x, y) = ((r * a.cos()) as f32, (r * a.sin()) as f32);
+                assert_eq!(
+                    nd.find(x, y),
+                    nearest_direction_exhaustive(x, y, nd.directions()),
+                    "m {m} angle {a} r {r}"
+                );
+            }
+        }
+    }
+
     proptest! {
         #[test]
         fn fast_path_equals_exhaustive_search(
