@@ -30,6 +30,9 @@ pub const FAMILIES: &[Family] = &[
     super::raw::FAMILY,
     super::affine::INT_FAMILY,
     super::affine::BDR_FAMILY,
+    super::polar::FAMILY,
+    super::innerq::FAMILY,
+    super::kivi::FAMILY,
 ];
 
 /// Parses a codec name such as `raw`, `int4`, `bdr128` or `bdr128:k`.

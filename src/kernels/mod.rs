@@ -11,6 +11,8 @@
 pub mod affine;
 pub mod bitpack;
 pub mod convert;
+pub mod group;
+pub mod polar;
 pub mod wht;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;

@@ -245,13 +245,30 @@ pub fn run(a: Args) -> Result<u8> {
 
 pub fn codecs(a: CodecsArgs) -> Result<u8> {
     let examples = [
-        "raw", "int2", "int3", "int4", "int8", "bdr16", "bdr32", "bdr64", "bdr128", "bdr256",
+        "raw",
+        "int2",
+        "int3",
+        "int4",
+        "int8",
+        "bdr16",
+        "bdr32",
+        "bdr64",
+        "bdr128",
+        "bdr256",
         "bdr128:k",
+        "polar:m4n4",
+        "polar:m4n2",
+        "innerq:k3v3",
+        "innerq:k3v2",
+        "innerq:k2v2",
+        "kivi:2",
+        "kivi:4",
     ];
-    let shape = |d: u32| TensorInfo {
+    // Mean of the K and V figures (codecs such as innerq:k3v2 differ).
+    let shape = |d: u32, kind: Kind| TensorInfo {
         name: String::new(),
         layer: 0,
-        kind: Kind::Key,
+        kind,
         dtype: DType::Bf16,
         batch: 1,
         heads: 1,
@@ -261,7 +278,12 @@ pub fn codecs(a: CodecsArgs) -> Result<u8> {
     let rows: Vec<_> = examples
         .iter()
         .filter_map(|n| kvpack::codec::parse(n).ok())
-        .map(|c| json!({"name": c.name(), "id": c.id(), "bits_per_element_d128": c.bits_per_element(&shape(128)), "bits_per_element_d256": c.bits_per_element(&shape(256))}))
+        .map(|c| {
+            let bpe = |d| {
+                (c.bits_per_element(&shape(d, Kind::Key)) + c.bits_per_element(&shape(d, Kind::Value))) / 2.0
+            };
+            json!({"name": c.name(), "id": c.id(), "bits_per_element_d128": bpe(128), "bits_per_element_d256": bpe(256)})
+        })
         .collect();
     if a.json {
         let fams: Vec<_> = FAMILIES
@@ -275,7 +297,9 @@ pub fn codecs(a: CodecsArgs) -> Result<u8> {
     for f in FAMILIES {
         println!("  [{}] {:<44} {}", f.id, f.syntax, f.summary);
     }
-    println!("\nbits/element (codec payload; sink/recent windows and container add a little):");
+    println!(
+        "\nbits/element (codec payload, mean of K and V; sink/recent windows, per-page scales and the container add more):"
+    );
     println!("  {:<12} {:>10} {:>10}", "codec", "d=128", "d=256");
     for r in rows {
         println!(
