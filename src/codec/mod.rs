@@ -16,6 +16,7 @@
 //! The container, the pipeline and the CLI need no change.
 
 pub mod affine;
+pub mod hqmq;
 pub mod outliers;
 pub mod raw;
 pub mod registry;
