@@ -308,3 +308,174 @@ pub(super) fn decode(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Re
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::cache::{DType, Elems, ElemsMut, Kind, TensorInfo};
+    use crate::codec::Codec;
+    use crate::format::{Limits, PageFrame, PageHeader, PageMeta};
+
+    const D: usize = 16;
+    const T: usize = 6;
+
+    fn info() -> TensorInfo {
+        TensorInfo {
+            name: "past_key_values.2.value".into(),
+            layer: 2,
+            kind: Kind::Value,
+            dtype: DType::F32,
+            batch: 1,
+            heads: 2,
+            tokens: T as u32,
+            head_dim: D as u32,
+        }
+    }
+
+    fn values() -> Vec<f32> {
+        (0..2 * T * D)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * if i % 29 == 3 { 9.0 } else { 0.25 })
+            .collect()
+    }
+
+    fn encode(h: &Hqmq) -> Vec<Section> {
+        let (ti, v) = (info(), values());
+        let page = PageIn {
+            tensor: &ti,
+            token_start: 0,
+            tokens: T as u32,
+            planes: v.chunks(T * D).map(Elems::F32).collect(),
+        };
+        h.encode(&page).unwrap()
+    }
+
+    /// Decodes `sections` as one page through the public frame path.
+    fn decode(h: &Hqmq, sections: &[Section]) -> Result<Vec<f32>> {
+        let frame = PageFrame::encode(
+            PageMeta {
+                tensor: 0,
+                token_start: 0,
+                tokens: T as u32,
+                codec: 0,
+            },
+            sections,
+            None,
+            64,
+        )?;
+        let at = crate::Location::Header;
+        let hd = PageHeader::parse(
+            frame.bytes[..64].try_into().unwrap(),
+            &at,
+            &Limits::default(),
+        )?;
+        let body = std::borrow::Cow::Borrowed(&frame.bytes[64..64 + hd.stored_len as usize]);
+        let view = PageView::from_stored(hd, body, 0, "test page".into(), &at)?;
+        let ti = info();
+        let mut out = vec![0f32; 2 * T * D];
+        let (a, b) = out.split_at_mut(T * D);
+        let mut po = PageOut {
+            tensor: &ti,
+            tokens: T as u32,
+            planes: vec![ElemsMut::F32(a), ElemsMut::F32(b)],
+        };
+        h.decode(&view, &mut po)?;
+        Ok(out)
+    }
+
+    fn section_mut(s: &mut [Section], kind: SectionKind, stream: u8) -> &mut Section {
+        s.iter_mut()
+            .find(|x| x.kind == kind && x.stream == stream)
+            .unwrap()
+    }
+
+    #[test]
+    fn round_trip_and_invalid_sections_are_format_errors() {
+        let h = Hqmq::new(24, 3, Some(3.0), 5).unwrap();
+        let good = encode(&h);
+        let ok = decode(&h, &good).unwrap();
+        assert!(
+            ok.iter().zip(values()).any(|(a, b)| a == &b),
+            "outliers exact"
+        );
+        type Edit = fn(&mut Vec<Section>);
+        let edits: [(&str, Edit); 10] = [
+            ("missing scale", |s| {
+                s.retain(|x| x.kind != SectionKind::Scale)
+            }),
+            ("missing outliers", |s| {
+                s.retain(|x| x.kind != SectionKind::Outliers)
+            }),
+            ("scale count", |s| {
+                let x = section_mut(s, SectionKind::Scale, 0);
+                x.count -= 1;
+                x.data.truncate(x.data.len() - 2);
+            }),
+            ("negative scale", |s| {
+                section_mut(s, SectionKind::Scale, 0).data[1] |= 0x80
+            }),
+            ("infinite scale", |s| {
+                let x = section_mut(s, SectionKind::Scale, 0);
+                x.data[0] = 0x00;
+                x.data[1] = 0x7C;
+            }),
+            ("low code width", |s| {
+                let x = section_mut(s, SectionKind::Index, 0);
+                x.elem = ElemType::Packed(8);
+                x.data.resize(x.count as usize, 0);
+            }),
+            ("digit group out of range", |s| {
+                // 0xFF... in the first 54-bit group exceeds 9^17.
+                let x = section_mut(s, SectionKind::Index, 1);
+                for b in &mut x.data[..6] {
+                    *b = 0xFF;
+                }
+                x.data[6] |= 0x3F;
+            }),
+            ("digit stream length", |s| {
+                let x = section_mut(s, SectionKind::Index, 1);
+                x.data.push(0);
+                x.count += 1;
+            }),
+            ("stray bit after the digits", |s| {
+                let x = section_mut(s, SectionKind::Index, 1);
+                let last = x.data.len() - 1;
+                x.data[last] |= 0x80;
+            }),
+            ("outlier unit", |s| {
+                section_mut(s, SectionKind::Outliers, 0).data[4] = 1
+            }),
+        ];
+        for (what, edit) in edits {
+            let mut s = good.clone();
+            edit(&mut s);
+            match decode(&h, &s) {
+                Err(e) => assert!(e.is_format(), "{what}: {e}"),
+                Ok(_) => panic!("{what}: accepted"),
+            }
+        }
+        // An OUTLIERS section for a codec without +med.
+        let plain = Hqmq::new(24, 3, None, 5).unwrap();
+        assert!(decode(&plain, &good).unwrap_err().is_format());
+        assert!(decode(&plain, &encode(&plain)).is_ok());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        /// Any byte of any section replaced: an error or a decode, never a
+        /// panic.
+        #[test]
+        fn corrupted_sections_never_panic(sec in 0usize..4, pos in any::<usize>(), byte in any::<u8>()) {
+            let h = Hqmq::new(5, 2, Some(2.0), 1).unwrap();
+            let mut s = encode(&h);
+            let n = s.len();
+            let x = &mut s[sec % n];
+            if !x.data.is_empty() {
+                let i = pos % x.data.len();
+                x.data[i] = byte;
+            }
+            let _ = decode(&h, &s);
+        }
+    }
+}
