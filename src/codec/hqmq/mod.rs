@@ -53,8 +53,8 @@ pub const MAX_S: u32 = 65_536;
 pub const FAMILY: Family = Family {
     id: ID,
     name: "hqmq",
-    syntax: "hqmq:s{S}r{b}[+med{C}][:seed{N}] S >= 1, b = 1..8, e.g. hqmq:s96r4+med3",
-    summary: "Hurwitz-quaternion multiplicative VQ on 4-element chunks, fp16 per-token radius scale, optional Med-C outlier extraction",
+    syntax: "hqmq:s{S}r{b}[+med{C}] e.g. hqmq:s96r4+med3",
+    summary: "Hurwitz-quaternion multiplicative VQ of 4-element chunks, fp16 outliers (:seed{N})",
     parse: params::parse_family,
     from_params: params::from_params,
 };
