@@ -162,29 +162,47 @@ pub(super) fn encode(h: &Hqmq, page: &PageIn<'_>) -> Result<Vec<Section>> {
         );
     }
 
-    // Symbols v = j * 2^b + q, split into low E bits and a base-O digit.
-    let (e, _) = h.split();
-    let low_mask = (1u64 << e) - 1;
-    let mut low = Vec::with_capacity(n);
-    let mut high = Vec::with_capacity(n);
-    let mut table = OutlierTable::new(4, universe);
-    for (r, &step) in steps.iter().enumerate() {
-        for i in r * nc..(r + 1) * nc {
-            if outlier[i] {
-                table.push(i as u32, &[xs[0][i], xs[1][i], xs[2][i], xs[3][i]]);
-                continue;
-            }
-            let q = if step == 0.0 {
-                0
-            } else {
+    // Radius levels (format/codecs/hqmq.md encoding rule 5).
+    let mut qs = vec![0u32; n];
+    for ((q, rr), &step) in qs
+        .chunks_exact_mut(nc)
+        .zip(radii.chunks_exact(nc))
+        .zip(&steps)
+    {
+        if step != 0.0 {
+            for (q, &rho) in q.iter_mut().zip(rr) {
                 // Round to nearest, ties to even (exact for 0 <= t <= 2^22).
-                (((radii[i] / step).min(levels) + RNE_MAGIC) - RNE_MAGIC) as u64
-            };
-            let v = (u64::from(js[i]) << h.radius_bits) | q;
-            low.push((v & low_mask) as u32);
-            high.push((v >> e) as u32);
+                *q = (((rho / step).min(levels) + RNE_MAGIC) - RNE_MAGIC) as i32 as u32;
+            }
         }
     }
+
+    // Symbols v = j * 2^b + q, split into low E bits and a base-O digit.
+    let (e, _) = h.split();
+    let b = u32::from(h.radius_bits);
+    let low_mask = (1u32 << e) - 1;
+    let mut table = OutlierTable::new(4, universe);
+    let (low, high): (Vec<u32>, Vec<u32>) = if h.outlier_multiplier.is_none() {
+        // v < 24 * 65536 * 256 < 2^32.
+        let v = js.iter().zip(&qs).map(|(&j, &q)| (j << b) | q);
+        (
+            v.clone().map(|v| v & low_mask).collect(),
+            v.map(|v| v >> e).collect(),
+        )
+    } else {
+        let mut low = Vec::with_capacity(n);
+        let mut high = Vec::with_capacity(n);
+        for i in 0..n {
+            if outlier[i] {
+                table.push(i as u32, &[xs[0][i], xs[1][i], xs[2][i], xs[3][i]]);
+            } else {
+                let v = (js[i] << b) | qs[i];
+                low.push(v & low_mask);
+                high.push(v >> e);
+            }
+        }
+        (low, high)
+    };
     let n_in = low.len();
     let count = |v: usize| u32::try_from(v).map_err(|_| Error::param("hqmq page too large"));
     let mut low_bytes = vec![0u8; bitpack::packed_len(n_in, e)];
