@@ -38,7 +38,7 @@
 //! Either way the result equals [`exhaustive`] bit for bit; tests compare
 //! them on millions of random and adversarial chunks and the real fixture.
 
-use crate::kernels::quaternion::{self, HURWITZ, Quat};
+use crate::kernels::quaternion::{self, Quat};
 
 use super::codebook::{Codebook, PRIMARY};
 
@@ -229,11 +229,6 @@ pub fn search_quats(cb: &Codebook, xs: &[Quat], out: &mut [u32]) {
     search(cb, [&soa[0], &soa[1], &soa[2], &soa[3]], out);
 }
 
-/// The primary unit of joint index `j` (for tests and tools).
-pub fn primary_of(j: u32, s: usize) -> Quat {
-    HURWITZ[j as usize / s]
-}
-
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -402,6 +397,7 @@ mod tests {
     use super::*;
     use crate::cache::Kind;
     use crate::codec::hqmq::codebook::secondaries;
+    use crate::kernels::quaternion::HURWITZ;
     use crate::kernels::rng::SplitMix64;
 
     fn book(s: usize, seed: u64) -> Codebook {
