@@ -198,6 +198,25 @@ fn eq2_accounting_with_outliers_on_the_fixture() {
     // Everything included (headers, index, padding) adds little.
     let file = 8.0 * bytes.len() as f64 / elements;
     assert!(file - measured < 0.06, "file {file}");
+    // `kvpack inspect --sections` shows the same accounting.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.kvpack");
+    std::fs::write(&path, &bytes).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_kvpack"))
+        .args(["inspect", path.to_str().unwrap(), "--sections", "--json"])
+        .output()
+        .unwrap();
+    assert!(o.status.success());
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let sec = &j["sections"];
+    assert_eq!(sec["outlier_entries"]["entries"], outliers as u64);
+    assert!((sec["outlier_entries"]["fraction"].as_f64().unwrap() - p).abs() < 1e-12);
+    let sum: f64 = ["SCALE", "INDEX", "OUTLIERS", "RAW", "framing"]
+        .iter()
+        .filter_map(|k| sec[k]["bits_per_element"].as_f64())
+        .sum();
+    assert!((sum - j["bits_per_element"].as_f64().unwrap()).abs() < 1e-9);
+    assert!(sec["INDEX"]["bits_per_element"].as_f64().unwrap() > 3.0);
 }
 
 /// Rebuilds one chunk's decoded value from the spec (format/codecs/hqmq.md
