@@ -17,6 +17,7 @@
 
 pub mod affine;
 pub mod groups;
+pub mod hqmq;
 pub mod innerq;
 pub mod kivi;
 pub mod outliers;
