@@ -1,6 +1,7 @@
 //! Shared numeric kernels used by the codecs: element-type conversion, bit
-//! packing, the fast Walsh-Hadamard transform and asymmetric (affine)
-//! quantization.
+//! packing, the fast Walsh-Hadamard transform, asymmetric (affine) and
+//! group-wise quantization, random sign-flipped rotations, Lloyd-Max
+//! codebooks, the octahedral map and the QJL residual sketch.
 //!
 //! Every kernel has a portable scalar implementation that defines its exact
 //! result. Where an x86-64 AVX2 path exists it is selected at run time and
@@ -11,6 +12,11 @@
 pub mod affine;
 pub mod bitpack;
 pub mod convert;
+pub mod group;
+pub mod lloyd_max;
+pub mod octahedral;
+pub mod qjl;
+pub mod rotation;
 pub mod wht;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
@@ -54,4 +60,12 @@ pub fn scale(x: &mut [f32], c: f32) {
     for v in x {
         *v *= c;
     }
+}
+
+/// Euclidean norm `sqrt(Σ x_i^2)` with the squares summed in f64 in index
+/// order, the square root taken in f64 and rounded to f32 (a fixed
+/// sequence of correctly rounded operations: the same bits everywhere).
+pub fn l2_norm(x: &[f32]) -> f32 {
+    let acc: f64 = x.iter().fold(0.0, |a, &v| a + f64::from(v) * f64::from(v));
+    acc.sqrt() as f32
 }
