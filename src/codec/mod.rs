@@ -16,9 +16,12 @@
 //! The container, the pipeline and the CLI need no change.
 
 pub mod affine;
+pub mod octopus;
 pub mod outliers;
 pub mod raw;
 pub mod registry;
+pub mod sphere;
+pub mod turbo;
 
 use crate::cache::{Elems, ElemsMut, KvCache, TensorInfo};
 use crate::error::Result;

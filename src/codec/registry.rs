@@ -30,6 +30,8 @@ pub const FAMILIES: &[Family] = &[
     super::raw::FAMILY,
     super::affine::INT_FAMILY,
     super::affine::BDR_FAMILY,
+    super::octopus::FAMILY,
+    super::turbo::FAMILY,
 ];
 
 /// Parses a codec name such as `raw`, `int4`, `bdr128` or `bdr128:k`.
