@@ -47,7 +47,7 @@ pub const FAMILY: Family = Family {
     syntax: "octopus:b{b}[+qjl][:vg{g}][:full|:scalar][:seed{n}] b = 2..5, e.g. octopus:b3",
     summary: "OCTOPUS: WHT rotation + octahedral triplets, Lloyd-Max (b+1, b-1) split; V int-b groups with :vg{g}",
     parse,
-    from_params,
+    from_params: |p| Ok(Box::new(Octopus::from_params(p)?)),
 };
 
 /// Bits per octahedral coordinate and per triplet norm.
@@ -446,42 +446,49 @@ fn parse_parsed(s: &str, p: sphere::ParsedName) -> Result<Box<dyn Codec>> {
     Ok(Box::new(Octopus::new(split, rounding, options)))
 }
 
-fn from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
-    let (dir, norm, enc, options, tail) = sphere::read_header(p)?;
-    let rounding = Rounding::from_code(enc)
-        .ok_or_else(|| Error::param(format!("unknown OCTOPUS encoder code {enc}")))?;
-    if !(1..=MAX_BITS).contains(&dir) || !(1..=MAX_BITS).contains(&norm) {
-        return Err(Error::param(format!(
-            "OCTOPUS split ({dir}, {norm}) outside 1..={MAX_BITS}"
-        )));
+impl Octopus {
+    /// Rebuilds the codec from its parameter block (layout in
+    /// format/codecs/octopus.md), e.g. to call [`Octopus::scores`] on a file's pages.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for an invalid block.
+    pub fn from_params(p: &[u8]) -> Result<Octopus> {
+        let (dir, norm, enc, options, tail) = sphere::read_header(p)?;
+        let rounding = Rounding::from_code(enc)
+            .ok_or_else(|| Error::param(format!("unknown OCTOPUS encoder code {enc}")))?;
+        if !(1..=MAX_BITS).contains(&dir) || !(1..=MAX_BITS).contains(&norm) {
+            return Err(Error::param(format!(
+                "OCTOPUS split ({dir}, {norm}) outside 1..={MAX_BITS}"
+            )));
+        }
+        let mut at = 0;
+        let dc = sphere::read_f32s(tail, &mut at, 1 << dir)?;
+        sphere::check_codebook("direction", &dc, -1.0, 1.0)?;
+        let n = sphere::read_u32(tail, &mut at)? as usize;
+        let mut norms = Vec::new();
+        let mut prev = None;
+        for _ in 0..n {
+            let d = sphere::read_u32(tail, &mut at)?;
+            sphere::check_dim_key(d, prev)?;
+            prev = Some(d);
+            let c = sphere::read_f32s(tail, &mut at, 1 << norm)?;
+            sphere::check_codebook("triplet-norm", &c, 0.0, 1.0)?;
+            norms.push(Arc::new(NormTables::new(d, c)));
+        }
+        if at != tail.len() {
+            return Err(Error::param(format!(
+                "{} bytes after the OCTOPUS codebooks",
+                tail.len() - at
+            )));
+        }
+        Ok(Octopus {
+            split: Split { dir, norm },
+            rounding,
+            options,
+            dir: Arc::new(DirTables::new(dir, dc)),
+            norms,
+        })
     }
-    let mut at = 0;
-    let dc = sphere::read_f32s(tail, &mut at, 1 << dir)?;
-    sphere::check_codebook("direction", &dc, -1.0, 1.0)?;
-    let n = sphere::read_u32(tail, &mut at)? as usize;
-    let mut norms = Vec::new();
-    let mut prev = None;
-    for _ in 0..n {
-        let d = sphere::read_u32(tail, &mut at)?;
-        sphere::check_dim_key(d, prev)?;
-        prev = Some(d);
-        let c = sphere::read_f32s(tail, &mut at, 1 << norm)?;
-        sphere::check_codebook("triplet-norm", &c, 0.0, 1.0)?;
-        norms.push(Arc::new(NormTables::new(d, c)));
-    }
-    if at != tail.len() {
-        return Err(Error::param(format!(
-            "{} bytes after the OCTOPUS codebooks",
-            tail.len() - at
-        )));
-    }
-    Ok(Box::new(Octopus {
-        split: Split { dir, norm },
-        rounding,
-        options,
-        dir: Arc::new(DirTables::new(dir, dc)),
-        norms,
-    }))
 }
 
 impl Codec for Octopus {
@@ -672,7 +679,7 @@ mod tests {
     #[test]
     fn corrupt_parameter_blocks_are_rejected() {
         let good = prepared("octopus:b3+qjl").params();
-        assert!(from_params(&good).is_ok());
+        assert!(Octopus::from_params(&good).is_ok());
         let mut bad = Vec::new();
         // Flags, reserved byte, rounding code, split.
         for (at, v) in [(2usize, 2u8), (5, 1), (3, 3), (0, 7), (1, 0)] {
@@ -703,7 +710,7 @@ mod tests {
         bad.push([good.clone(), vec![0]].concat());
         bad.push(good[..10].to_vec());
         for (i, p) in bad.iter().enumerate() {
-            assert!(from_params(p).is_err(), "case {i}");
+            assert!(Octopus::from_params(p).is_err(), "case {i}");
         }
     }
 

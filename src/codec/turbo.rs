@@ -37,7 +37,7 @@ pub const FAMILY: Family = Family {
     syntax: "turbo:b{b}[+qjl][:vg{g}][:seed{n}]  b = 1..6, e.g. turbo:b3",
     summary: "TurboQuant-MSE: WHT rotation + per-coordinate Lloyd-Max on the Beta marginal (OCTOPUS baseline)",
     parse,
-    from_params,
+    from_params: |p| Ok(Box::new(Turbo::from_params(p)?)),
 };
 
 /// The coordinate codebook of one head_dim.
@@ -202,36 +202,43 @@ fn parse(s: &str) -> Option<Result<Box<dyn Codec>>> {
     ))))
 }
 
-fn from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
-    let (bits, b2, enc, options, tail) = sphere::read_header(p)?;
-    if !(1..=MAX_BITS).contains(&bits) || b2 != 0 || enc != 0 {
-        return Err(Error::param(format!(
-            "turbo header: bits {bits} (1..={MAX_BITS}), bytes 1 and 3 must be 0 (found {b2}, {enc})"
-        )));
+impl Turbo {
+    /// Rebuilds the codec from its parameter block (layout in
+    /// format/codecs/turbo.md), e.g. to call [`Turbo::scores`] on a file's pages.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for an invalid block.
+    pub fn from_params(p: &[u8]) -> Result<Turbo> {
+        let (bits, b2, enc, options, tail) = sphere::read_header(p)?;
+        if !(1..=MAX_BITS).contains(&bits) || b2 != 0 || enc != 0 {
+            return Err(Error::param(format!(
+                "turbo header: bits {bits} (1..={MAX_BITS}), bytes 1 and 3 must be 0 (found {b2}, {enc})"
+            )));
+        }
+        let mut at = 0;
+        let n = sphere::read_u32(tail, &mut at)? as usize;
+        let mut tables = Vec::new();
+        let mut prev = None;
+        for _ in 0..n {
+            let d = sphere::read_u32(tail, &mut at)?;
+            sphere::check_dim_key(d, prev)?;
+            prev = Some(d);
+            let c = sphere::read_f32s(tail, &mut at, 1 << bits)?;
+            sphere::check_codebook("coordinate", &c, -1.0, 1.0)?;
+            tables.push(Arc::new(CoordTables::new(d, c)));
+        }
+        if at != tail.len() {
+            return Err(Error::param(format!(
+                "{} bytes after the turbo codebooks",
+                tail.len() - at
+            )));
+        }
+        Ok(Turbo {
+            bits,
+            options,
+            tables,
+        })
     }
-    let mut at = 0;
-    let n = sphere::read_u32(tail, &mut at)? as usize;
-    let mut tables = Vec::new();
-    let mut prev = None;
-    for _ in 0..n {
-        let d = sphere::read_u32(tail, &mut at)?;
-        sphere::check_dim_key(d, prev)?;
-        prev = Some(d);
-        let c = sphere::read_f32s(tail, &mut at, 1 << bits)?;
-        sphere::check_codebook("coordinate", &c, -1.0, 1.0)?;
-        tables.push(Arc::new(CoordTables::new(d, c)));
-    }
-    if at != tail.len() {
-        return Err(Error::param(format!(
-            "{} bytes after the turbo codebooks",
-            tail.len() - at
-        )));
-    }
-    Ok(Box::new(Turbo {
-        bits,
-        options,
-        tables,
-    }))
 }
 
 impl Codec for Turbo {
@@ -357,16 +364,16 @@ mod tests {
             .with_head_dims(&[128])
             .unwrap()
             .params();
-        assert!(from_params(&good).is_ok());
+        assert!(Turbo::from_params(&good).is_ok());
         for (at, v) in [(0usize, 0u8), (1, 1), (3, 1), (2, 4)] {
             let mut p = good.clone();
             p[at] = v;
-            assert!(from_params(&p).is_err(), "byte {at}");
+            assert!(Turbo::from_params(&p).is_err(), "byte {at}");
         }
         let mut p = good.clone();
         p[24..28].copy_from_slice(&1.5f32.to_le_bytes());
-        assert!(from_params(&p).is_err());
-        assert!(from_params(&good[..good.len() - 2]).is_err());
+        assert!(Turbo::from_params(&p).is_err());
+        assert!(Turbo::from_params(&good[..good.len() - 2]).is_err());
     }
 
     #[test]
