@@ -169,12 +169,10 @@ impl<'a> Archive<'a> {
             .try_for_each(|(pi, info, lo, hi, planes)| {
                 self.decode_page(pi, info, lo, hi, planes, stats)
             })?;
-        let r = &self.reader;
-        let src_ids = &r.index().token_ids;
         Ok(KvCache {
             tensors,
             metadata: h.metadata.clone(),
-            token_ids: src_ids.clone(),
+            token_ids: self.reader.index().token_ids.clone(),
         })
     }
 
@@ -237,7 +235,6 @@ impl<'a> Archive<'a> {
                 src.load((p * m.tokens as usize + skip + t) * d, &mut row);
                 dst.store(t * d, &row);
             }
-            let _ = &mut dst;
         }
         Ok(())
     }
@@ -279,4 +276,51 @@ pub fn parse_range(s: &str) -> Result<Range<u32>> {
         return Err(bad());
     }
     Ok(a..b)
+}
+
+/// Metadata key naming the model a cache belongs to.
+pub const MODEL_KEY: &str = "kvpack.model";
+
+impl Archive<'_> {
+    /// The model name recorded in the file (`kvpack.model`), if any.
+    pub fn model(&self) -> Option<&str> {
+        self.reader
+            .header()
+            .metadata
+            .get(MODEL_KEY)
+            .map(String::as_str)
+    }
+
+    /// Token ids of the cached prefix (empty when not recorded).
+    pub fn token_ids(&self) -> &[u32] {
+        &self.reader.index().token_ids
+    }
+
+    /// How many leading tokens of `prompt` this cache holds: the length of
+    /// the longest common prefix of the stored token ids and `prompt`. A
+    /// loader reuses that many tokens and prefills the rest.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when `model` differs from the recorded model, or
+    /// the file records no token ids (nothing can be matched).
+    pub fn matching_prefix(&self, model: &str, prompt: &[u32]) -> Result<usize> {
+        match self.model() {
+            Some(m) if m != model => {
+                return Err(Error::param(format!(
+                    "the cache is for model {m:?}, not {model:?}"
+                )));
+            }
+            None => {
+                return Err(Error::param(
+                    "the cache records no model name (kvpack.model)",
+                ));
+            }
+            _ => {}
+        }
+        let ids = self.token_ids();
+        if ids.is_empty() {
+            return Err(Error::param("the cache records no token ids"));
+        }
+        Ok(ids.iter().zip(prompt).take_while(|(a, b)| a == b).count())
+    }
 }

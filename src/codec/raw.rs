@@ -55,10 +55,19 @@ impl Codec for Raw {
         let dtype = page.tensor.dtype;
         let mut data = Vec::with_capacity(n * dtype.size());
         for p in &page.planes {
-            match p {
-                crate::cache::Elems::Bf16(v) => v.iter().for_each(|x| data.extend(x.to_le_bytes())),
-                crate::cache::Elems::F16(v) => v.iter().for_each(|x| data.extend(x.to_le_bytes())),
-                crate::cache::Elems::F32(v) => v.iter().for_each(|x| data.extend(x.to_le_bytes())),
+            let bytes: &[u8] = match p {
+                crate::cache::Elems::Bf16(v) => bytemuck::cast_slice(v),
+                crate::cache::Elems::F16(v) => bytemuck::cast_slice(v),
+                crate::cache::Elems::F32(v) => bytemuck::cast_slice(v),
+            };
+            if cfg!(target_endian = "little") {
+                data.extend_from_slice(bytes);
+            } else {
+                // Byte-swap each element to little-endian.
+                let w = dtype.size();
+                for c in bytes.chunks_exact(w) {
+                    data.extend(c.iter().rev());
+                }
             }
         }
         Ok(vec![Section {

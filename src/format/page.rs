@@ -167,34 +167,31 @@ impl PageFrame {
         if meta.tokens == 0 {
             return Err(Error::param("a page must hold at least one token"));
         }
-        let body = section::encode_body(sections)?;
-        let body_len = body.len() as u64;
-        let (stored, flags): (Cow<'_, [u8]>, u16) = match zstd_level {
-            Some(level) => {
-                let z = zstd::bulk::compress(&body, level)
-                    .map_err(|e| Error::io("zstd compression of a page", e))?;
-                if z.len() < body.len() {
-                    (Cow::Owned(z), FLAG_ZSTD)
-                } else {
-                    (Cow::Borrowed(&body), 0)
-                }
+        let mut bytes = vec![0u8; FRAME_HEADER_LEN];
+        section::encode_body_into(&mut bytes, sections)?;
+        let body_len = (bytes.len() - FRAME_HEADER_LEN) as u64;
+        let mut flags = 0;
+        if let Some(level) = zstd_level {
+            let z = zstd::bulk::compress(&bytes[FRAME_HEADER_LEN..], level)
+                .map_err(|e| Error::io("zstd compression of a page", e))?;
+            if (z.len() as u64) < body_len {
+                bytes.truncate(FRAME_HEADER_LEN);
+                bytes.extend_from_slice(&z);
+                flags = FLAG_ZSTD;
             }
-            None => (Cow::Borrowed(&body), 0),
-        };
+        }
+        let stored_len = (bytes.len() - FRAME_HEADER_LEN) as u64;
         let header = PageHeader {
             meta,
             flags,
             n_sections: u16::try_from(sections.len())
                 .map_err(|_| Error::param("more than 65535 sections"))?,
-            stored_len: stored.len() as u64,
+            stored_len,
             body_len,
-            body_crc: crc32(&[&stored]),
+            body_crc: crc32(&[&bytes[FRAME_HEADER_LEN..]]),
         };
-        let frame_len = header.frame_len(align) as usize;
-        let mut bytes = Vec::with_capacity(frame_len);
-        bytes.extend_from_slice(&header.encode());
-        bytes.extend_from_slice(&stored);
-        bytes.resize(frame_len, 0);
+        bytes[..FRAME_HEADER_LEN].copy_from_slice(&header.encode());
+        bytes.resize(header.frame_len(align) as usize, 0);
         Ok(PageFrame { header, bytes })
     }
 }

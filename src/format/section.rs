@@ -209,13 +209,14 @@ impl Section {
 /// Size of one section table entry, bytes.
 pub(crate) const SECTION_DESC_LEN: usize = 16;
 
-/// Serializes sections into a canonical body.
+/// Appends the canonical body of `sections` to `out` (body offsets are
+/// relative to where the body starts in `out`).
 ///
 /// # Errors
 /// [`Error::Parameter`] when a section's data length disagrees with its
 /// element type and count, `(kind, stream)` pairs repeat, or the body would
 /// exceed 4 GiB.
-pub(crate) fn encode_body(sections: &[Section]) -> Result<Vec<u8>> {
+pub(crate) fn encode_body_into(out: &mut Vec<u8>, sections: &[Section]) -> Result<()> {
     let mut seen = std::collections::HashSet::new();
     let mut offset = (sections.len() * SECTION_DESC_LEN).next_multiple_of(SECTION_ALIGN);
     let mut descs = Vec::with_capacity(sections.len());
@@ -243,7 +244,9 @@ pub(crate) fn encode_body(sections: &[Section]) -> Result<Vec<u8>> {
         descs.push((off, s.data.len() as u32));
         offset = (offset + s.data.len()).next_multiple_of(SECTION_ALIGN);
     }
-    let mut body = Vec::with_capacity(offset);
+    let base = out.len();
+    out.reserve(offset);
+    let body = out;
     for (s, (off, len)) in sections.iter().zip(&descs) {
         let (code, bits) = s.elem.code_bits();
         body.put_u8(s.kind.code());
@@ -254,13 +257,15 @@ pub(crate) fn encode_body(sections: &[Section]) -> Result<Vec<u8>> {
         body.put_u32(*off);
         body.put_u32(*len);
     }
-    body.pad_to(SECTION_ALIGN);
+    let pad =
+        |b: &mut Vec<u8>| b.resize(base + (b.len() - base).next_multiple_of(SECTION_ALIGN), 0);
+    pad(body);
     for s in sections {
         body.extend_from_slice(&s.data);
-        body.pad_to(SECTION_ALIGN);
+        pad(body);
     }
-    debug_assert_eq!(body.len(), offset);
-    Ok(body)
+    debug_assert_eq!(body.len() - base, offset);
+    Ok(())
 }
 
 /// Parses and validates the section table of an uncompressed body,

@@ -156,27 +156,39 @@ pub fn append_file(
     file.try_lock().map_err(|e| match e {
         std::fs::TryLockError::WouldBlock => Error::io(
             format!("locking {name}"),
-            std::io::Error::new(std::io::ErrorKind::WouldBlock, "another process is appending to it"),
+            std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                "another process is appending to it",
+            ),
         ),
         std::fs::TryLockError::Error(e) => Error::io(format!("locking {name}"), e),
     })?;
     // SAFETY: read-only map; kvpack never truncates committed bytes, and
     // the exclusive lock keeps other kvpack appenders out.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(format!("mapping {name}"), e))?;
+    let map = unsafe { memmap2::Mmap::map(&file) }
+        .map_err(|e| Error::io(format!("mapping {name}"), e))?;
     let reader = crate::format::Reader::open(&map)?;
     let committed = reader.committed_len();
     let torn = reader.torn_tail();
     if torn > 0 {
-        file.set_len(committed).map_err(|e| Error::io(format!("removing the torn tail of {name}"), e))?;
-        file.sync_data().map_err(|e| Error::io(format!("syncing {name}"), e))?;
+        file.set_len(committed)
+            .map_err(|e| Error::io(format!("removing the torn tail of {name}"), e))?;
+        file.sync_data()
+            .map_err(|e| Error::io(format!("syncing {name}"), e))?;
     }
     let mut f = &file;
-    f.seek(SeekFrom::Start(committed)).map_err(|e| Error::io(format!("seeking {name}"), e))?;
+    f.seek(SeekFrom::Start(committed))
+        .map_err(|e| Error::io(format!("seeking {name}"), e))?;
     let w = BufWriter::with_capacity(1 << 20, f);
     let mut sync = |w: &mut BufWriter<&File>| -> std::io::Result<()> {
         w.flush()?;
         w.get_ref().sync_data()
     };
-    let (_, report, trailer) = crate::compress::append(&reader, longer, unverified_ok, opts, w, progress, &mut sync)?;
-    Ok(AppendReport { report, generation: trailer.generation, torn_tail_removed: torn })
+    let (_, report, trailer) =
+        crate::compress::append(&reader, longer, unverified_ok, opts, w, progress, &mut sync)?;
+    Ok(AppendReport {
+        report,
+        generation: trailer.generation,
+        torn_tail_removed: torn,
+    })
 }

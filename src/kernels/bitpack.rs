@@ -12,24 +12,14 @@ pub fn packed_len(n: usize, bits: u32) -> usize {
     (n * bits as usize).div_ceil(8)
 }
 
-/// Packs `codes` (each `< 2^bits`, `bits` in 1..=32) into `out`.
-///
-/// # Panics
-/// If `out.len() != packed_len(codes.len(), bits)` or `bits` is out of
-/// range. Codes are masked to `bits` bits.
-pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
-    assert!((1..=32).contains(&bits));
-    assert_eq!(out.len(), packed_len(codes.len(), bits));
-    let mask = if bits == 32 {
-        u64::from(u32::MAX)
-    } else {
-        (1u64 << bits) - 1
-    };
+/// LSB-first packing of `codes` (masked to `bits` bits, 1..=32) into `out`.
+fn pack_bits(codes: impl Iterator<Item = u64>, bits: u32, out: &mut [u8]) {
+    let mask = (1u64 << bits) - 1;
     let mut acc: u64 = 0;
     let mut nacc = 0u32;
     let mut o = 0;
-    for &c in codes {
-        acc |= (u64::from(c) & mask) << nacc;
+    for c in codes {
+        acc |= (c & mask) << nacc;
         nacc += bits;
         while nacc >= 8 {
             out[o] = acc as u8;
@@ -43,6 +33,36 @@ pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
     }
 }
 
+/// LSB-first unpacking of `n` codes of `bits` bits (1..=32), handed to
+/// `put(i, code)`.
+fn unpack_bits(packed: &[u8], bits: u32, n: usize, mut put: impl FnMut(usize, u64)) {
+    let mask = (1u64 << bits) - 1;
+    let mut acc: u64 = 0;
+    let mut nacc = 0u32;
+    let mut i = 0;
+    for k in 0..n {
+        while nacc < bits {
+            acc |= u64::from(packed[i]) << nacc;
+            i += 1;
+            nacc += 8;
+        }
+        put(k, acc & mask);
+        acc >>= bits;
+        nacc -= bits;
+    }
+}
+
+/// Packs `codes` (each `< 2^bits`, `bits` in 1..=32) into `out`.
+///
+/// # Panics
+/// If `out.len() != packed_len(codes.len(), bits)` or `bits` is out of
+/// range. Codes are masked to `bits` bits.
+pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
+    assert!((1..=32).contains(&bits));
+    assert_eq!(out.len(), packed_len(codes.len(), bits));
+    pack_bits(codes.iter().map(|&c| u64::from(c)), bits, out);
+}
+
 /// Unpacks `out.len()` codes of `bits` bits (1..=32) from `packed`.
 ///
 /// # Panics
@@ -50,24 +70,7 @@ pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
 pub fn unpack_u32(packed: &[u8], bits: u32, out: &mut [u32]) {
     assert!((1..=32).contains(&bits));
     assert!(packed.len() >= packed_len(out.len(), bits));
-    let mask = if bits == 32 {
-        u64::from(u32::MAX)
-    } else {
-        (1u64 << bits) - 1
-    };
-    let mut acc: u64 = 0;
-    let mut nacc = 0u32;
-    let mut i = 0;
-    for c in out.iter_mut() {
-        while nacc < bits {
-            acc |= u64::from(packed[i]) << nacc;
-            i += 1;
-            nacc += 8;
-        }
-        *c = (acc & mask) as u32;
-        acc >>= bits;
-        nacc -= bits;
-    }
+    unpack_bits(packed, bits, out.len(), |i, c| out[i] = c as u32);
 }
 
 /// Packs byte codes (`bits` in 1..=8) into `out`, with fast paths for 4 and 8.
@@ -88,25 +91,7 @@ pub fn pack_u8(codes: &[u8], bits: u32, out: &mut [u8]) {
                 out[pairs.len()] = last & 15;
             }
         }
-        _ => {
-            let mask = ((1u32 << bits) - 1) as u64;
-            let mut acc: u64 = 0;
-            let mut nacc = 0u32;
-            let mut o = 0;
-            for &c in codes {
-                acc |= (u64::from(c) & mask) << nacc;
-                nacc += bits;
-                if nacc >= 8 {
-                    out[o] = acc as u8;
-                    o += 1;
-                    acc >>= 8;
-                    nacc -= 8;
-                }
-            }
-            if nacc > 0 {
-                out[o] = acc as u8;
-            }
-        }
+        _ => pack_bits(codes.iter().map(|&c| u64::from(c)), bits, out),
     }
 }
 
@@ -130,22 +115,7 @@ pub fn unpack_u8(packed: &[u8], bits: u32, out: &mut [u8]) {
                 *last = packed[n / 2] & 15;
             }
         }
-        _ => {
-            let mask = (1u64 << bits) - 1;
-            let mut acc: u64 = 0;
-            let mut nacc = 0u32;
-            let mut i = 0;
-            for c in out.iter_mut() {
-                if nacc < bits {
-                    acc |= u64::from(packed[i]) << nacc;
-                    i += 1;
-                    nacc += 8;
-                }
-                *c = (acc & mask) as u8;
-                acc >>= bits;
-                nacc -= bits;
-            }
-        }
+        _ => unpack_bits(packed, bits, out.len(), |i, c| out[i] = c as u8),
     }
 }
 

@@ -6,6 +6,7 @@ mod cmd_compress;
 mod cmd_decompress;
 mod cmd_eval;
 mod cmd_inspect;
+mod cmd_net;
 mod cmd_verify;
 mod output;
 
@@ -60,6 +61,14 @@ enum Command {
     Codecs(cmd_inspect::CodecsArgs),
     /// Compare codecs on a cache: size, reconstruction and attention error.
     Eval(cmd_eval::Args),
+    /// Add the tokens that follow a stored prompt cache (crash-safe append).
+    Append(cmd_net::AppendArgs),
+    /// Stream a cache to `kvpack recv` over TCP (prefill -> decode handoff).
+    Send(cmd_net::SendArgs),
+    /// Receive a stream from `kvpack send`, decoding while it arrives.
+    Recv(cmd_net::RecvArgs),
+    /// How many leading tokens of a prompt a prompt cache holds.
+    Match(cmd_net::MatchArgs),
 }
 
 fn main() -> ExitCode {
@@ -79,6 +88,10 @@ fn main() -> ExitCode {
         Command::Verify(a) => cmd_verify::run(a),
         Command::Codecs(a) => cmd_inspect::codecs(a),
         Command::Eval(a) => cmd_eval::run(a),
+        Command::Append(a) => cmd_net::append(a),
+        Command::Send(a) => cmd_net::send(a),
+        Command::Recv(a) => cmd_net::recv(a),
+        Command::Match(a) => cmd_net::matching(a),
     };
     match r {
         Ok(code) => ExitCode::from(code),

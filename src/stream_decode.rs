@@ -1,0 +1,264 @@
+//! Decoding while receiving: pages are decoded on the rayon pool as soon as
+//! they arrive from a [`StreamReader`], straight into preallocated output
+//! tensors, with a bounded number of pages in flight (memory stays bounded)
+//! and a callback when every tensor of a layer is complete.
+
+use std::io::Read;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::cache::{DType, ElemsMut, KvCache, Tensor, TensorData, TensorInfo};
+use crate::codec::{Codec, PageOut};
+use crate::error::{Error, Location, Result};
+use crate::format::{FileHeader, PageView, StreamEvent, StreamReader};
+
+/// The result of [`decode_stream`].
+#[derive(Debug)]
+pub struct StreamDecoded {
+    /// The decoded cache (names, shapes, metadata, token ids).
+    pub cache: KvCache,
+    /// The stream's header.
+    pub header: FileHeader,
+    /// Pages received and decoded.
+    pub pages: usize,
+    /// Bytes received.
+    pub bytes: u64,
+    /// Time from the call until the commit (end marker) arrived.
+    pub received: Duration,
+    /// Time from the call until the last page was decoded.
+    pub decoded: Duration,
+    /// Per layer: time from the call until all its tensors were decoded.
+    pub layer_done: Vec<(u32, Duration)>,
+}
+
+/// Output tensors shared by decode tasks that write disjoint token ranges.
+struct Outputs {
+    tensors: Vec<(TensorInfo, *mut u8)>,
+}
+
+// SAFETY: the raw pointers are only used to build slices for token ranges
+// that the stream reader proved disjoint (contiguous, non-overlapping pages
+// per tensor, bounds checked in `page_out`); the backing Vecs outlive every
+// task (they are owned by the caller's stack frame across the scope).
+unsafe impl Send for Outputs {}
+// SAFETY: as above; tasks never touch the same bytes.
+unsafe impl Sync for Outputs {}
+
+impl Outputs {
+    /// Mutable per-plane slices for tokens `[t0, t0 + n)` of tensor `t`.
+    ///
+    /// # Safety
+    /// No other live slice may cover the same tokens of the same tensor.
+    unsafe fn page_out(&self, t: usize, t0: usize, n: usize) -> Vec<ElemsMut<'_>> {
+        let (info, base) = &self.tensors[t];
+        let d = info.head_dim as usize;
+        let tt = info.tokens as usize;
+        (0..info.planes())
+            .map(|p| {
+                let start = (p * tt + t0) * d;
+                let len = n * d;
+                // SAFETY: start + len <= planes * tokens * d (checked by the
+                // caller against `tokens`); the range is exclusively ours.
+                unsafe {
+                    match info.dtype {
+                        DType::Bf16 => ElemsMut::Bf16(std::slice::from_raw_parts_mut(
+                            (*base as *mut half::bf16).add(start),
+                            len,
+                        )),
+                        DType::F16 => ElemsMut::F16(std::slice::from_raw_parts_mut(
+                            (*base as *mut half::f16).add(start),
+                            len,
+                        )),
+                        DType::F32 => ElemsMut::F32(std::slice::from_raw_parts_mut(
+                            (*base as *mut f32).add(start),
+                            len,
+                        )),
+                    }
+                }
+            })
+            .collect()
+    }
+}
+
+fn data_ptr(d: &mut TensorData) -> *mut u8 {
+    match d {
+        TensorData::Bf16(v) => v.as_mut_ptr() as *mut u8,
+        TensorData::F16(v) => v.as_mut_ptr() as *mut u8,
+        TensorData::F32(v) => v.as_mut_ptr() as *mut u8,
+    }
+}
+
+/// Reads a whole single-commit stream from `r` and decodes it while it
+/// arrives. `dtype` overrides the output element type. `on_layer(layer,
+/// elapsed)` is called (from a worker thread) when every tensor of a layer
+/// has been decoded. At most `4 * threads` received pages wait for decoding.
+///
+/// Nothing is returned unless the stream's commit arrived and validated:
+/// a truncated or corrupted stream is an error naming the page.
+///
+/// # Errors
+/// [`Error::Format`] for a malformed, truncated or corrupted stream, a page
+/// outside the header's token counts, or a second commit (appended streams
+/// must be saved as .kvpack); [`Error::Io`] for read errors.
+pub fn decode_stream<R: Read>(
+    r: R,
+    dtype: Option<DType>,
+    on_layer: &(dyn Fn(u32, Duration) + Sync),
+) -> Result<StreamDecoded> {
+    let start = Instant::now();
+    let mut reader = StreamReader::new(r)?;
+    let header = reader.header().clone();
+    let codecs: Vec<Box<dyn Codec>> = header
+        .codecs
+        .iter()
+        .enumerate()
+        .map(|(i, e)| crate::codec::from_entry(i, e))
+        .collect::<Result<_>>()?;
+    let mut tensors: Vec<Tensor> = header
+        .tensors
+        .iter()
+        .map(|t| {
+            let info = TensorInfo {
+                dtype: dtype.unwrap_or(t.dtype),
+                ..t.clone()
+            };
+            let data = TensorData::zeros(info.dtype, info.elements() as usize);
+            Tensor { info, data }
+        })
+        .collect();
+    let outputs = Outputs {
+        tensors: tensors
+            .iter_mut()
+            .map(|t| (t.info.clone(), data_ptr(&mut t.data)))
+            .collect(),
+    };
+    let layers = header
+        .tensors
+        .iter()
+        .map(|t| t.layer as usize + 1)
+        .max()
+        .unwrap_or(0);
+    let mut per_layer = vec![0u32; layers];
+    for t in &header.tensors {
+        per_layer[t.layer as usize] += 1;
+    }
+    let decoded_tokens: Vec<AtomicU32> = header.tensors.iter().map(|_| AtomicU32::new(0)).collect();
+    // Tensors with zero tokens are complete from the start.
+    let mut empty = vec![0u32; layers];
+    for t in header.tensors.iter().filter(|t| t.tokens == 0) {
+        empty[t.layer as usize] += 1;
+    }
+    let layer_tensors_done: Vec<AtomicU32> = empty.iter().map(|&z| AtomicU32::new(z)).collect();
+    let layer_done = Mutex::new(
+        (0..layers)
+            .filter(|&l| per_layer[l] > 0 && empty[l] == per_layer[l])
+            .map(|l| (l as u32, Duration::ZERO))
+            .collect::<Vec<_>>(),
+    );
+    let first_err: Mutex<Option<Error>> = Mutex::new(None);
+    let slots = (rayon::current_num_threads() * 4).max(2);
+    let (tok_tx, tok_rx) = mpsc::sync_channel::<()>(slots);
+    for _ in 0..slots {
+        tok_tx.send(()).expect("capacity");
+    }
+    let mut pages = 0usize;
+    let mut commit = None;
+    let decode_one = |page: PageView<'static>| -> Result<()> {
+        let m = page.header.meta;
+        let t = m.tensor as usize;
+        let info = &header.tensors[t];
+        // SAFETY: the stream reader checked that pages of a tensor arrive in
+        // contiguous, non-overlapping token order; the bound is checked here.
+        let planes = unsafe { outputs.page_out(t, m.token_start as usize, m.tokens as usize) };
+        let mut out = PageOut {
+            tensor: info,
+            tokens: m.tokens,
+            planes,
+        };
+        codecs[m.codec as usize].decode(&page, &mut out)?;
+        let done = decoded_tokens[t].fetch_add(m.tokens, Ordering::AcqRel) + m.tokens;
+        if done == info.tokens {
+            let l = info.layer as usize;
+            if layer_tensors_done[l].fetch_add(1, Ordering::AcqRel) + 1 == per_layer[l] {
+                let el = start.elapsed();
+                layer_done.lock().expect("lock").push((info.layer, el));
+                on_layer(info.layer, el);
+            }
+        }
+        Ok(())
+    };
+    let read_result: Result<()> = rayon::in_place_scope(|s| {
+        loop {
+            let ev = match reader.next_event() {
+                Ok(Some(ev)) => ev,
+                Ok(None) => return Ok(()),
+                Err(e) => return Err(e),
+            };
+            match ev {
+                StreamEvent::Page(page) => {
+                    let m = page.header.meta;
+                    let info = &header.tensors[m.tensor as usize];
+                    if m.token_start as u64 + m.tokens as u64 > info.tokens as u64
+                        || commit.is_some()
+                    {
+                        return Err(Error::format(
+                            Location::Page {
+                                page: pages as u64,
+                                offset: 0,
+                                what: Some(page.what.clone()),
+                            },
+                            if commit.is_some() {
+                                "a second commit follows: this is an appended cache; receive it as .kvpack".to_string()
+                            } else {
+                                format!(
+                                    "page ends past the {} tokens the header announces",
+                                    info.tokens
+                                )
+                            },
+                        ));
+                    }
+                    pages += 1;
+                    tok_rx.recv().expect("token");
+                    let (tok_tx, decode_one, first_err) = (&tok_tx, &decode_one, &first_err);
+                    s.spawn(move |_| {
+                        if let Err(e) = decode_one(page) {
+                            first_err.lock().expect("lock").get_or_insert(e);
+                        }
+                        let _ = tok_tx.send(());
+                    });
+                }
+                StreamEvent::Commit(idx, _) => commit = Some(idx),
+            }
+        }
+    });
+    read_result?;
+    if let Some(e) = first_err.into_inner().expect("lock") {
+        return Err(e);
+    }
+    let received = start.elapsed();
+    let idx = commit.ok_or_else(|| {
+        Error::format(
+            Location::Index { generation: 0 },
+            "stream ended without a commit",
+        )
+    })?;
+    let mut layer_done = layer_done.into_inner().expect("lock");
+    layer_done.sort_by_key(|x| x.1);
+    let decoded = layer_done.last().map(|x| x.1).unwrap_or(received);
+    drop(outputs);
+    Ok(StreamDecoded {
+        cache: KvCache {
+            tensors,
+            metadata: header.metadata.clone(),
+            token_ids: idx.token_ids,
+        },
+        bytes: reader.bytes_read(),
+        header,
+        pages,
+        received,
+        decoded,
+        layer_done,
+    })
+}

@@ -1,0 +1,304 @@
+//! Prompt-cache persistence: `append` adds the following tokens as a new
+//! commit without rewriting existing bytes, and a crash at any point leaves
+//! exactly the old or the new cache.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use kvpack::compress::CompressOptions;
+use kvpack::decode::{Archive, Selection};
+use kvpack::io::file::append_file;
+use kvpack::plan::Layout;
+use kvpack::{KvCache, Tensor, TensorData, TensorInfo};
+
+/// The first `keep(tokens)` tokens of every tensor (and token ids).
+fn prefix(c: &KvCache, keep: impl Fn(u32) -> u32, ids: usize) -> KvCache {
+    let tensors = c
+        .tensors
+        .iter()
+        .map(|t| {
+            let n = keep(t.info.tokens);
+            let info = TensorInfo {
+                tokens: n,
+                ..t.info.clone()
+            };
+            let src = t.data.to_f32();
+            let (tt, d) = (t.info.tokens as usize, t.info.head_dim as usize);
+            let mut v = Vec::new();
+            for p in 0..t.info.planes() {
+                v.extend_from_slice(&src[p * tt * d..(p * tt + n as usize) * d]);
+            }
+            let data = match t.data {
+                TensorData::Bf16(_) => {
+                    TensorData::Bf16(v.iter().map(|&x| half::bf16::from_f32(x)).collect())
+                }
+                TensorData::F16(_) => {
+                    TensorData::F16(v.iter().map(|&x| half::f16::from_f32(x)).collect())
+                }
+                TensorData::F32(_) => TensorData::F32(v),
+            };
+            Tensor::new(info, data).unwrap()
+        })
+        .collect();
+    KvCache {
+        tensors,
+        metadata: c.metadata.clone(),
+        token_ids: c.token_ids[..ids.min(c.token_ids.len())].to_vec(),
+    }
+}
+
+fn write_file(path: &Path, bytes: &[u8]) {
+    std::fs::write(path, bytes).unwrap();
+}
+
+fn decode(bytes: &[u8]) -> KvCache {
+    Archive::open(bytes)
+        .unwrap()
+        .decode(&Selection::default(), None, None)
+        .unwrap()
+}
+
+#[test]
+fn appending_the_second_half_equals_compressing_the_whole() {
+    let fx = fixture().cache;
+    let dir = tempfile::tempdir().unwrap();
+    for codec in ["bdr128", "int4", "raw"] {
+        let half = prefix(&fx, |t| t / 2, 260);
+        let path = dir.path().join(format!("{codec}.kvpack"));
+        write_file(
+            &path,
+            &compress_bytes(&half, codec, Layout::default(), None),
+        );
+        let before = std::fs::read(&path).unwrap();
+        let r = append_file(&path, &fx, false, &CompressOptions::default(), &|_| {}).unwrap();
+        assert_eq!(r.generation, 1);
+        let after = std::fs::read(&path).unwrap();
+        assert_eq!(
+            &after[..before.len()],
+            &before[..],
+            "{codec}: existing bytes were rewritten"
+        );
+        let whole = decode(&compress_bytes(&fx, codec, Layout::default(), None));
+        let appended = decode(&after);
+        assert_eq!(appended.tensors, whole.tensors, "{codec}");
+        assert_eq!(appended.token_ids, fx.token_ids);
+        // Appending the same cache again adds nothing but a commit.
+        let r2 = append_file(&path, &fx, false, &CompressOptions::default(), &|_| {}).unwrap();
+        assert_eq!((r2.generation, r2.report.pages), (2, 0));
+        assert_eq!(
+            decode(&std::fs::read(&path).unwrap()).tensors,
+            whole.tensors
+        );
+    }
+}
+
+#[test]
+fn a_mismatched_prefix_or_model_is_refused_and_the_file_is_untouched() {
+    let fx = fixture().cache;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.kvpack");
+    let half = prefix(&fx, |t| t / 2, 260);
+    write_file(
+        &path,
+        &compress_bytes(&half, "int4", Layout::default(), None),
+    );
+    let before = std::fs::read(&path).unwrap();
+    let mut other = fx.clone();
+    other.token_ids[17] += 1;
+    let e = append_file(&path, &other, false, &CompressOptions::default(), &|_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("token 17"), "{e}");
+    let mut other = fx.clone();
+    other.metadata.insert("kvpack.model".into(), "llama".into());
+    assert!(
+        append_file(&path, &other, false, &CompressOptions::default(), &|_| {})
+            .unwrap_err()
+            .to_string()
+            .contains("model")
+    );
+    let shorter = prefix(&fx, |t| t / 4, 130);
+    assert!(append_file(&path, &shorter, false, &CompressOptions::default(), &|_| {}).is_err());
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    // Without token ids on either side, only --force appends.
+    let mut anon = half.clone();
+    anon.token_ids.clear();
+    write_file(
+        &path,
+        &compress_bytes(&anon, "int4", Layout::default(), None),
+    );
+    let mut full = fx.clone();
+    full.token_ids.clear();
+    assert!(
+        append_file(&path, &full, false, &CompressOptions::default(), &|_| {})
+            .unwrap_err()
+            .to_string()
+            .contains("--force")
+    );
+    append_file(&path, &full, true, &CompressOptions::default(), &|_| {}).unwrap();
+}
+
+/// A small real cache (the fixture's first 3 layers, 24 -> 40 tokens) so
+/// that every byte offset of the appended region can be tried.
+fn small_pair() -> (KvCache, KvCache) {
+    let mut fx = fixture().cache;
+    fx.tensors.truncate(6);
+    let long = prefix(&fx, |_| 40, 40);
+    let short = prefix(&fx, |_| 24, 24);
+    (short, long)
+}
+
+#[test]
+fn truncating_at_every_byte_of_an_append_gives_the_old_or_the_new_cache() {
+    let (short, long) = small_pair();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.kvpack");
+    let layout = Layout {
+        page_tokens: 8,
+        sink: 2,
+        recent: 4,
+    };
+    write_file(&path, &compress_bytes(&short, "bdr64", layout, None));
+    let old = std::fs::read(&path).unwrap();
+    let opts = CompressOptions {
+        layout,
+        ..Default::default()
+    };
+    append_file(&path, &long, false, &opts, &|_| {}).unwrap();
+    let new = std::fs::read(&path).unwrap();
+    assert!(
+        new.len() > old.len() + 10_000,
+        "appended region {} bytes",
+        new.len() - old.len()
+    );
+    let old_idx = Archive::open(&old).unwrap().reader().index().clone();
+    let new_idx = Archive::open(&new).unwrap().reader().index().clone();
+    let old_dec = decode(&old);
+    for cut in old.len()..=new.len() {
+        let ar = Archive::open(&new[..cut]).unwrap_or_else(|e| panic!("cut at {cut}: {e}"));
+        let idx = ar.reader().index();
+        if cut == new.len() {
+            assert_eq!(*idx, new_idx);
+            assert_eq!(ar.reader().torn_tail(), 0);
+        } else {
+            assert_eq!(*idx, old_idx, "cut at {cut} shows a mix");
+            assert_eq!(ar.reader().torn_tail() as usize, cut - old.len());
+        }
+    }
+    // The old commit seen through a torn file decodes exactly as before.
+    let mid = (old.len() + new.len()) / 2;
+    assert_eq!(decode(&new[..mid]), old_dec);
+    // An append after a crash removes the torn tail first.
+    write_file(&path, &new[..mid]);
+    let r = append_file(&path, &long, false, &opts, &|_| {}).unwrap();
+    assert_eq!(r.torn_tail_removed as usize, mid - old.len());
+    assert_eq!(std::fs::read(&path).unwrap(), new);
+}
+
+#[test]
+fn a_mapped_reader_keeps_its_view_during_an_append() {
+    let (short, long) = small_pair();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.kvpack");
+    write_file(
+        &path,
+        &compress_bytes(&short, "int4", Layout::default(), None),
+    );
+    let map = kvpack::io::file::open_input(path.to_str().unwrap()).unwrap();
+    let ar = Archive::open(&map).unwrap();
+    let before = ar.decode(&Selection::default(), None, None).unwrap();
+    append_file(&path, &long, false, &CompressOptions::default(), &|_| {}).unwrap();
+    assert_eq!(
+        ar.decode(&Selection::default(), None, None).unwrap(),
+        before
+    );
+    let map2 = kvpack::io::file::open_input(path.to_str().unwrap()).unwrap();
+    assert_eq!(
+        Archive::open(&map2)
+            .unwrap()
+            .decode(&Selection::default(), None, None)
+            .unwrap()
+            .tensors[0]
+            .info
+            .tokens,
+        40
+    );
+}
+
+#[test]
+fn killing_a_real_append_leaves_the_old_or_the_new_cache() {
+    // A raw 4-layer cache of 1 Mi elements per tensor makes an append of
+    // ~16 MB, long enough to be killed in the middle.
+    let specs = [LayerSpec {
+        batch: 1,
+        heads: 8,
+        tokens: 1024,
+        head_dim: 128,
+    }; 4];
+    let long = synthetic(&specs, kvpack::DType::Bf16, 3);
+    let short = prefix(&long, |_| 64, 64);
+    let dir = tempfile::tempdir().unwrap();
+    let more = dir.path().join("more.safetensors");
+    let mut f = std::fs::File::create(&more).unwrap();
+    kvpack::io::safetensors::write(&long, &mut f).unwrap();
+    drop(f);
+    let base = compress_bytes(&short, "raw", Layout::default(), None);
+    let path = dir.path().join("c.kvpack");
+    // Time one complete append.
+    write_file(&path, &base);
+    let t = std::time::Instant::now();
+    let st = std::process::Command::new(env!("CARGO_BIN_EXE_kvpack"))
+        .args([
+            "append",
+            path.to_str().unwrap(),
+            more.to_str().unwrap(),
+            "-q",
+        ])
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let full = t.elapsed();
+    let new = std::fs::read(&path).unwrap();
+    let new_idx = Archive::open(&new).unwrap().reader().index().clone();
+    let old_idx = Archive::open(&base).unwrap().reader().index().clone();
+    let (mut mid_write, mut trials) = (0, 0);
+    for i in 0..16 {
+        write_file(&path, &base);
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvpack"))
+            .args([
+                "append",
+                path.to_str().unwrap(),
+                more.to_str().unwrap(),
+                "-q",
+            ])
+            .spawn()
+            .unwrap();
+        std::thread::sleep(full.mul_f64(0.15 + 0.07 * i as f64));
+        child.kill().ok();
+        child.wait().unwrap();
+        trials += 1;
+        let got = std::fs::read(&path).unwrap();
+        if got.len() > base.len() && got.len() < new.len() {
+            mid_write += 1;
+        }
+        let ar = Archive::open(&got)
+            .unwrap_or_else(|e| panic!("after kill {i} ({} bytes): {e}", got.len()));
+        let idx = ar.reader().index();
+        assert!(
+            *idx == old_idx || *idx == new_idx,
+            "kill {i}: a mix of commits"
+        );
+        if *idx == new_idx {
+            assert_eq!(&got[..new.len()], &new[..]);
+        }
+    }
+    eprintln!(
+        "{mid_write} of {trials} kills landed while the append was writing (full append {full:?})"
+    );
+    assert!(
+        mid_write > 0,
+        "no kill landed mid-write; the test did not exercise anything"
+    );
+}
