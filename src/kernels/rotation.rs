@@ -110,6 +110,17 @@ mod tests {
         assert_eq!(next(&mut s), 0x6E78_9E6A_A1B9_65F4);
         assert_eq!(derive(7, &[]), 7);
         assert_ne!(derive(0, &[1, 0]), derive(0, &[0, 1]));
+        // format/codecs/octopus.md test values (computed independently).
+        let pattern = |key| -> String {
+            signs(key, 16)
+                .iter()
+                .map(|&s| if s < 0.0 { '-' } else { '+' })
+                .collect()
+        };
+        assert_eq!(derive(0, &[0, 0, 0, 0]), 0x2130_748A_AAC8_0268);
+        assert_eq!(pattern(0x2130_748A_AAC8_0268), "+----+-+++-+-+--");
+        assert_eq!(derive(0, &[3, 1, 1, 1]), 0xF389_7719_BB9B_1D3C);
+        assert_eq!(pattern(0xF389_7719_BB9B_1D3C), "--+---++-+---+++");
     }
 
     #[test]
