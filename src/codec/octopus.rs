@@ -114,19 +114,25 @@ pub struct DirTables {
     pub bits: u8,
     /// `2^bits` ascending centroids in `[-1, 1]`.
     pub centroids: Vec<f32>,
-    /// Midpoints of adjacent centroids ([`lloyd_max::boundaries`]).
+    /// Midpoints of adjacent centroids, padded with `+inf`
+    /// ([`lloyd_max::boundaries`]).
     pub bounds: Vec<f32>,
-    /// `dirs[jx * 2^bits + jy] = octahedral::decode(c[jx], c[jy])`.
-    pub dirs: Vec<[f32; 3]>,
+    /// `dirs[64 * jx + jy] = octahedral::decode(c[jx], c[jy])` (stride 64,
+    /// the largest codebook, so that masked `u8` codes index it without
+    /// bounds checks); entries outside the codebook are zero.
+    pub dirs: Box<[[f32; 3]; 4096]>,
 }
 
 impl DirTables {
     /// Tables for stored centroids.
     pub fn new(bits: u8, centroids: Vec<f32>) -> DirTables {
-        let dirs = centroids
-            .iter()
-            .flat_map(|&x| centroids.iter().map(move |&y| octahedral::decode(x, y)))
-            .collect();
+        assert!(centroids.len() <= 64);
+        let mut dirs = Box::new([[0f32; 3]; 4096]);
+        for (a, &x) in centroids.iter().enumerate() {
+            for (b, &y) in centroids.iter().enumerate() {
+                dirs[a << 6 | b] = octahedral::decode(x, y);
+            }
+        }
         DirTables {
             bits,
             bounds: lloyd_max::boundaries(&centroids),
@@ -140,6 +146,22 @@ impl DirTables {
         let cb = lloyd_max::train(Density::Octahedral, 1 << bits);
         DirTables::new(bits, cb.centroids_f32())
     }
+
+    /// The decoded direction of code pair `(a, b)` (codes below 64).
+    #[inline(always)]
+    pub fn dir(&self, a: usize, b: usize) -> [f32; 3] {
+        self.dirs[(a & 63) << 6 | (b & 63)]
+    }
+}
+
+/// A codebook padded to 256 entries, indexed by `u8` codes without bounds
+/// checks (entries past the codebook repeat the last centroid).
+pub(crate) fn lut(centroids: &[f32]) -> Box<[f32; 256]> {
+    let mut t = Box::new([0f32; 256]);
+    for (k, v) in t.iter_mut().enumerate() {
+        *v = centroids[k.min(centroids.len() - 1)];
+    }
+    t
 }
 
 /// The triplet-norm codebook of one head_dim.
@@ -149,8 +171,10 @@ pub struct NormTables {
     pub dim: u32,
     /// `2^bits` ascending centroids in `[0, 1]`.
     pub centroids: Vec<f32>,
-    /// Midpoints of adjacent centroids.
+    /// Midpoints of adjacent centroids, padded with `+inf`.
     pub bounds: Vec<f32>,
+    /// The centroids padded to 256 entries.
+    pub lut: Box<[f32; 256]>,
 }
 
 impl NormTables {
@@ -159,6 +183,7 @@ impl NormTables {
         NormTables {
             dim,
             bounds: lloyd_max::boundaries(&centroids),
+            lut: lut(&centroids),
             centroids,
         }
     }
@@ -197,50 +222,50 @@ impl TripletQuantizer {
     }
 
     /// Codes one triplet: `(jx, jy, jn)` (section 3.5).
-    #[inline]
     pub fn quantize_triplet(&self, t: [f32; 3]) -> (u8, u8, u8) {
-        let dt = &self.dir;
-        let l = dt.centroids.len();
         let (xi, eta) = octahedral::encode(t);
-        let jx = lloyd_max::search(&dt.bounds, xi);
-        let jy = lloyd_max::search(&dt.bounds, eta);
-        let score = |a: usize, b: usize| {
-            let n = dt.dirs[a * l + b];
-            (t[0] * n[0] + t[1] * n[1]) + t[2] * n[2]
-        };
-        let (mut bx, mut by) = (jx, jy);
-        let mut best = score(jx, jy);
-        let mut consider = |a: usize, b: usize, best: &mut f32| {
-            let s = score(a, b);
-            // Strictly greater; candidates come in ascending (a, b) order,
-            // so ties keep the smallest code pair.
-            if s > *best || (s == *best && (a, b) < (bx, by)) {
-                *best = s;
-                bx = a;
-                by = b;
-            }
-        };
-        match self.rounding {
-            Rounding::Scalar => {}
-            Rounding::Local => {
-                for a in jx.saturating_sub(1)..=(jx + 1).min(l - 1) {
-                    for b in jy.saturating_sub(1)..=(jy + 1).min(l - 1) {
-                        consider(a, b, &mut best);
-                    }
-                }
-            }
-            Rounding::Full => {
-                for a in 0..l {
-                    for b in 0..l {
-                        consider(a, b, &mut best);
-                    }
-                }
-            }
-        }
+        let jx = lloyd_max::search(&self.dir.bounds, xi);
+        let jy = lloyd_max::search(&self.dir.bounds, eta);
+        let (bx, by, best) = self.choose(t, jx, jy);
         let jn = lloyd_max::search(&self.norm.bounds, best.clamp(0.0, 1.0));
         (bx as u8, by as u8, jn as u8)
     }
+
+    /// The direction code maximizing `t . n(a, b)` over the candidates
+    /// around the scalar seed `(jx, jy)`, and that maximum (Algorithm 1).
+    #[inline]
+    fn choose(&self, t: [f32; 3], jx: usize, jy: usize) -> (usize, usize, f32) {
+        let dt = &self.dir;
+        let l = dt.centroids.len();
+        let score = |a: usize, b: usize| {
+            let n = dt.dir(a, b);
+            (t[0] * n[0] + t[1] * n[1]) + t[2] * n[2]
+        };
+        // Candidates in ascending (a, b) order with a strict comparison: the
+        // smallest code pair among equal maxima wins.
+        let (ra, rb) = match self.rounding {
+            Rounding::Scalar => (jx..=jx, jy..=jy),
+            Rounding::Local => (
+                jx.saturating_sub(1)..=(jx + 1).min(l - 1),
+                jy.saturating_sub(1)..=(jy + 1).min(l - 1),
+            ),
+            Rounding::Full => (0..=l - 1, 0..=l - 1),
+        };
+        let (mut bx, mut by, mut best) = (jx, jy, f32::NEG_INFINITY);
+        for a in ra {
+            for b in rb.clone() {
+                let s = score(a, b);
+                if s > best {
+                    (bx, by, best) = (a, b, s);
+                }
+            }
+        }
+        (bx, by, best)
+    }
 }
+
+/// Most triplets of a head vector (`ceil(4096 / 3)`).
+const MAX_TRIPLETS: usize = (sphere::MAX_DIM as usize).div_ceil(3);
 
 impl UnitQuantizer for TripletQuantizer {
     fn dim(&self) -> usize {
@@ -253,32 +278,48 @@ impl UnitQuantizer for TripletQuantizer {
     }
 
     fn quantize(&self, u: &[f32], codes: &mut [&mut [u8]]) {
+        // The same steps as `quantize_triplet`, with the searches batched
+        // over the row's triplets so that they vectorize.
+        let n = self.triplets();
+        let mut xi = [0f32; MAX_TRIPLETS];
+        let mut eta = [0f32; MAX_TRIPLETS];
+        let mut jx = [0u8; MAX_TRIPLETS];
+        let mut jy = [0u8; MAX_TRIPLETS];
+        let t = |i: usize| {
+            let at = |k: usize| u.get(3 * i + k).copied().unwrap_or(0.0);
+            [at(0), at(1), at(2)]
+        };
+        for i in 0..n {
+            (xi[i], eta[i]) = octahedral::encode(t(i));
+        }
+        lloyd_max::search_many(&self.dir.bounds, &xi[..n], &mut jx[..n]);
+        lloyd_max::search_many(&self.dir.bounds, &eta[..n], &mut jy[..n]);
         let (dir, rest) = codes.split_at_mut(1);
         let (dir, norm) = (&mut *dir[0], &mut *rest[0]);
-        for i in 0..self.triplets() {
-            let at = |k: usize| u.get(3 * i + k).copied().unwrap_or(0.0);
-            let (jx, jy, jn) = self.quantize_triplet([at(0), at(1), at(2)]);
-            dir[2 * i] = jx;
-            dir[2 * i + 1] = jy;
-            norm[i] = jn;
+        let proj = &mut xi;
+        for i in 0..n {
+            let (a, b, s) = self.choose(t(i), jx[i] as usize, jy[i] as usize);
+            dir[2 * i] = a as u8;
+            dir[2 * i + 1] = b as u8;
+            proj[i] = s.clamp(0.0, 1.0);
         }
+        lloyd_max::search_many(&self.norm.bounds, &proj[..n], &mut norm[..n]);
     }
 
     fn reconstruct(&self, codes: &[&[u8]], u_hat: &mut [f32]) {
-        let l = self.dir.centroids.len();
         let (dir, norm) = (codes[0], codes[1]);
         let full = self.d / 3;
-        for i in 0..full {
-            let n = self.dir.dirs[dir[2 * i] as usize * l + dir[2 * i + 1] as usize];
-            let rho = self.norm.centroids[norm[i] as usize];
-            u_hat[3 * i] = n[0] * rho;
-            u_hat[3 * i + 1] = n[1] * rho;
-            u_hat[3 * i + 2] = n[2] * rho;
+        let (pairs, _) = dir.as_chunks::<2>();
+        let (whole, _) = u_hat.as_chunks_mut::<3>();
+        for ((t, p), &c) in whole.iter_mut().zip(pairs).zip(norm).take(full) {
+            let n = self.dir.dir(p[0] as usize, p[1] as usize);
+            let rho = self.norm.lut[c as usize];
+            *t = [n[0] * rho, n[1] * rho, n[2] * rho];
         }
         if full < self.triplets() {
             let i = full;
-            let n = self.dir.dirs[dir[2 * i] as usize * l + dir[2 * i + 1] as usize];
-            let rho = self.norm.centroids[norm[i] as usize];
+            let n = self.dir.dir(dir[2 * i] as usize, dir[2 * i + 1] as usize);
+            let rho = self.norm.lut[norm[i] as usize];
             for k in 0..self.d - 3 * i {
                 u_hat[3 * i + k] = n[k] * rho;
             }
@@ -749,7 +790,7 @@ mod tests {
         let (s, l, f) = (q(Rounding::Scalar), q(Rounding::Local), q(Rounding::Full));
         let loss = |q: &TripletQuantizer, t: [f32; 3]| {
             let (a, b, c) = q.quantize_triplet(t);
-            let n = q.dir.dirs[a as usize * q.dir.centroids.len() + b as usize];
+            let n = q.dir.dir(a as usize, b as usize);
             let rho = q.norm.centroids[c as usize];
             (0..3).map(|k| (t[k] - rho * n[k]).powi(2)).sum::<f32>()
         };
@@ -769,5 +810,52 @@ mod tests {
             ll += f64::from(b);
         }
         assert!(ll < 0.97 * ls, "local {ll} vs scalar {ls}");
+    }
+}
+
+#[cfg(test)]
+mod batch_tests {
+    use super::*;
+
+    /// The batched row quantizer gives the codes of the per-triplet one.
+    #[test]
+    fn row_quantizer_equals_the_triplet_quantizer() {
+        for (b, d, r) in [
+            (2u8, 64u32, Rounding::Local),
+            (3, 256, Rounding::Local),
+            (4, 128, Rounding::Scalar),
+            (3, 8, Rounding::Full),
+        ] {
+            let q = Octopus::new(Split::for_bits(b), r, Options::default())
+                .with_head_dims(&[d])
+                .unwrap()
+                .quantizer(d)
+                .unwrap();
+            let d = d as usize;
+            let n = q.triplets();
+            let mut state = u64::from(b) * 77 + d as u64;
+            for _ in 0..50 {
+                let mut u: Vec<f32> = (0..d)
+                    .map(|_| {
+                        (crate::kernels::rotation::next(&mut state) >> 40) as f32
+                            / (1u64 << 24) as f32
+                            - 0.5
+                    })
+                    .collect();
+                let norm = crate::kernels::l2_norm(&u);
+                u.iter_mut().for_each(|x| *x /= norm);
+                let (mut dir, mut nrm) = (vec![0u8; 2 * n], vec![0u8; n]);
+                q.quantize(&u, &mut [&mut dir, &mut nrm]);
+                for i in 0..n {
+                    let at = |k: usize| u.get(3 * i + k).copied().unwrap_or(0.0);
+                    let want = q.quantize_triplet([at(0), at(1), at(2)]);
+                    assert_eq!(
+                        (dir[2 * i], dir[2 * i + 1], nrm[i]),
+                        want,
+                        "b={b} d={d} i={i}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -47,8 +47,10 @@ pub struct CoordTables {
     pub dim: u32,
     /// `2^b` ascending centroids in `[-1, 1]`.
     pub centroids: Vec<f32>,
-    /// Midpoints of adjacent centroids.
+    /// Midpoints of adjacent centroids, padded with `+inf`.
     pub bounds: Vec<f32>,
+    /// The centroids padded to 256 entries.
+    pub lut: Box<[f32; 256]>,
 }
 
 impl CoordTables {
@@ -57,6 +59,7 @@ impl CoordTables {
         CoordTables {
             dim,
             bounds: lloyd_max::boundaries(&centroids),
+            lut: super::octopus::lut(&centroids),
             centroids,
         }
     }
@@ -85,14 +88,12 @@ impl UnitQuantizer for ScalarQuantizer {
     }
 
     fn quantize(&self, u: &[f32], codes: &mut [&mut [u8]]) {
-        for (c, &v) in codes[0].iter_mut().zip(u) {
-            *c = lloyd_max::search(&self.tables.bounds, v) as u8;
-        }
+        lloyd_max::search_many(&self.tables.bounds, u, codes[0]);
     }
 
     fn reconstruct(&self, codes: &[&[u8]], u_hat: &mut [f32]) {
         for (o, &c) in u_hat.iter_mut().zip(codes[0]) {
-            *o = self.tables.centroids[c as usize];
+            *o = self.tables.lut[c as usize];
         }
     }
 }

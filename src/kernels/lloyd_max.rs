@@ -359,18 +359,40 @@ pub fn distortion_of(f: Density, centroids: &[f64]) -> f64 {
     distortion(&grid, centroids) / grid.total()
 }
 
-/// Decision boundaries of an ascending f32 codebook for encoders:
-/// `B_k = (c_k + c_{k+1}) * 0.5` in f32, `k = 0..len-2`.
+/// Decision boundaries of an ascending f32 codebook of `2^b` centroids for
+/// encoders: `B_k = (c_k + c_{k+1}) * 0.5` in f32, `k = 0..len-2`, followed
+/// by one `+inf` so that the length is a power of two (for [`search`]).
+///
+/// # Panics
+/// If `centroids.len()` is not a power of two.
 pub fn boundaries(centroids: &[f32]) -> Vec<f32> {
-    centroids.windows(2).map(|w| (w[0] + w[1]) * 0.5).collect()
+    assert!(centroids.len().is_power_of_two());
+    let mut b: Vec<f32> = centroids.windows(2).map(|w| (w[0] + w[1]) * 0.5).collect();
+    b.push(f32::INFINITY);
+    b
 }
 
 /// Index of the nearest centroid given the [`boundaries`]: the number of
 /// boundaries strictly below `x` (a value exactly on a boundary takes the
-/// lower cell).
+/// lower cell; the `+inf` padding never counts).
 #[inline]
-pub fn search(boundaries: &[f32], x: f32) -> usize {
-    boundaries.iter().filter(|&&b| b < x).count()
+pub fn search(padded: &[f32], x: f32) -> usize {
+    padded.iter().filter(|&&b| b < x).count()
+}
+
+/// [`search`] for many values at once (`out[i] = search(padded, xs[i])`),
+/// looping over boundaries outside so that the inner loop vectorizes.
+///
+/// # Panics
+/// If the lengths differ or `padded` has more than 256 entries.
+pub fn search_many(padded: &[f32], xs: &[f32], out: &mut [u8]) {
+    assert!(xs.len() == out.len() && padded.len() <= 256);
+    out.fill(0);
+    for &b in &padded[..padded.len().saturating_sub(1)] {
+        for (o, &x) in out.iter_mut().zip(xs) {
+            *o += u8::from(b < x);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -455,12 +477,33 @@ mod tests {
     }
 
     #[test]
-    fn search_takes_the_lower_cell_on_ties() {
-        let b = boundaries(&[-1.0, 0.0, 1.0]);
-        assert_eq!(b, vec![-0.5, 0.5]);
+    fn search_counts_the_boundaries_below() {
+        let b = boundaries(&[-1.0, 0.0, 0.5, 1.0]);
+        assert_eq!(b, vec![-0.5, 0.25, 0.75, f32::INFINITY]);
         assert_eq!(search(&b, -0.5), 0);
         assert_eq!(search(&b, -0.49), 1);
-        assert_eq!(search(&b, 0.5), 1);
-        assert_eq!(search(&b, 2.0), 2);
+        assert_eq!(search(&b, 0.25), 1);
+        assert_eq!(search(&b, 2.0), 3);
+        assert_eq!(search(&b, f32::INFINITY), 3);
+        let xs = [-0.5f32, -0.49, 0.25, 2.0, f32::INFINITY, -7.0];
+        let mut out = [9u8; 6];
+        search_many(&b, &xs, &mut out);
+        assert_eq!(out, [0, 1, 1, 3, 3, 0]);
+        // Against the definition, for every codebook size used.
+        for bits in 1..=6u32 {
+            let c: Vec<f32> = (0..1u32 << bits)
+                .map(|k| (k * k) as f32 / 7.0 - 3.0)
+                .collect();
+            let b = boundaries(&c);
+            for k in 0..2000 {
+                let x = k as f32 * 0.01 - 4.0;
+                let want = b[..b.len() - 1].iter().filter(|&&v| v < x).count();
+                assert_eq!(search(&b, x), want, "bits {bits} x {x}");
+            }
+            for &x in &b[..b.len() - 1] {
+                let want = b[..b.len() - 1].iter().filter(|&&v| v < x).count();
+                assert_eq!(search(&b, x), want);
+            }
+        }
     }
 }
