@@ -245,8 +245,25 @@ pub fn run(a: Args) -> Result<u8> {
 
 pub fn codecs(a: CodecsArgs) -> Result<u8> {
     let examples = [
-        "raw", "int2", "int3", "int4", "int8", "bdr16", "bdr32", "bdr64", "bdr128", "bdr256",
+        "raw",
+        "int2",
+        "int3",
+        "int4",
+        "int8",
+        "bdr16",
+        "bdr32",
+        "bdr64",
+        "bdr128",
+        "bdr256",
         "bdr128:k",
+        "octopus:b2",
+        "octopus:b3",
+        "octopus:b4",
+        "octopus:b3+qjl",
+        "octopus:b3:vg32",
+        "turbo:b2",
+        "turbo:b3",
+        "turbo:b4",
     ];
     let shape = |d: u32| TensorInfo {
         name: String::new(),
@@ -276,10 +293,10 @@ pub fn codecs(a: CodecsArgs) -> Result<u8> {
         println!("  [{}] {:<44} {}", f.id, f.syntax, f.summary);
     }
     println!("\nbits/element (codec payload; sink/recent windows and container add a little):");
-    println!("  {:<12} {:>10} {:>10}", "codec", "d=128", "d=256");
+    println!("  {:<16} {:>10} {:>10}", "codec", "d=128", "d=256");
     for r in rows {
         println!(
-            "  {:<12} {:>10.3} {:>10.3}",
+            "  {:<16} {:>10.3} {:>10.3}",
             r["name"].as_str().unwrap_or(""),
             r["bits_per_element_d128"].as_f64().unwrap_or(0.0),
             r["bits_per_element_d256"].as_f64().unwrap_or(0.0)
