@@ -264,9 +264,6 @@ impl TripletQuantizer {
     }
 }
 
-/// Most triplets of a head vector (`ceil(4096 / 3)`).
-const MAX_TRIPLETS: usize = (sphere::MAX_DIM as usize).div_ceil(3);
-
 impl UnitQuantizer for TripletQuantizer {
     fn dim(&self) -> usize {
         self.d
@@ -278,32 +275,73 @@ impl UnitQuantizer for TripletQuantizer {
     }
 
     fn quantize(&self, u: &[f32], codes: &mut [&mut [u8]]) {
-        // The same steps as `quantize_triplet`, with the searches batched
-        // over the row's triplets so that they vectorize.
+        // The steps of `quantize_triplet`, 8 triplets at a time so that the
+        // octahedral fold and the searches vectorize (and, with AVX2, the
+        // local 3x3 search too).
         let n = self.triplets();
-        let mut xi = [0f32; MAX_TRIPLETS];
-        let mut eta = [0f32; MAX_TRIPLETS];
-        let mut jx = [0u8; MAX_TRIPLETS];
-        let mut jy = [0u8; MAX_TRIPLETS];
-        let t = |i: usize| {
-            let at = |k: usize| u.get(3 * i + k).copied().unwrap_or(0.0);
-            [at(0), at(1), at(2)]
-        };
-        for i in 0..n {
-            (xi[i], eta[i]) = octahedral::encode(t(i));
-        }
-        lloyd_max::search_many(&self.dir.bounds, &xi[..n], &mut jx[..n]);
-        lloyd_max::search_many(&self.dir.bounds, &eta[..n], &mut jy[..n]);
         let (dir, rest) = codes.split_at_mut(1);
         let (dir, norm) = (&mut *dir[0], &mut *rest[0]);
-        let proj = &mut xi;
-        for i in 0..n {
-            let (a, b, s) = self.choose(t(i), jx[i] as usize, jy[i] as usize);
-            dir[2 * i] = a as u8;
-            dir[2 * i + 1] = b as u8;
-            proj[i] = s.clamp(0.0, 1.0);
+        #[cfg(target_arch = "x86_64")]
+        let simd = self.rounding == Rounding::Local && crate::kernels::simd_available();
+        for c in (0..n).step_by(8) {
+            let m = (n - c).min(8);
+            let mut t = [[0f32; 8]; 3];
+            if 3 * (c + 8) <= u.len() {
+                let (tri, _) = u[3 * c..3 * c + 24].as_chunks::<3>();
+                for (k, v) in tri.iter().enumerate() {
+                    (t[0][k], t[1][k], t[2][k]) = (v[0], v[1], v[2]);
+                }
+            } else {
+                for (k, v) in u[3 * c..].iter().take(3 * m).enumerate() {
+                    t[k % 3][k / 3] = *v;
+                }
+            }
+            let (mut xi, mut eta) = ([0f32; 8], [0f32; 8]);
+            for k in 0..8 {
+                (xi[k], eta[k]) = octahedral::encode([t[0][k], t[1][k], t[2][k]]);
+            }
+            let (mut jx, mut jy) = ([0u8; 8], [0u8; 8]);
+            lloyd_max::search_many(&self.dir.bounds, &xi, &mut jx);
+            lloyd_max::search_many(&self.dir.bounds, &eta, &mut jy);
+            let mut ab = [0u8; 16];
+            let mut proj = [0f32; 8];
+            #[cfg(target_arch = "x86_64")]
+            if simd {
+                // SAFETY: AVX2 checked; all arrays hold 8 (16) elements;
+                // codes are below l <= 64.
+                unsafe {
+                    avx2::choose_local(
+                        [&t[0], &t[1], &t[2]],
+                        &jx,
+                        &jy,
+                        self.dir.centroids.len() as i32,
+                        &self.dir.dirs,
+                        &mut ab,
+                        &mut proj,
+                    )
+                };
+                dir[2 * c..2 * (c + m)].copy_from_slice(&ab[..2 * m]);
+            }
+            #[cfg(target_arch = "x86_64")]
+            let scalar = !simd;
+            #[cfg(not(target_arch = "x86_64"))]
+            let scalar = true;
+            if scalar {
+                for k in 0..m {
+                    let tk = [t[0][k], t[1][k], t[2][k]];
+                    let (a, b, s) = self.choose(tk, jx[k] as usize, jy[k] as usize);
+                    dir[2 * (c + k)] = a as u8;
+                    dir[2 * (c + k) + 1] = b as u8;
+                    proj[k] = s;
+                }
+            }
+            for p in &mut proj {
+                *p = p.clamp(0.0, 1.0);
+            }
+            let mut jn = [0u8; 8];
+            lloyd_max::search_many(&self.norm.bounds, &proj, &mut jn);
+            norm[c..c + m].copy_from_slice(&jn[..m]);
         }
-        lloyd_max::search_many(&self.norm.bounds, &proj[..n], &mut norm[..n]);
     }
 
     fn reconstruct(&self, codes: &[&[u8]], u_hat: &mut [f32]) {
@@ -322,6 +360,96 @@ impl UnitQuantizer for TripletQuantizer {
             let rho = self.norm.lut[norm[i] as usize];
             for k in 0..self.d - 3 * i {
                 u_hat[3 * i + k] = n[k] * rho;
+            }
+        }
+    }
+}
+
+/// AVX2 local 3x3 search for 8 triplets at once, bit-identical to
+/// [`TripletQuantizer::choose`] with [`Rounding::Local`] (same IEEE
+/// operations per lane, no fused multiply-add; property-tested below).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// For lanes `i` in 0..8: the code pair `(a, b)` maximizing
+    /// `(t0*n0 + t1*n1) + t2*n2` over the clamped 3x3 neighbourhood of
+    /// `(jx_i, jy_i)`, visited in ascending order with a strict comparison
+    /// (the first maximum wins; clamped repeats never replace it). Writes
+    /// `a` to `ab[2i]`, `b` to `ab[2i+1]` and the score to `s[i]`.
+    ///
+    /// # Safety
+    /// AVX2 must be available; `t[k]`, `jx`, `jy`, `s` have 8 elements;
+    /// `1 <= l <= 64`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn choose_local(
+        t: [&[f32]; 3],
+        jx: &[u8],
+        jy: &[u8],
+        l: i32,
+        dirs: &[[f32; 3]; 4096],
+        ab: &mut [u8; 16],
+        s: &mut [f32],
+    ) {
+        assert!(t.iter().all(|x| x.len() == 8) && jx.len() == 8 && jy.len() == 8 && s.len() == 8);
+        assert!((1..=64).contains(&l));
+        let base = dirs.as_ptr() as *const f32;
+        let widen = |j: &[u8]| {
+            let mut w = [0i32; 8];
+            for (o, &v) in w.iter_mut().zip(j) {
+                *o = i32::from(v);
+            }
+            // SAFETY: 8 i32 in a local array.
+            unsafe { _mm256_loadu_si256(w.as_ptr() as *const __m256i) }
+        };
+        // SAFETY: register-only AVX2 ops; unaligned loads/stores of 8
+        // elements from slices asserted to hold 8; gathers read
+        // `base[3 * (64 a + b) + k]` with `0 <= a, b < l <= 64`, inside the
+        // 4096 * 3 floats of `dirs`.
+        unsafe {
+            let (x0, y0) = (widen(jx), widen(jy));
+            let t0 = _mm256_loadu_ps(t[0].as_ptr());
+            let t1 = _mm256_loadu_ps(t[1].as_ptr());
+            let t2 = _mm256_loadu_ps(t[2].as_ptr());
+            let zero = _mm256_setzero_si256();
+            let top = _mm256_set1_epi32(l - 1);
+            let clamp = |v: __m256i, d: i32| {
+                _mm256_min_epi32(
+                    _mm256_max_epi32(_mm256_add_epi32(v, _mm256_set1_epi32(d)), zero),
+                    top,
+                )
+            };
+            let mut best = _mm256_set1_ps(f32::NEG_INFINITY);
+            let (mut ba, mut bb) = (x0, y0);
+            for da in -1..=1 {
+                let a = clamp(x0, da);
+                for db in -1..=1 {
+                    let b = clamp(y0, db);
+                    let idx = _mm256_mullo_epi32(
+                        _mm256_or_si256(_mm256_slli_epi32::<6>(a), b),
+                        _mm256_set1_epi32(3),
+                    );
+                    let n0 = _mm256_i32gather_ps::<4>(base, idx);
+                    let n1 = _mm256_i32gather_ps::<4>(base.add(1), idx);
+                    let n2 = _mm256_i32gather_ps::<4>(base.add(2), idx);
+                    let sc = _mm256_add_ps(
+                        _mm256_add_ps(_mm256_mul_ps(t0, n0), _mm256_mul_ps(t1, n1)),
+                        _mm256_mul_ps(t2, n2),
+                    );
+                    let gt = _mm256_cmp_ps::<_CMP_GT_OQ>(sc, best);
+                    best = _mm256_blendv_ps(best, sc, gt);
+                    let gti = _mm256_castps_si256(gt);
+                    ba = _mm256_blendv_epi8(ba, a, gti);
+                    bb = _mm256_blendv_epi8(bb, b, gti);
+                }
+            }
+            _mm256_storeu_ps(s.as_mut_ptr(), best);
+            let (mut oa, mut ob) = ([0i32; 8], [0i32; 8]);
+            _mm256_storeu_si256(oa.as_mut_ptr() as *mut __m256i, ba);
+            _mm256_storeu_si256(ob.as_mut_ptr() as *mut __m256i, bb);
+            for i in 0..8 {
+                ab[2 * i] = oa[i] as u8;
+                ab[2 * i + 1] = ob[i] as u8;
             }
         }
     }
@@ -817,7 +945,8 @@ mod tests {
 mod batch_tests {
     use super::*;
 
-    /// The batched row quantizer gives the codes of the per-triplet one.
+    /// The batched row quantizer (AVX2 local search where available) gives
+    /// the codes of the per-triplet scalar one.
     #[test]
     fn row_quantizer_equals_the_triplet_quantizer() {
         for (b, d, r) in [
@@ -825,6 +954,8 @@ mod batch_tests {
             (3, 256, Rounding::Local),
             (4, 128, Rounding::Scalar),
             (3, 8, Rounding::Full),
+            (5, 128, Rounding::Local),
+            (4, 16, Rounding::Local),
         ] {
             let q = Octopus::new(Split::for_bits(b), r, Options::default())
                 .with_head_dims(&[d])

@@ -21,15 +21,15 @@ pub fn sgn(v: f32) -> f32 {
 #[inline]
 pub fn encode(t: [f32; 3]) -> (f32, f32) {
     let l = (t[0].abs() + t[1].abs()) + t[2].abs();
-    if l == 0.0 {
-        return (0.0, 0.0);
-    }
     let (px, py, pz) = (t[0] / l, t[1] / l, t[2] / l);
-    if pz >= 0.0 {
-        (px, py)
-    } else {
-        (sgn(px) * (1.0 - py.abs()), sgn(py) * (1.0 - px.abs()))
-    }
+    // Both branches as selects (no data-dependent jumps, so that a loop
+    // over triplets vectorizes); 0/0 lanes are replaced by (0, 0).
+    let fx = sgn(px) * (1.0 - py.abs());
+    let fy = sgn(py) * (1.0 - px.abs());
+    let up = pz >= 0.0;
+    let xi = if up { px } else { fx };
+    let eta = if up { py } else { fy };
+    if l == 0.0 { (0.0, 0.0) } else { (xi, eta) }
 }
 
 /// Unit direction of the square point `(ξ, η)` (Eq. 6):
