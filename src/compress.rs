@@ -267,6 +267,9 @@ pub fn compress<W: Write>(
 /// carry token ids that start with them; when neither has token ids the
 /// append is refused unless `unverified_ok` (nothing proves the new tokens
 /// follow the stored ones). A different `kvpack.model` is always refused.
+/// Every tensor must gain the same number of tokens, equal to the growth of
+/// the token ids when both have them: a sliding-window layer whose window
+/// rolled is refused rather than extended with shifted slots.
 ///
 /// # Errors
 /// [`Error::Parameter`] when `longer` does not extend the stored cache
@@ -352,6 +355,26 @@ pub fn append<W: Write>(
                 longer.token_ids.len()
             ),
         }));
+    }
+    // Every layer must gain the same number of tokens, and as many as the
+    // prompt grew: a sliding-window layer whose window rolled holds other
+    // positions in the same slots and cannot be extended in place.
+    let deltas: Vec<u32> = longer
+        .tensors
+        .iter()
+        .zip(&idx.token_counts)
+        .map(|(t, &n)| t.info.tokens - n)
+        .collect();
+    let grew_ids = (!idx.token_ids.is_empty() && !longer.token_ids.is_empty())
+        .then(|| longer.token_ids.len() - idx.token_ids.len());
+    let want = grew_ids.map(|d| d as u32).unwrap_or(deltas[0]);
+    if let Some(t) = deltas.iter().position(|&d| d != want) {
+        return Err(Error::param(format!(
+            "{} gains {} tokens but the cache gains {want}: its sliding window rolled (the stored slots now hold other \
+             positions), so it cannot be extended in place; compress the new cache instead",
+            longer.tensors[t].info.describe(),
+            deltas[t]
+        )));
     }
     let codecs: Vec<Box<dyn Codec>> = h
         .codecs

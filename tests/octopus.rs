@@ -468,7 +468,25 @@ fn simd_and_scalar_paths_give_identical_files() {
 /// (codebooks included) and gives the same values as one compression.
 #[test]
 fn append_continues_with_the_stored_codebooks() {
-    let full = small_cache(64, DType::Bf16, 21);
+    // Every layer grows by the prompt's growth (no rolled sliding window).
+    let full = synthetic(
+        &[
+            LayerSpec {
+                batch: 1,
+                heads: 2,
+                tokens: 37,
+                head_dim: 64,
+            },
+            LayerSpec {
+                batch: 2,
+                heads: 1,
+                tokens: 37,
+                head_dim: 64,
+            },
+        ],
+        DType::Bf16,
+        21,
+    );
     let mut short = full.clone();
     for t in &mut short.tensors {
         let keep = 13usize;

@@ -16,8 +16,14 @@
 //! The container, the pipeline and the CLI need no change.
 
 pub mod affine;
+pub mod groups;
+pub mod hqmq;
+pub mod innerq;
+pub mod kivi;
 pub mod octopus;
 pub mod outliers;
+pub mod pagebuf;
+pub mod polar;
 pub mod raw;
 pub mod registry;
 pub mod sphere;

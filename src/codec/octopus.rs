@@ -719,7 +719,7 @@ impl Codec for Octopus {
     fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
         match self.options.values {
             Values::Groups { bits, group } if page.tensor.kind == crate::cache::Kind::Value => {
-                sphere::encode_group_page(bits, group as usize, page)
+                sphere::encode_group_page(bits, group, page)
             }
             _ => {
                 let uq = self.quantizer_for(page.tensor)?;
@@ -731,7 +731,7 @@ impl Codec for Octopus {
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
         match self.options.values {
             Values::Groups { bits, group } if out.tensor.kind == crate::cache::Kind::Value => {
-                sphere::decode_group_page(bits, group as usize, page, out)
+                sphere::decode_group_page(bits, group, page, out)
             }
             _ => {
                 let uq = self.quantizer(out.tensor.head_dim).ok_or_else(|| {
@@ -922,15 +922,12 @@ mod tests {
             let rho = q.norm.centroids[c as usize];
             (0..3).map(|k| (t[k] - rho * n[k]).powi(2)).sum::<f32>()
         };
-        let mut state = 12345u64;
+        let mut state = crate::kernels::rng::SplitMix64::new(12345);
         let (mut ls, mut ll) = (0f64, 0f64);
         for _ in 0..5000 {
             let mut t = [0f32; 3];
             for v in t.iter_mut() {
-                *v = (crate::kernels::rotation::next(&mut state) >> 40) as f32
-                    / (1u64 << 24) as f32
-                    * 0.4
-                    - 0.2;
+                *v = (state.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 0.4 - 0.2;
             }
             let (a, b, c) = (loss(&s, t), loss(&l, t), loss(&f, t));
             assert!(c <= b + 1e-7 && b <= a + 1e-7, "{t:?}: {a} {b} {c}");
@@ -964,14 +961,10 @@ mod batch_tests {
                 .unwrap();
             let d = d as usize;
             let n = q.triplets();
-            let mut state = u64::from(b) * 77 + d as u64;
+            let mut state = crate::kernels::rng::SplitMix64::new(u64::from(b) * 77 + d as u64);
             for _ in 0..50 {
                 let mut u: Vec<f32> = (0..d)
-                    .map(|_| {
-                        (crate::kernels::rotation::next(&mut state) >> 40) as f32
-                            / (1u64 << 24) as f32
-                            - 0.5
-                    })
+                    .map(|_| (state.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
                     .collect();
                 let norm = crate::kernels::l2_norm(&u);
                 u.iter_mut().for_each(|x| *x /= norm);

@@ -12,7 +12,7 @@
 //! appendix C.15; [`crate::kernels::qjl`]), which the decoder adds back so
 //! that `q . k^` is the QJL-corrected score. V pages either use the same
 //! unit quantizer or the group-wise asymmetric quantizer
-//! ([`crate::kernels::group`]) the paper pairs with its key codec.
+//! (`kivi`'s value path) the paper pairs with its key codec.
 //!
 //! This module holds what both codecs share: options and their names,
 //! the common part of the parameter block, seeds, page encode/decode and
@@ -23,7 +23,7 @@ use half::f16;
 use crate::cache::{Kind, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
-use crate::kernels::{bitpack, group, qjl, rotation, wht};
+use crate::kernels::{bitpack, qjl, rotation, wht};
 
 use super::{PageIn, PageOut, expect_section, f32_at};
 
@@ -32,7 +32,7 @@ pub const MIN_DIM: u32 = 8;
 /// Largest supported head_dim.
 pub const MAX_DIM: u32 = 4096;
 /// Largest value group.
-pub const MAX_GROUP: u16 = 4096;
+pub const MAX_GROUP: u16 = 1024;
 /// Bytes of the common parameter block header.
 pub const HEADER_LEN: usize = 16;
 
@@ -46,8 +46,8 @@ pub const PURPOSE_QJL: u64 = 1;
 pub enum Values {
     /// With the codec's unit quantizer, like K (never with QJL).
     Same,
-    /// Group-wise asymmetric INT-`bits`, fp16 scale and minimum per group of
-    /// `group` channels ([`crate::kernels::group`]).
+    /// Group-wise asymmetric INT-`bits`, fp16 scale and zero point per
+    /// group of `group` channels (the value path of `kivi`).
     Groups {
         /// Bits per code, 1..=8.
         bits: u8,
@@ -859,38 +859,21 @@ pub fn unit_scores(
         .collect())
 }
 
-/// Encodes a V page with value groups: SCALE 0 (f16 per group), ZERO 0
-/// (f16 minimum per group), INDEX 0 (`bits`-bit codes).
+/// The value-group quantizer of V pages: exactly the value path of `kivi`
+/// (format/codecs/kivi.md: per token, groups of `g` channels, asymmetric,
+/// fp16 scale and fp16 zero point), reused as is.
+fn value_groups(bits: u8, g: u16) -> super::kivi::Kivi {
+    super::kivi::Kivi { bits, group: g }
+}
+
+/// Encodes a V page with value groups (the sections of a `kivi` value
+/// page: SCALE 0 and ZERO 0 f16 per group, INDEX 0 `bits`-bit codes).
 ///
 /// # Errors
-/// [`Error::Parameter`] naming the row for NaN/inf or an fp16 overflow.
-pub fn encode_group_page(bits: u8, g: usize, page: &PageIn<'_>) -> Result<Vec<Section>> {
-    let d = page.head_dim();
-    let rows = page.rows();
-    let ng = d / g;
-    let mut codes = vec![0u8; rows * d];
-    let mut scales = vec![f16::ZERO; rows * ng];
-    let mut mins = vec![f16::ZERO; rows * ng];
-    let mut x = vec![0f32; d];
-    for r in 0..rows {
-        page.load_row(r, &mut x);
-        group::quantize(
-            &x,
-            g,
-            u32::from(bits),
-            &mut codes[r * d..(r + 1) * d],
-            &mut scales[r * ng..(r + 1) * ng],
-            &mut mins[r * ng..(r + 1) * ng],
-        )
-        .map_err(|e| row_error(page, r, e))?;
-    }
-    let mut packed = vec![0u8; bitpack::packed_len(codes.len(), u32::from(bits))];
-    bitpack::pack_u8(&codes, u32::from(bits), &mut packed);
-    Ok(vec![
-        f16_section(SectionKind::Scale, 0, &scales),
-        f16_section(SectionKind::Zero, 0, &mins),
-        Section::packed(SectionKind::Index, 0, bits, count_u32(codes.len())?, packed),
-    ])
+/// [`Error::Parameter`] naming the page for NaN/inf or an fp16 overflow.
+pub fn encode_group_page(bits: u8, g: u16, page: &PageIn<'_>) -> Result<Vec<Section>> {
+    debug_assert_eq!(page.tensor.kind, Kind::Value);
+    super::Codec::encode(&value_groups(bits, g), page)
 }
 
 /// Decodes a V page with value groups.
@@ -901,51 +884,13 @@ pub fn encode_group_page(bits: u8, g: usize, page: &PageIn<'_>) -> Result<Vec<Se
 /// scales.
 pub fn decode_group_page(
     bits: u8,
-    g: usize,
+    g: u16,
     page: &PageView<'_>,
     out: &mut PageOut<'_>,
 ) -> Result<()> {
-    let d = out.tensor.head_dim as usize;
-    if !d.is_multiple_of(g) {
-        return Err(page.error(format!("value group {g} does not divide head_dim {d}")));
-    }
-    let rows = out.rows();
-    let ng = d / g;
-    let f16s = |kind| -> Result<Vec<f32>> {
-        let b = expect_section(page, kind, 0, ElemType::F16, rows * ng)?;
-        let v: Vec<f32> = b
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect();
-        if v.iter().any(|x| !x.is_finite()) {
-            return Err(page.error(format!("{} section holds a non-finite value", kind.name())));
-        }
-        Ok(v)
-    };
-    let scales = f16s(SectionKind::Scale)?;
-    let mins = f16s(SectionKind::Zero)?;
-    let index = expect_section(
-        page,
-        SectionKind::Index,
-        0,
-        ElemType::Packed(bits),
-        rows * d,
-    )?;
+    debug_assert_eq!(out.tensor.kind, Kind::Value);
     expect_section_count(page, 3)?;
-    let mut codes = vec![0u8; rows * d];
-    bitpack::unpack_u8(index, u32::from(bits), &mut codes);
-    let mut row = vec![0f32; d];
-    for r in 0..rows {
-        group::dequantize(
-            &codes[r * d..(r + 1) * d],
-            g,
-            &scales[r * ng..(r + 1) * ng],
-            &mins[r * ng..(r + 1) * ng],
-            &mut row,
-        );
-        out.store_row(r, &row);
-    }
-    Ok(())
+    super::Codec::decode(&value_groups(bits, g), page, out)
 }
 
 /// Bits per element of a tensor: `(32 + code bits [+ 16 + d with QJL]) / d`

@@ -285,7 +285,7 @@ impl Codec for Turbo {
     fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
         match self.options.values {
             Values::Groups { bits, group } if page.tensor.kind == Kind::Value => {
-                sphere::encode_group_page(bits, group as usize, page)
+                sphere::encode_group_page(bits, group, page)
             }
             _ => {
                 let uq = self.quantizer_for(page.tensor)?;
@@ -297,7 +297,7 @@ impl Codec for Turbo {
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
         match self.options.values {
             Values::Groups { bits, group } if out.tensor.kind == Kind::Value => {
-                sphere::decode_group_page(bits, group as usize, page, out)
+                sphere::decode_group_page(bits, group, page, out)
             }
             _ => {
                 let uq = self.quantizer(out.tensor.head_dim).ok_or_else(|| {

@@ -185,11 +185,11 @@ impl Config {
 }
 
 /// SplitMix64 stream with Box-Muller normals.
-struct Normal(u64);
+struct Normal(crate::kernels::rng::SplitMix64);
 
 impl Normal {
     fn uniform(&mut self) -> f64 {
-        (rotation::next(&mut self.0) >> 11) as f64 / (1u64 << 53) as f64
+        (self.0.next_u64() >> 11) as f64 / (1u64 << 53) as f64
     }
 
     fn sample(&mut self) -> f32 {
@@ -223,7 +223,10 @@ pub fn measure(v: Variant, cfg: Config) -> Result<Fidelity> {
     let mut decoded = vec![0f32; d];
     let mut u_hat = vec![0f32; d];
     for seed in 0..cfg.seeds {
-        let mut rng = Normal(rotation::derive(0x5EED, &[seed]));
+        let mut rng = Normal(crate::kernels::rng::SplitMix64::new(rotation::derive(
+            0x5EED,
+            &[seed],
+        )));
         let keys = rng.vectors(cfg.keys, d);
         let queries = rng.vectors(cfg.queries, d);
         let opts = Options {
@@ -557,7 +560,10 @@ pub fn local_equals_full(
             .with_rounding(Rounding::Full)
             .quantizer(dim)
             .expect("prepared");
-        let mut rng = Normal(rotation::derive(0x7AB1E5, &[u64::from(b_dir)]));
+        let mut rng = Normal(crate::kernels::rng::SplitMix64::new(rotation::derive(
+            0x7AB1E5,
+            &[u64::from(b_dir)],
+        )));
         let (mut same, mut total) = (0, 0);
         let signs = sphere::signs_for(1, 0, 0, Kind::Key, sphere::PURPOSE_ROTATION, d);
         while total < triplets {

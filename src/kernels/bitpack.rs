@@ -73,6 +73,71 @@ pub fn unpack_u32(packed: &[u8], bits: u32, out: &mut [u32]) {
     unpack_bits(packed, bits, out.len(), |i, c| out[i] = c as u32);
 }
 
+/// Packs `codes` of `bits` bits (1..=64) into `out`, LSB-first, the same
+/// bitstream as [`pack_u32`] for widths up to 32 (used for fields wider
+/// than the 32 bits of the container's packed element type, e.g. the
+/// mixed-radix digit groups of [`super::radix`]).
+///
+/// # Panics
+/// If `out.len() != packed_len(codes.len(), bits)` or `bits` is out of
+/// range. Codes are masked to `bits` bits.
+pub fn pack_u64(codes: &[u64], bits: u32, out: &mut [u8]) {
+    assert!((1..=64).contains(&bits));
+    assert_eq!(out.len(), packed_len(codes.len(), bits));
+    let mask = u128::from(u64::MAX >> (64 - bits));
+    let mut acc: u128 = 0;
+    let mut nacc = 0u32;
+    let mut o = 0;
+    for &c in codes {
+        acc |= (u128::from(c) & mask) << nacc;
+        nacc += bits;
+        while nacc >= 8 {
+            out[o] = acc as u8;
+            o += 1;
+            acc >>= 8;
+            nacc -= 8;
+        }
+    }
+    if nacc > 0 {
+        out[o] = acc as u8;
+    }
+}
+
+/// Unpacks `out.len()` codes of `bits` bits (1..=64) from `packed`
+/// (inverse of [`pack_u64`]).
+///
+/// # Panics
+/// If `packed` is shorter than `packed_len(out.len(), bits)`.
+pub fn unpack_u64(packed: &[u8], bits: u32, out: &mut [u64]) {
+    assert!((1..=64).contains(&bits));
+    assert!(packed.len() >= packed_len(out.len(), bits));
+    let mask = u128::from(u64::MAX >> (64 - bits));
+    let mut acc: u128 = 0;
+    let mut nacc = 0u32;
+    let mut i = 0;
+    for c in out.iter_mut() {
+        while nacc < bits {
+            acc |= u128::from(packed[i]) << nacc;
+            i += 1;
+            nacc += 8;
+        }
+        *c = (acc & mask) as u64;
+        acc >>= bits;
+        nacc -= bits;
+    }
+}
+
+/// True when the bits of the last byte of a `packed_len(n, bits)`-byte
+/// stream beyond its `n * bits` code bits are zero, as format/SPEC.md
+/// section 6.2 requires (decoders use it to reject non-canonical streams).
+pub fn tail_is_zero(packed: &[u8], n: usize, bits: u32) -> bool {
+    let used = n * bits as usize;
+    match packed.get(used / 8) {
+        Some(&last) if !used.is_multiple_of(8) => last >> (used % 8) == 0,
+        _ => true,
+    }
+}
+
 /// Packs byte codes (`bits` in 1..=8) into `out`, with fast paths for 4 and 8.
 ///
 /// # Panics
@@ -176,6 +241,24 @@ mod tests {
             let mut packed32 = vec![0u8; packed.len()];
             pack_u32(&wide, bits, &mut packed32);
             prop_assert_eq!(&packed32, &packed);
+        }
+
+        #[test]
+        fn u64_matches_u32_and_round_trips(bits in 1u32..=64, raw in proptest::collection::vec(any::<u64>(), 0..120)) {
+            let mask = u64::MAX >> (64 - bits);
+            let codes: Vec<u64> = raw.iter().map(|c| c & mask).collect();
+            let mut packed = vec![0u8; packed_len(codes.len(), bits)];
+            pack_u64(&codes, bits, &mut packed);
+            prop_assert!(tail_is_zero(&packed, codes.len(), bits));
+            let mut back = vec![0u64; codes.len()];
+            unpack_u64(&packed, bits, &mut back);
+            prop_assert_eq!(&back, &codes);
+            if bits <= 32 {
+                let narrow: Vec<u32> = codes.iter().map(|&c| c as u32).collect();
+                let mut p32 = vec![0u8; packed.len()];
+                pack_u32(&narrow, bits, &mut p32);
+                prop_assert_eq!(&p32, &packed);
+            }
         }
 
         #[test]

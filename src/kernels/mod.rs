@@ -1,6 +1,7 @@
 //! Shared numeric kernels used by the codecs: element-type conversion, bit
-//! packing, the fast Walsh-Hadamard transform, asymmetric (affine) and
-//! group-wise quantization, random sign-flipped rotations, Lloyd-Max
+//! packing, mixed-radix digit packing, the fast Walsh-Hadamard transform,
+//! asymmetric (affine) and group-wise quantization, quaternion arithmetic,
+//! a seeded integer PRNG, random sign-flipped rotations, Lloyd-Max
 //! codebooks, the octahedral map and the QJL residual sketch.
 //!
 //! Every kernel has a portable scalar implementation that defines its exact
@@ -15,7 +16,11 @@ pub mod convert;
 pub mod group;
 pub mod lloyd_max;
 pub mod octahedral;
+pub mod polar;
 pub mod qjl;
+pub mod quaternion;
+pub mod radix;
+pub mod rng;
 pub mod rotation;
 pub mod wht;
 #[cfg(target_arch = "x86_64")]

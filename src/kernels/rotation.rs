@@ -4,15 +4,11 @@
 //! PRNG so that every implementation derives the same rotation from a seed.
 //!
 //! # PRNG and seed derivation (normative for format/codecs/octopus.md)
-//! All arithmetic is on u64, wrapping.
+//! All arithmetic is on u64, wrapping; `mix64`, `GAMMA` and `next` are
+//! SplitMix64 ([`super::rng`]).
 //!
 //! ```text
-//! GAMMA = 0x9E3779B97F4A7C15
-//! mix(z):  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-//!          z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-//!          return z ^ (z >> 31)
-//! next(state): state = state + GAMMA; return mix(state)     (SplitMix64)
-//! derive(seed, f_0, ..., f_n): h = seed; for each f_i: h = mix((h + GAMMA) ^ f_i); return h
+//! derive(seed, f_0, ..., f_n): h = seed; for each f_i: h = mix64((h + GAMMA) ^ f_i); return h
 //! signs(key, d): state = key; word_j = next(state) for j = 0, 1, ...;
 //!                s_i = -1 if bit (i mod 64) of word_(i div 64) is 1, else +1
 //! ```
@@ -23,41 +19,24 @@
 //! ([`super::wht::inv_sqrt`]). Sign flips are exact, so `s ⊙ x` has no
 //! rounding.
 
+use super::rng::{GAMMA, SplitMix64, mix64};
 use super::wht;
-
-/// SplitMix64 increment.
-pub const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-
-/// The SplitMix64 finalizer.
-#[inline]
-pub fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// SplitMix64: advances `state` by [`GAMMA`] and returns the mixed value.
-#[inline]
-pub fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(GAMMA);
-    mix(*state)
-}
 
 /// Derives a key from a seed and a list of fields (module docs).
 pub fn derive(seed: u64, fields: &[u64]) -> u64 {
     fields
         .iter()
-        .fold(seed, |h, &f| mix(h.wrapping_add(GAMMA) ^ f))
+        .fold(seed, |h, &f| mix64(h.wrapping_add(GAMMA) ^ f))
 }
 
 /// A sign vector `s` in `{±1}^d` as f32, drawn from `key` (module docs).
 pub fn signs(key: u64, d: usize) -> Vec<f32> {
-    let mut state = key;
+    let mut rng = SplitMix64::new(key);
     let mut out = Vec::with_capacity(d);
     let mut word = 0u64;
     for i in 0..d {
         if i % 64 == 0 {
-            word = next(&mut state);
+            word = rng.next_u64();
         }
         out.push(if (word >> (i % 64)) & 1 == 1 {
             -1.0
@@ -103,11 +82,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn splitmix64_reference_values() {
+    fn seed_derivation_reference_values() {
         // SplitMix64 from state 0 (Vigna's reference implementation).
-        let mut s = 0u64;
-        assert_eq!(next(&mut s), 0xE220_A839_7B1D_CDAF);
-        assert_eq!(next(&mut s), 0x6E78_9E6A_A1B9_65F4);
+        let mut s = SplitMix64::new(0);
+        assert_eq!(s.next_u64(), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(s.next_u64(), 0x6E78_9E6A_A1B9_65F4);
         assert_eq!(derive(7, &[]), 7);
         assert_ne!(derive(0, &[1, 0]), derive(0, &[0, 1]));
         // format/codecs/octopus.md test values (computed independently).
@@ -125,9 +104,9 @@ mod tests {
 
     #[test]
     fn signs_follow_the_bits() {
-        let mut st = 42u64;
-        let w0 = next(&mut st);
-        let w1 = next(&mut st);
+        let mut st = SplitMix64::new(42);
+        let w0 = st.next_u64();
+        let w1 = st.next_u64();
         let s = signs(42, 100);
         for (i, &v) in s.iter().enumerate() {
             let w = if i < 64 { w0 } else { w1 };
