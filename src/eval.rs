@@ -1,7 +1,10 @@
 //! Codec evaluation on a real cache: compress in memory, decode, and
 //! measure size, reconstruction error and attention-output error with the
 //! cache's own queries. Used by `kvpack eval` and the fixture tests so that
-//! every codec is measured the same way.
+//! every codec is measured the same way. [`synthetic`] reproduces the
+//! OCTOPUS paper's synthetic tables (`kvpack eval --synthetic`).
+
+pub mod synthetic;
 
 use std::time::Instant;
 

@@ -20,11 +20,14 @@ pub mod groups;
 pub mod hqmq;
 pub mod innerq;
 pub mod kivi;
+pub mod octopus;
 pub mod outliers;
 pub mod pagebuf;
 pub mod polar;
 pub mod raw;
 pub mod registry;
+pub mod sphere;
+pub mod turbo;
 
 use crate::cache::{Elems, ElemsMut, KvCache, TensorInfo};
 use crate::error::Result;

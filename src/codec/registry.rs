@@ -34,6 +34,8 @@ pub const FAMILIES: &[Family] = &[
     super::innerq::FAMILY,
     super::kivi::FAMILY,
     super::hqmq::FAMILY,
+    super::octopus::FAMILY,
+    super::turbo::FAMILY,
 ];
 
 /// Parses a codec name such as `raw`, `int4`, `bdr128`, `bdr128:k` or

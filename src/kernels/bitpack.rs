@@ -160,6 +160,28 @@ pub fn pack_u8(codes: &[u8], bits: u32, out: &mut [u8]) {
     }
 }
 
+/// [`unpack_u8`] for `B` bits: eight codes fill exactly `B` bytes, read as
+/// one little-endian word (the bit order of `unpack_bits`, which handles
+/// the tail).
+fn unpack_words<const B: usize>(packed: &[u8], out: &mut [u8]) {
+    let mask = (1u64 << B) - 1;
+    let (groups, _) = out.as_chunks_mut::<8>();
+    let whole = groups.len();
+    let (words, _) = packed.as_chunks::<B>();
+    for (g, src) in groups.iter_mut().zip(words) {
+        let mut w = [0u8; 8];
+        w[..B].copy_from_slice(src);
+        let w = u64::from_le_bytes(w);
+        for (k, o) in g.iter_mut().enumerate() {
+            *o = ((w >> (k * B)) & mask) as u8;
+        }
+    }
+    let tail = &mut out[8 * whole..];
+    unpack_bits(&packed[whole * B..], B as u32, tail.len(), |i, c| {
+        tail[i] = c as u8
+    });
+}
+
 /// Unpacks `out.len()` byte codes of `bits` bits (1..=8).
 ///
 /// # Panics
@@ -180,7 +202,12 @@ pub fn unpack_u8(packed: &[u8], bits: u32, out: &mut [u8]) {
                 *last = packed[n / 2] & 15;
             }
         }
-        _ => unpack_bits(packed, bits, out.len(), |i, c| out[i] = c as u8),
+        1 => unpack_words::<1>(packed, out),
+        2 => unpack_words::<2>(packed, out),
+        3 => unpack_words::<3>(packed, out),
+        5 => unpack_words::<5>(packed, out),
+        6 => unpack_words::<6>(packed, out),
+        _ => unpack_words::<7>(packed, out),
     }
 }
 

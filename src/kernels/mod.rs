@@ -1,7 +1,8 @@
 //! Shared numeric kernels used by the codecs: element-type conversion, bit
 //! packing, mixed-radix digit packing, the fast Walsh-Hadamard transform,
-//! asymmetric (affine) quantization, quaternion arithmetic and a seeded
-//! integer PRNG.
+//! asymmetric (affine) and group-wise quantization, quaternion arithmetic,
+//! a seeded integer PRNG, random sign-flipped rotations, Lloyd-Max
+//! codebooks, the octahedral map and the QJL residual sketch.
 //!
 //! Every kernel has a portable scalar implementation that defines its exact
 //! result. Where an x86-64 AVX2 path exists it is selected at run time and
@@ -13,10 +14,14 @@ pub mod affine;
 pub mod bitpack;
 pub mod convert;
 pub mod group;
+pub mod lloyd_max;
+pub mod octahedral;
 pub mod polar;
+pub mod qjl;
 pub mod quaternion;
 pub mod radix;
 pub mod rng;
+pub mod rotation;
 pub mod wht;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;
@@ -60,4 +65,12 @@ pub fn scale(x: &mut [f32], c: f32) {
     for v in x {
         *v *= c;
     }
+}
+
+/// Euclidean norm `sqrt(Σ x_i^2)` with the squares summed in f64 in index
+/// order, the square root taken in f64 and rounded to f32 (a fixed
+/// sequence of correctly rounded operations: the same bits everywhere).
+pub fn l2_norm(x: &[f32]) -> f32 {
+    let acc: f64 = x.iter().fold(0.0, |a, &v| a + f64::from(v) * f64::from(v));
+    acc.sqrt() as f32
 }

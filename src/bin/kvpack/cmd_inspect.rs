@@ -355,6 +355,14 @@ pub fn codecs(a: CodecsArgs) -> Result<u8> {
         "innerq:k2v2",
         "kivi:2",
         "kivi:4",
+        "octopus:b2",
+        "octopus:b3",
+        "octopus:b4",
+        "octopus:b3+qjl",
+        "octopus:b3:vg32",
+        "turbo:b2",
+        "turbo:b3",
+        "turbo:b4",
     ];
     // Mean of the K and V figures (codecs such as innerq:k3v2 differ).
     let shape = |d: u32, kind: Kind| TensorInfo {
