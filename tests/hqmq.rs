@@ -444,7 +444,10 @@ fn seed_insensitivity_on_the_fixture() {
     );
     assert!(sd / mean < 0.01, "coefficient of variation {}", sd / mean);
     // Every seed's relative MSE is within 1% of the mean over seeds.
-    let worst = mse.iter().map(|m| (m - mean).abs() / mean).fold(0.0, f64::max);
+    let worst = mse
+        .iter()
+        .map(|m| (m - mean).abs() / mean)
+        .fold(0.0, f64::max);
     eprintln!("largest deviation from the mean: {:.3}%", 100.0 * worst);
     assert!(worst < 0.01, "a seed deviates {worst} from the mean");
     assert!(range / mean < 0.03, "range {}", range / mean);
