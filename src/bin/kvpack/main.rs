@@ -72,6 +72,15 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Behave like other Unix tools when stdout is a closed pipe
+    // (`kvpack inspect f | head`): end quietly instead of panicking in
+    // println!.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any other
+    // thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     if let Some(n) = cli.threads
         && let Err(e) = rayon::ThreadPoolBuilder::new()
