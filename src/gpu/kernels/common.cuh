@@ -1,0 +1,188 @@
+// Shared definitions for every kvpack kernel source. The Rust side prepends
+// this file to each .cu source before handing it to NVRTC, so the sources
+// need no #include (NVRTC ships no standard headers).
+//
+// Numerics: every kernel is compiled with --fmad=false and spells the
+// normative operations with the *_rn intrinsics, so no multiply-add is ever
+// contracted; denormals are kept (no -ftz). This makes the results
+// bit-identical to the CPU reference (format/codecs/*.md).
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define FULL_MASK 0xffffffffu
+// Threads per block of every unit kernel, and units one thread handles.
+#define BLOCK 256
+#define UNITS_PER_THREAD 4
+#define UNITS_PER_BLOCK (BLOCK * UNITS_PER_THREAD)
+// Threads per block of the segment (fallback) kernels; largest segment.
+#define SEG_BLOCK 128
+#define SEG_MAX 1024
+
+// Output element types (template tags).
+#define OUT_BF16 0
+#define OUT_F16 1
+// Source element types (template tags; the same codes as the file format).
+#define SRC_BF16 1
+#define SRC_F16 2
+#define SRC_F32 3
+
+// One page to decode (mirrors gpu::spec::PageDesc, 80 bytes).
+struct PageDesc {
+    u64 body;     // device address of the page body (uncompressed)
+    u64 dst;      // output base: contiguous = element (plane 0, output token 0); paged = cache base
+    u64 slots;    // paged: address of slot_mapping[batch 0, tensor token 0] (i64); 0 = contiguous
+    u64 stride;   // contiguous: elements between planes; paged: slot entries between batch items
+    u64 limit;    // paged: number of slots in the cache
+    u32 rows;     // planes * tokens
+    u32 tokens;   // tokens in the page
+    u32 heads;    // kv heads per batch item
+    u32 head_dim; // elements per row
+    u32 sec0;     // body offset of SCALE (affine) or RAW (raw)
+    u32 sec1;     // body offset of ZERO
+    u32 sec2;     // body offset of INDEX
+    int tok_off;  // contiguous: page token_start - output first token; paged: page token_start
+    u32 t_lo;     // first page-relative token to write
+    u32 t_hi;     // one past the last page-relative token to write
+};
+
+// One page to encode (mirrors gpu::spec::EncDesc, 56 bytes).
+struct EncDesc {
+    u64 src;      // device address of source element (plane 0, page token 0)
+    u64 body;     // device address of the output page body
+    u64 stride;   // source elements between planes
+    u32 rows;
+    u32 tokens;
+    u32 head_dim;
+    u32 sec_scale;
+    u32 sec_zero;
+    u32 sec_index;
+    u32 page;     // page number, for error reports
+    u32 pad;
+};
+
+__device__ __forceinline__ bool is_nan(float x) { return x != x; }
+__device__ __forceinline__ bool is_finite(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// f32 -> bf16 bits, round to nearest even, NaN quieted (kernels::convert).
+__device__ __forceinline__ u16 f32_to_bf16(float x) {
+    u32 b = __float_as_uint(x);
+    if (is_nan(x)) return (u16)((b >> 16) | 0x40u);
+    return (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// f32 -> f16 bits, round to nearest even; NaN as the `half` crate does it.
+__device__ __forceinline__ u16 f32_to_f16(float x) {
+    if (is_nan(x)) {
+        u32 b = __float_as_uint(x);
+        return (u16)(((b >> 16) & 0x8000u) | 0x7c00u | 0x0200u | ((b & 0x7fffffu) >> 13));
+    }
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+template <int OUT>
+__device__ __forceinline__ u16 to_out(float x) {
+    return OUT == OUT_BF16 ? f32_to_bf16(x) : f32_to_f16(x);
+}
+
+// Eight output elements as one 16-byte store.
+template <int OUT>
+__device__ __forceinline__ void store8(u16* p, const float v[8]) {
+    uint4 o;
+    o.x = (u32)to_out<OUT>(v[0]) | ((u32)to_out<OUT>(v[1]) << 16);
+    o.y = (u32)to_out<OUT>(v[2]) | ((u32)to_out<OUT>(v[3]) << 16);
+    o.z = (u32)to_out<OUT>(v[4]) | ((u32)to_out<OUT>(v[5]) << 16);
+    o.w = (u32)to_out<OUT>(v[6]) | ((u32)to_out<OUT>(v[7]) << 16);
+    *reinterpret_cast<uint4*>(p) = o;
+}
+
+// Output element offset of (row, element 0) of a page, or -1 when the row is
+// not written (outside [t_lo, t_hi), or a paged slot < 0). A slot past the
+// cache is reported through `status` and skipped.
+__device__ __forceinline__ i64 row_dst(const PageDesc& d, u32 row, u64* status) {
+    u32 p = row / d.tokens;
+    u32 t = row - p * d.tokens;
+    if (t < d.t_lo || t >= d.t_hi) return -1;
+    if (d.slots == 0) {
+        return (i64)p * (i64)d.stride + ((i64)t + (i64)d.tok_off) * (i64)d.head_dim;
+    }
+    u32 b = p / d.heads;
+    u32 h = p - b * d.heads;
+    const i64* slots = reinterpret_cast<const i64*>(d.slots);
+    i64 slot = slots[(i64)b * (i64)d.stride + (i64)d.tok_off + (i64)t];
+    if (slot < 0) return -1;
+    if ((u64)slot >= d.limit) {
+        atomicMin(status, (u64)row);
+        return -1;
+    }
+    return (slot * (i64)d.heads + (i64)h) * (i64)d.head_dim;
+}
+
+// Walsh-Hadamard butterflies on 8 consecutive elements held by one thread
+// (strides 1, 2, 4 while below h), then on strides 8..h/2 across lanes with
+// xor shuffles. The stage order is the normative one (format/codecs/bdr.md):
+// strides 1, 2, 4, ... in increasing order. The thread whose lane bit is
+// clear holds the lower index and computes a + b; its partner computes
+// a - b with a = the lower value. Every lane of the warp must call this.
+__device__ __forceinline__ void wht8(float v[8], u32 h) {
+#pragma unroll
+    for (int s = 1; s < 8; s <<= 1) {
+        if ((u32)s < h) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                if (!(i & s)) {
+                    float a = v[i], b = v[i + s];
+                    v[i] = __fadd_rn(a, b);
+                    v[i + s] = __fsub_rn(a, b);
+                }
+            }
+        }
+    }
+    u32 lane = threadIdx.x & 31u;
+    for (u32 m = 1; 8u * m < h; m <<= 1) {
+        bool upper = (lane & m) != 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float o = __shfl_xor_sync(FULL_MASK, v[i], m);
+            v[i] = upper ? __fsub_rn(o, v[i]) : __fadd_rn(v[i], o);
+        }
+    }
+}
+
+// Butterflies over a segment of n values in shared memory (strides 1..h/2
+// within aligned blocks of h), for block-wide (fallback) kernels. Callers
+// __syncthreads() before; this ends with one.
+__device__ __forceinline__ void wht_shared(float* buf, u32 n, u32 h) {
+    for (u32 s = 1; s < h; s <<= 1) {
+        for (u32 p = threadIdx.x; p < n / 2; p += blockDim.x) {
+            u32 i = (p / s) * 2u * s + (p % s);
+            float a = buf[i], b = buf[i + s];
+            buf[i] = __fadd_rn(a, b);
+            buf[i + s] = __fsub_rn(a, b);
+        }
+        __syncthreads();
+    }
+}
+
+// Code `i` (bits wide, LSB-first) of a packed stream, any alignment.
+__device__ __forceinline__ u32 get_code(const u8* p, u64 i, u32 bits) {
+    u64 bit = i * (u64)bits;
+    u64 byte = bit >> 3;
+    u32 sh = (u32)(bit & 7u);
+    u32 v = p[byte];
+    if (sh + bits > 8u) v |= ((u32)p[byte + 1]) << 8;
+    return (v >> sh) & ((1u << bits) - 1u);
+}
