@@ -16,10 +16,47 @@ use crate::format::{ElemType, PageView, SectionKind};
 
 /// Threads per block of the unit kernels (`BLOCK` in `common.cuh`).
 pub const BLOCK: u32 = 256;
-/// Units (8 elements each) one thread of a unit kernel handles.
+/// Units of 8 elements one thread of a unit kernel handles.
 pub const UNITS_PER_THREAD: u32 = 4;
-/// Units one block of a unit kernel handles.
+/// Units of 32 elements one thread of a unit kernel handles.
+pub const UNITS_PER_THREAD_W32: u32 = 1;
+/// Units one block of an 8-element unit kernel handles.
 pub const UNITS_PER_BLOCK: u32 = BLOCK * UNITS_PER_THREAD;
+
+/// The multiplier kernels use to divide by `d` (`udiv` in `common.cuh`):
+/// `ceil(2^32 / d)`, or 0 for `d <= 1` (the quotient is the dividend).
+pub fn magic(d: u32) -> u32 {
+    if d <= 1 {
+        0
+    } else {
+        ((1u64 << 32).div_ceil(u64::from(d))) as u32
+    }
+}
+
+/// `n / d` the way the kernels compute it from [`magic`] (for tests).
+pub fn udiv(n: u32, d: u32, m: u32) -> u32 {
+    if m == 0 {
+        return n;
+    }
+    let mut q = ((u64::from(n) * u64::from(m)) >> 32) as u32;
+    if u64::from(q) * u64::from(d) > u64::from(n) {
+        q -= 1;
+    }
+    q
+}
+
+static NARROW: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes plans built from now on use the 8-element unit kernels wherever
+/// they apply instead of the 32-element ones (a benchmark knob that
+/// isolates the cost of each layout; results are identical). Default off.
+pub fn prefer_narrow_kernels(on: bool) {
+    NARROW.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn narrow() -> bool {
+    NARROW.load(std::sync::atomic::Ordering::Relaxed)
+}
 /// Threads per block of the segment (fallback) kernels.
 pub const SEG_BLOCK: u32 = 128;
 /// Largest segment (elements held in shared memory) of the fallback kernels,
@@ -166,8 +203,13 @@ pub struct KernelChoice {
 /// How a kernel's work is cut into thread blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Grid {
-    /// [`BLOCK`] threads, [`UNITS_PER_BLOCK`] units of 8 elements per block.
-    Units8,
+    /// [`BLOCK`] threads; units of `w` (8 or 32) consecutive elements of a
+    /// row, [`UNITS_PER_THREAD`] (w = 8) or [`UNITS_PER_THREAD_W32`] per
+    /// thread.
+    Units {
+        /// Elements per unit.
+        w: u32,
+    },
     /// [`BLOCK`] threads, [`UNITS_PER_BLOCK`] single elements per block.
     Elements,
     /// [`SEG_BLOCK`] threads, one segment of `seg` elements per block.
@@ -183,7 +225,7 @@ impl Grid {
     /// Threads per block.
     pub fn threads(self) -> u32 {
         match self {
-            Grid::Units8 | Grid::Elements => BLOCK,
+            Grid::Units { .. } | Grid::Elements => BLOCK,
             Grid::Segments { .. } | Grid::Rows => SEG_BLOCK,
         }
     }
@@ -192,7 +234,7 @@ impl Grid {
     /// as `(page, first unit / element / segment / row)`, appended to `out`.
     pub fn push_items(self, page: u32, rows: u32, head_dim: u32, out: &mut Vec<[u32; 2]>) {
         let (n, per) = match self {
-            Grid::Units8 => (rows as u64 * (head_dim / 8) as u64, UNITS_PER_BLOCK as u64),
+            Grid::Units { w } => (rows as u64 * (head_dim / w) as u64, self.units_per_block()),
             Grid::Elements => (rows as u64 * head_dim as u64, UNITS_PER_BLOCK as u64),
             Grid::Segments { seg } => (rows as u64 * (head_dim / seg) as u64, 1),
             Grid::Rows => (rows as u64, 1),
@@ -201,6 +243,23 @@ impl Grid {
         while i < n {
             out.push([page, i as u32]);
             i += per;
+        }
+    }
+}
+
+impl Grid {
+    /// Elements per unit of a unit kernel (0 for the others).
+    pub fn unit(self) -> u32 {
+        match self {
+            Grid::Units { w } => w,
+            _ => 0,
+        }
+    }
+
+    fn units_per_block(self) -> u64 {
+        match self {
+            Grid::Units { w: 32 } => u64::from(BLOCK * UNITS_PER_THREAD_W32),
+            _ => u64::from(UNITS_PER_BLOCK),
         }
     }
 }
@@ -217,7 +276,7 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             KernelChoice {
                 source: "raw",
                 name: format!("decode_raw_{}_{o}", src_suffix(src)),
-                grid: Grid::Units8,
+                grid: Grid::Units { w: 8 },
             }
         } else {
             KernelChoice {
@@ -233,11 +292,18 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
                 )));
             }
             let h = block.unwrap_or(0);
-            if head_dim.is_multiple_of(8) && h <= MAX_SHUFFLE_BLOCK {
+            let w8 = head_dim.is_multiple_of(8) && h <= MAX_SHUFFLE_BLOCK;
+            if head_dim.is_multiple_of(32) && !(w8 && narrow()) {
                 Ok(KernelChoice {
                     source: "affine",
                     name: format!("decode_affine_b{bits}_{o}"),
-                    grid: Grid::Units8,
+                    grid: Grid::Units { w: 32 },
+                })
+            } else if w8 {
+                Ok(KernelChoice {
+                    source: "affine",
+                    name: format!("decode_affine_w8_b{bits}_{o}"),
+                    grid: Grid::Units { w: 8 },
                 })
             } else {
                 let seg = if h > 1 { h } else { head_dim };
@@ -268,13 +334,23 @@ pub fn encode_kernel(kc: KernelCodec, head_dim: u32, src: DType) -> Result<Kerne
         )));
     }
     let h = block.unwrap_or(0);
-    let upr = head_dim / 8;
     let s = src_suffix(src);
-    if head_dim.is_multiple_of(8) && upr.is_power_of_two() && upr <= 32 && h <= MAX_SHUFFLE_BLOCK {
+    let fits = |w: u32| {
+        let upr = head_dim / w;
+        head_dim.is_multiple_of(w) && upr.is_power_of_two() && upr <= 32
+    };
+    let w8 = fits(8) && h <= MAX_SHUFFLE_BLOCK;
+    if fits(32) && !(w8 && narrow()) {
         Ok(KernelChoice {
             source: "affine",
             name: format!("encode_affine_b{bits}_{s}"),
-            grid: Grid::Units8,
+            grid: Grid::Units { w: 32 },
+        })
+    } else if w8 {
+        Ok(KernelChoice {
+            source: "affine",
+            name: format!("encode_affine_w8_b{bits}_{s}"),
+            grid: Grid::Units { w: 8 },
         })
     } else {
         Ok(KernelChoice {
@@ -296,7 +372,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
             }
         }
         for bits in 1..=8 {
-            for (d, h) in [(128, None), (128, Some(512)), (6, None)] {
+            for (d, h) in [(128, None), (128, Some(512)), (6, None), (40, Some(8))] {
                 let kc = KernelCodec::Affine { bits, block: h };
                 let k = decode_kernel(kc, d, out).expect("affine");
                 v.push((k.source, k.name));
@@ -305,7 +381,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
     }
     for src in [DType::Bf16, DType::F16, DType::F32] {
         for bits in 1..=8 {
-            for d in [128, 96] {
+            for d in [128, 96, 16] {
                 let kc = KernelCodec::Affine { bits, block: None };
                 let k = encode_kernel(kc, d, src).expect("affine");
                 v.push((k.source, k.name));
@@ -318,7 +394,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
 }
 
 /// One page to decode, as the kernels read it (`struct PageDesc` in
-/// `kernels/common.cuh`, 80 bytes). Device addresses are absolute.
+/// `kernels/common.cuh`, 96 bytes). Device addresses are absolute.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
 pub struct PageDesc {
@@ -356,9 +432,18 @@ pub struct PageDesc {
     pub t_lo: u32,
     /// One past the last page-relative token to write.
     pub t_hi: u32,
+    /// [`magic`] of `tokens`.
+    pub m_tokens: u32,
+    /// [`magic`] of `heads`.
+    pub m_heads: u32,
+    /// Units per row of the launched unit kernel (`head_dim / w`; 0 for
+    /// other kernels).
+    pub upr: u32,
+    /// [`magic`] of `upr`.
+    pub m_upr: u32,
 }
 
-/// One page to encode (`struct EncDesc` in `kernels/common.cuh`, 56 bytes).
+/// One page to encode (`struct EncDesc` in `kernels/common.cuh`, 64 bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
 pub struct EncDesc {
@@ -382,8 +467,12 @@ pub struct EncDesc {
     pub sec_index: u32,
     /// Page number (reported with a non-finite row).
     pub page: u32,
-    /// Zero.
-    pub pad: u32,
+    /// [`magic`] of `tokens`.
+    pub m_tokens: u32,
+    /// Units per row of the launched unit kernel (`head_dim / w`).
+    pub upr: u32,
+    /// [`magic`] of `upr`.
+    pub m_upr: u32,
 }
 
 /// Section offsets of a validated page body, for a [`PageDesc`].
@@ -495,14 +584,20 @@ impl PageGeom {
 }
 
 /// The descriptor of page `g` (body at device address `body`) writing into
-/// `dst`, with the number of rows it writes; `None` when the page holds no
-/// token of a contiguous destination's range.
+/// `dst` with a kernel of `unit` elements per unit (0 for non-unit
+/// kernels), with the number of rows it writes; `None` when the page holds
+/// no token of a contiguous destination's range.
 ///
 /// # Errors
 /// [`Error::Parameter`] when the destination is too small for the tensor
 /// (contiguous), its length is not a whole number of slots, or the slot
 /// mapping is too short (paged).
-pub fn page_desc(g: &PageGeom, body: u64, dst: &DstSpec) -> Result<Option<(PageDesc, u64)>> {
+pub fn page_desc(
+    g: &PageGeom,
+    body: u64,
+    dst: &DstSpec,
+    unit: u32,
+) -> Result<Option<(PageDesc, u64)>> {
     let rows = g.rows();
     let rows32 = u32::try_from(rows).map_err(|_| Error::param("page over 2^32 rows"))?;
     let planes = u64::from(g.batch) * u64::from(g.heads);
@@ -517,6 +612,10 @@ pub fn page_desc(g: &PageGeom, body: u64, dst: &DstSpec) -> Result<Option<(PageD
         sec1: g.sections[1],
         sec2: g.sections[2],
         t_hi: g.tokens,
+        m_tokens: magic(g.tokens),
+        m_heads: magic(g.heads),
+        upr: g.head_dim.checked_div(unit).unwrap_or(0),
+        m_upr: magic(g.head_dim.checked_div(unit).unwrap_or(0)),
         ..PageDesc::zeroed()
     };
     match *dst {
@@ -719,13 +818,14 @@ mod tests {
 
     #[test]
     fn struct_sizes_match_cuda() {
-        assert_eq!(std::mem::size_of::<PageDesc>(), 80);
-        assert_eq!(std::mem::size_of::<EncDesc>(), 56);
+        assert_eq!(std::mem::size_of::<PageDesc>(), 96);
+        assert_eq!(std::mem::size_of::<EncDesc>(), 64);
         // The CUDA side must declare the same constants.
         let c = super::super::sources::COMMON;
         for (name, v) in [
             ("BLOCK", BLOCK),
             ("UNITS_PER_THREAD", UNITS_PER_THREAD),
+            ("UNITS_PER_THREAD_W32", UNITS_PER_THREAD_W32),
             ("SEG_BLOCK", SEG_BLOCK),
             ("SEG_MAX", SEG_MAX),
         ] {
@@ -765,9 +865,13 @@ mod tests {
     #[test]
     fn grid_items_cover_the_page() {
         let mut v = Vec::new();
-        Grid::Units8.push_items(3, 100, 128, &mut v);
+        Grid::Units { w: 8 }.push_items(3, 100, 128, &mut v);
         // 100 rows x 16 units = 1600 units -> 2 blocks of 1024.
         assert_eq!(v, [[3, 0], [3, 1024]]);
+        v.clear();
+        Grid::Units { w: 32 }.push_items(0, 100, 128, &mut v);
+        // 100 rows x 4 units = 400 units -> 2 blocks of 256.
+        assert_eq!(v, [[0, 0], [0, 256]]);
         v.clear();
         Grid::Segments { seg: 16 }.push_items(0, 2, 48, &mut v);
         assert_eq!(v.len(), 6);
@@ -793,8 +897,10 @@ mod tests {
             first_token: 400,
             tokens: 100,
         };
-        let (d, rows) = page_desc(&g, 0x2000, &dst).unwrap().unwrap();
-        assert_eq!((d.t_lo, d.t_hi, d.tok_off, rows), (144, 256, -144, 2 * 112));
+        let (d, rows) = page_desc(&g, 0x2000, &dst, 8).unwrap().unwrap();
+        assert_eq!((d.upr, d.m_upr, d.m_tokens), (8, magic(8), magic(256)));
+        // Page tokens 256..512, output tokens 400..500: page rows 144..244.
+        assert_eq!((d.t_lo, d.t_hi, d.tok_off, rows), (144, 244, -144, 2 * 100));
         assert_eq!(d.stride, 100 * 64);
         let before = DstSpec::Contiguous {
             ptr: 0x1000,
@@ -802,7 +908,7 @@ mod tests {
             first_token: 0,
             tokens: 100,
         };
-        assert!(page_desc(&g, 0x2000, &before).unwrap().is_none());
+        assert!(page_desc(&g, 0x2000, &before, 8).unwrap().is_none());
         let paged = DstSpec::Paged {
             ptr: 0x1000,
             len: 16 * 2 * 64,
@@ -810,7 +916,51 @@ mod tests {
             slots_len: 500,
             slot_stride: 512,
         };
-        assert!(page_desc(&g, 0x2000, &paged).is_err());
+        assert!(page_desc(&g, 0x2000, &paged, 8).is_err());
+    }
+
+    #[test]
+    fn magic_division_is_exact() {
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let ds = [
+            1u32,
+            2,
+            3,
+            5,
+            6,
+            7,
+            12,
+            16,
+            31,
+            96,
+            511,
+            520,
+            1000,
+            65535,
+            1 << 20,
+            0x7fff_ffff,
+        ];
+        for &d in &ds {
+            let m = magic(d);
+            for n in [0u32, 1, d - 1, d, d + 1, u32::MAX - 1, u32::MAX] {
+                assert_eq!(udiv(n, d, m), n / d, "{n} / {d}");
+            }
+            for _ in 0..20000 {
+                let n = next() as u32;
+                assert_eq!(udiv(n, d, m), n / d, "{n} / {d}");
+            }
+        }
+        for _ in 0..20000 {
+            let d = (next() as u32 >> (next() % 32)).max(1);
+            let n = next() as u32;
+            assert_eq!(udiv(n, d, magic(d)), n / d, "{n} / {d}");
+        }
     }
 
     #[test]
@@ -825,7 +975,16 @@ mod tests {
         );
         assert_eq!(
             decode_kernel(bdr(512), 512, OutType::F16).unwrap().grid,
-            Grid::Segments { seg: 512 }
+            Grid::Units { w: 32 }
+        );
+        assert_eq!(decode_kernel(bdr(512), 1024 + 512, OutType::F16).ok(), None);
+        assert_eq!(
+            decode_kernel(bdr(16), 48, OutType::F16).unwrap().name,
+            "decode_affine_w8_b4_f16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(2), 6, OutType::F16).unwrap().grid,
+            Grid::Segments { seg: 2 }
         );
         assert_eq!(
             encode_kernel(bdr(16), 96, DType::Bf16).unwrap().name,

@@ -138,24 +138,6 @@ impl Bench {
             plans[0].bytes(),
         );
     }
-
-    fn encode(&mut self, shape: &str, codec: &str, plans: &[EncodePlan<'_>]) {
-        plans[0].launch().unwrap();
-        plans[0].finish().unwrap();
-        let (lo, med, hi) = self.time(|s| plans[s % plans.len()].launch().unwrap());
-        println!("    spread {lo:.2}..{hi:.2} us");
-        for p in plans {
-            p.finish().unwrap();
-        }
-        self.record(
-            shape,
-            codec,
-            "encode",
-            plans[0].kernel().to_string(),
-            med,
-            plans[0].bytes(),
-        );
-    }
 }
 
 /// A bf16 cache of `layers` layers `[1, heads, tokens, head_dim]`, filled
@@ -334,42 +316,74 @@ fn bench_decode(
     b.decode(shape, codec, "decode paged bf16 (bs16)", &plans);
 }
 
-/// Encode benchmark of tensor `t` of `cache`.
-fn bench_encode(b: &mut Bench, cache: &KvCache, tensors: &[usize], shape: &str, codec: &str) {
+/// Encode benchmark of tensors `tensors` of `cache` (all of them per timed
+/// launch), checked once against the CPU encoder.
+fn bench_encode(
+    b: &mut Bench,
+    cache: &KvCache,
+    tensors: &[usize],
+    shape: &str,
+    codec: &str,
+    label: &str,
+) {
     let c = kvpack::codec::parse(codec).unwrap();
+    let mut srcs: Vec<Vec<GpuBuffer<u16>>> = (0..SETS).map(|_| Vec::new()).collect();
+    let mut pages = Vec::new();
     for &t in tensors {
         let tensor = &cache.tensors[t];
         let TensorData::Bf16(v) = &tensor.data else {
             panic!("bf16 cache expected")
         };
-        let pages = plan(std::slice::from_ref(&tensor.info), &[0], Layout::default()).unwrap();
-        let srcs: Vec<GpuBuffer<u16>> = (0..SETS)
-            .map(|_| b.gpu.upload::<u16>(bytemuck::cast_slice(v)).unwrap())
-            .collect();
-        let plans: Vec<EncodePlan<'_>> = srcs
-            .iter()
-            .map(|s| {
-                b.gpu
-                    .plan_encode(s, &tensor.info, c.as_ref(), &pages)
-                    .unwrap()
-            })
-            .collect();
-        // Check once against the CPU encoder (bit-exact).
-        plans[0].launch().unwrap();
-        plans[0].finish().unwrap();
-        let got = plans[0].sections().unwrap();
-        let want = kvpack::gpu::host::encode_tensor(tensor, c.as_ref(), &pages).unwrap();
-        if got != want {
+        pages.push(plan(std::slice::from_ref(&tensor.info), &[0], Layout::default()).unwrap());
+        for s in &mut srcs {
+            s.push(b.gpu.upload::<u16>(bytemuck::cast_slice(v)).unwrap());
+        }
+    }
+    let plans: Vec<Vec<EncodePlan<'_>>> = srcs
+        .iter()
+        .map(|set| {
+            tensors
+                .iter()
+                .zip(set)
+                .zip(&pages)
+                .map(|((&t, src), p)| {
+                    b.gpu
+                        .plan_encode(src, &cache.tensors[t].info, c.as_ref(), p)
+                        .unwrap()
+                })
+                .collect()
+        })
+        .collect();
+    for (i, &t) in tensors.iter().enumerate() {
+        let p = &plans[0][i];
+        p.launch().unwrap();
+        p.finish().unwrap();
+        let want =
+            kvpack::gpu::host::encode_tensor(&cache.tensors[t], c.as_ref(), &pages[i]).unwrap();
+        if p.sections().unwrap() != want {
             println!("  WARNING: {codec} GPU encode differs from the CPU encoder");
         }
-        b.encode(shape, codec, &plans);
     }
+    let (lo, med, hi) = b.time(|s| {
+        for p in &plans[s % plans.len()] {
+            p.launch().unwrap();
+        }
+    });
+    println!("    spread {lo:.2}..{hi:.2} us");
+    let mut rw = (0, 0);
+    for p in &plans[0] {
+        p.finish().unwrap();
+        rw.0 += p.bytes().0;
+        rw.1 += p.bytes().1;
+    }
+    let kernel = plans[0][0].kernel().to_string();
+    b.record(shape, label, "encode", kernel, med, rw);
 }
 
 /// Copy ceiling: 16-byte copy kernel (64 MiB rotating over 6 pairs, and
 /// 1 GiB), and the driver's device-to-device copy (1 GiB).
 fn ceiling(b: &mut Bench) {
-    let small = 64 << 20;
+    let small = 128 << 20;
     let pairs: Vec<(GpuBuffer<u8>, GpuBuffer<u8>)> = (0..SETS)
         .map(|_| {
             let a = b.gpu.alloc::<u8>(small).unwrap();
@@ -389,12 +403,12 @@ fn ceiling(b: &mut Bench) {
     let k = gbs(2 * big as u64, us_k);
     let d = gbs(2 * big as u64, us_d);
     println!(
-        "copy ceiling (read + write): copy kernel 64 MiB x{SETS} rotating {small_gbs:.1} GB/s; \
+        "copy ceiling (read + write): copy kernel 128 MiB x{SETS} rotating {small_gbs:.1} GB/s; \
          copy kernel 1 GiB {k:.1} GB/s ({us_k:.1} us); cuMemcpyDtoD 1 GiB {d:.1} GB/s"
     );
     b.ceiling = k.max(small_gbs);
     b.rows.push(Row {
-        shape: "64 MiB x6 rotating".into(),
+        shape: "128 MiB x6 rotating".into(),
         codec: "-".into(),
         op: "copy kernel".into(),
         kernels: "copy_u128".into(),
@@ -601,27 +615,40 @@ fn main() {
     };
     ceiling(&mut b);
 
-    // Llama-3-8B layer: 8 KV heads, head_dim 128, 32768 tokens (K tensor).
+    // Llama-3-8B layer: K and V, 8 KV heads, head_dim 128, 32768 tokens,
+    // both tensors in one launch.
     let llama = cache(1, 8, 32768, 128, 7);
-    let shape = "llama3-8b layer K [8,32768,128]";
+    let shape = "llama3-8b layer K+V 2x[8,32768,128]";
     for codec in ["raw", "int4", "bdr128"] {
         let file = compress_mem(&llama, codec, 256);
-        bench_decode(&mut b, &file, &[0], shape, codec, true, codec == "bdr128");
+        bench_decode(
+            &mut b,
+            &file,
+            &[0, 1],
+            shape,
+            codec,
+            true,
+            codec == "bdr128",
+        );
     }
     for codec in ["int4", "bdr128"] {
-        bench_encode(&mut b, &llama, &[0], shape, codec);
+        bench_encode(&mut b, &llama, &[0, 1], shape, codec, codec);
     }
-    // Variants that isolate costs: page size (descriptor/tail overhead),
-    // code width (bytes read), rotation (int4 vs bdr128 above).
-    for (codec, pt) in [
-        ("bdr128", 64),
-        ("bdr128", 1024),
-        ("int8", 256),
-        ("int2", 256),
-    ] {
-        let file = compress_mem(&llama, codec, pt);
-        let label = format!("{codec} p{pt}");
-        bench_decode(&mut b, &file, &[0], shape, &label, false, false);
+    // Variants that isolate costs: 8-element units (more shuffles, more
+    // index math per element, fully coalesced 16-byte stores) against the
+    // default 32-element units; code width (bytes read); small blocks (all
+    // butterflies in registers).
+    kvpack::gpu::spec::prefer_narrow_kernels(true);
+    for codec in ["int4", "bdr128"] {
+        let file = compress_mem(&llama, codec, 256);
+        let label = format!("{codec} w8");
+        bench_decode(&mut b, &file, &[0, 1], shape, &label, false, false);
+        bench_encode(&mut b, &llama, &[0, 1], shape, codec, &label);
+    }
+    kvpack::gpu::spec::prefer_narrow_kernels(false);
+    for codec in ["int8", "int2", "bdr16"] {
+        let file = compress_mem(&llama, codec, 256);
+        bench_decode(&mut b, &file, &[0, 1], shape, codec, false, false);
     }
     drop(llama);
     if ncu() {
@@ -653,7 +680,14 @@ fn main() {
             }
             for codec in ["int4", "bdr128", "bdr256"] {
                 if let Some(t) = t520 {
-                    bench_encode(&mut b, &fc, &[t], "gemma3 1 tensor [1,520,256]", codec);
+                    bench_encode(
+                        &mut b,
+                        &fc,
+                        &[t],
+                        "gemma3 1 tensor [1,520,256]",
+                        codec,
+                        codec,
+                    );
                 }
             }
         }

@@ -175,10 +175,10 @@ pub(crate) fn add_page(
     dst: &DstSpec,
     out: OutType,
 ) -> Result<(u64, u64)> {
-    let Some((desc, rows_written)) = page_desc(g, body, dst)? else {
+    let k = decode_kernel(g.kc, g.head_dim, out)?;
+    let Some((desc, rows_written)) = page_desc(g, body, dst, k.grid.unit())? else {
         return Ok((0, 0));
     };
-    let k = decode_kernel(g.kc, g.head_dim, out)?;
     let bits = match g.kc {
         KernelCodec::Raw { src } => u32::from(src.code()),
         KernelCodec::Affine { bits, .. } => u32::from(bits),
@@ -199,7 +199,7 @@ pub(crate) fn add_page(
 /// The kernel arguments after (descriptors, work) for a group.
 pub(crate) fn group_args(key: &GroupKey, status: u64) -> Args {
     let (k, bits, h, c) = key;
-    let fallback = !matches!(k.grid, spec::Grid::Units8);
+    let fallback = !matches!(k.grid, spec::Grid::Units { .. });
     match k.source {
         "raw" => Args {
             bits: fallback.then_some(*bits),

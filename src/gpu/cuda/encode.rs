@@ -113,7 +113,9 @@ impl Gpu {
                 sec_zero: l.offsets[1],
                 sec_index: l.offsets[2],
                 page: i as u32,
-                pad: 0,
+                m_tokens: spec::magic(p.tokens),
+                upr: d.checked_div(kernel.grid.unit()).unwrap_or(0),
+                m_upr: spec::magic(d.checked_div(kernel.grid.unit()).unwrap_or(0)),
             });
             kernel.grid.push_items(i as u32, rows, d, &mut work);
             layouts.push((l, off));
@@ -153,7 +155,7 @@ impl EncodePlan<'_> {
     /// [`Error::Io`] when NVRTC, the module load or the launch fails.
     pub fn launch(&self) -> Result<()> {
         let base = self.table.device_ptr();
-        let fallback = !matches!(self.kernel.grid, Grid::Units8);
+        let fallback = !matches!(self.kernel.grid, Grid::Units { .. });
         let args = Args {
             bits: fallback.then_some(self.args.0),
             h: Some(self.args.1),

@@ -7,13 +7,14 @@
 //     y_i = (f32(q_ri) - z_r) * s'
 //     x = fwht(y, h)             (butterflies, strides 1, 2, 4, ... in order)
 //
-// Fast decode `decode_affine_b{B}_{out}`: head_dim % 8 == 0 and h <= 256.
-// A unit is 8 consecutive elements of a row: B bytes of codes, one 16-byte
-// store. Rotation stages of stride 1..4 run in registers, strides 8..h/2
-// across lanes with xor shuffles (the h/8 lanes of a block are consecutive
-// and aligned in the warp because head_dim is a multiple of h).
-// Work item (x, y) = (page descriptor, first unit); `h` = 0 or 1 means no
-// rotation.
+// Fast decode `decode_affine_b{B}_{out}` (head_dim % 32 == 0, any h) and
+// `decode_affine_w8_b{B}_{out}` (head_dim % 8 == 0, h <= 256). A unit is
+// W = 32 (or 8) consecutive elements of a row: 4B (or B) bytes of codes, 4
+// (or 1) 16-byte stores. Rotation stages of stride below W run in
+// registers, strides W..h/2 across lanes with xor shuffles (the h/W lanes
+// of a block are consecutive and aligned in the warp because head_dim is a
+// multiple of h). Work item (x, y) = (page descriptor, first unit); `h` = 0
+// or 1 means no rotation.
 //
 // Fallback decode `decode_affine_any_{out}`: any head_dim <= 1024, any h:
 // one block per segment (h elements of one row, or the whole row without
@@ -24,8 +25,10 @@
 //     mn, mx = min, max; s = (mx - mn) / L, L = 2^b - 1
 //     s < 2^-126 or inf: s = 1, z = 0 - mn   else z = 0 - (mn / s)
 //     q_i = rne(clamp(u_i * (1 / s) + z, 0, L))
-// Fast encode `encode_affine_b{B}_{src}`: head_dim / 8 a power of two <= 32,
-// h <= 256; the row's min/max reduced with xor shuffles over its lanes.
+// Fast encode `encode_affine_b{B}_{src}` (head_dim / 32 a power of two <=
+// 32, any h) and `encode_affine_w8_b{B}_{src}` (head_dim / 8 a power of two
+// <= 32, h <= 256); the row's min/max reduced with xor shuffles over its
+// lanes.
 // Fallback encode `encode_affine_any_{src}`: one block per row, codes OR-ed
 // into the (zeroed) INDEX section with atomics since rows need not start on
 // a byte boundary.
@@ -36,94 +39,199 @@
 #define MIN_NORMAL 1.17549435e-38f
 #define RNE_MAGIC 12582912.0f
 
-// B bytes of codes (8 codes of B bits, LSB-first) at p, as one integer.
-template <int B>
-__device__ __forceinline__ u64 load_codes(const u8* p) {
-    if (B == 8) return *reinterpret_cast<const u64*>(p);
-    if (B == 4) return *reinterpret_cast<const u32*>(p);
-    if (B == 2) return *reinterpret_cast<const u16*>(p);
-    u64 v = 0;
-#pragma unroll
-    for (int i = 0; i < B; i++) v |= ((u64)p[i]) << (8 * i);
-    return v;
-}
+// The codes of one unit: W codes of B bits, LSB-first, as 32-bit words.
+template <int B, int W>
+struct Codes {
+    static const int WORDS = (W * B + 31) / 32;
+    u32 w[WORDS];
 
-template <int B>
-__device__ __forceinline__ void store_codes(u8* p, u64 v) {
-    if (B == 8) { *reinterpret_cast<u64*>(p) = v; return; }
-    if (B == 4) { *reinterpret_cast<u32*>(p) = (u32)v; return; }
-    if (B == 2) { *reinterpret_cast<u16*>(p) = (u16)v; return; }
+    __device__ __forceinline__ void load(const u8* p) {
+        if (W == 32) {  // 4B bytes, 4B-aligned (16B-aligned when B % 4 == 0)
+            if (B % 4 == 0) {
 #pragma unroll
-    for (int i = 0; i < B; i++) p[i] = (u8)(v >> (8 * i));
-}
+                for (int i = 0; i < B / 4; i++) {
+                    uint4 x = __ldg(reinterpret_cast<const uint4*>(p) + i);
+                    w[4 * i] = x.x; w[4 * i + 1] = x.y; w[4 * i + 2] = x.z; w[4 * i + 3] = x.w;
+                }
+            } else if (B % 2 == 0) {
+#pragma unroll
+                for (int i = 0; i < B / 2; i++) {
+                    uint2 x = __ldg(reinterpret_cast<const uint2*>(p) + i);
+                    w[2 * i] = x.x; w[2 * i + 1] = x.y;
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < B; i++) w[i] = __ldg(reinterpret_cast<const u32*>(p) + i);
+            }
+        } else {  // W == 8: B bytes, B-aligned
+            u64 v;
+            if (B == 8) v = *reinterpret_cast<const u64*>(p);
+            else if (B == 4) v = *reinterpret_cast<const u32*>(p);
+            else if (B == 2) v = *reinterpret_cast<const u16*>(p);
+            else {
+                v = 0;
+#pragma unroll
+                for (int i = 0; i < B; i++) v |= ((u64)p[i]) << (8 * i);
+            }
+            w[0] = (u32)v;
+            if (WORDS > 1) w[WORDS - 1] = (u32)(v >> 32);
+        }
+    }
 
-template <int B, int OUT>
+    __device__ __forceinline__ void store(u8* p) const {
+        if (W == 32) {
+            if (B % 4 == 0) {
+#pragma unroll
+                for (int i = 0; i < B / 4; i++)
+                    __stwb(reinterpret_cast<uint4*>(p) + i, make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]));
+            } else if (B % 2 == 0) {
+#pragma unroll
+                for (int i = 0; i < B / 2; i++)
+                    __stwb(reinterpret_cast<uint2*>(p) + i, make_uint2(w[2 * i], w[2 * i + 1]));
+            } else {
+#pragma unroll
+                for (int i = 0; i < B; i++) __stwb(reinterpret_cast<u32*>(p) + i, w[i]);
+            }
+        } else {
+            u64 v = w[0];
+            if (WORDS > 1) v |= ((u64)w[WORDS - 1]) << 32;
+            if (B == 8) *reinterpret_cast<u64*>(p) = v;
+            else if (B == 4) *reinterpret_cast<u32*>(p) = (u32)v;
+            else if (B == 2) *reinterpret_cast<u16*>(p) = (u16)v;
+            else {
+#pragma unroll
+                for (int i = 0; i < B; i++) p[i] = (u8)(v >> (8 * i));
+            }
+        }
+    }
+
+    // Code i (compile-time i after unrolling).
+    __device__ __forceinline__ u32 get(int i) const {
+        const int bit = i * B, k = bit >> 5, sh = bit & 31;
+        u32 v = w[k] >> sh;
+        if (sh + B > 32) v |= w[k + 1] << (32 - sh);
+        return v & ((1u << B) - 1u);
+    }
+
+    // f32(code i) - z, exactly as the CPU: the code OR-ed into the mantissa
+    // of 2^23 (one LOP3 with the mask and 2^23 in registers), minus 2^23.
+    __device__ __forceinline__ float centered(int i, u32 mask, u32 two23, float z) const {
+        const int bit = i * B, k = bit >> 5, sh = bit & 31;
+        u32 v = w[k] >> sh;
+        if (sh + B > 32) v |= w[k + 1] << (32 - sh);
+        float f = __uint_as_float(and_or(v, mask, two23));
+        return __fsub_rn(__fsub_rn(f, 8388608.0f), z);
+    }
+
+    __device__ __forceinline__ void clear() {
+#pragma unroll
+        for (int k = 0; k < WORDS; k++) w[k] = 0;
+    }
+
+    // ORs code q (< 2^B) in as code i.
+    __device__ __forceinline__ void put(int i, u32 q) {
+        const int bit = i * B, k = bit >> 5, sh = bit & 31;
+        w[k] |= q << sh;
+        if (sh + B > 32) w[k + 1] |= q >> (32 - sh);
+    }
+};
+
+template <int W>
+struct UnitsPerThread {
+    static const int U = W == 32 ? UNITS_PER_THREAD_W32 : UNITS_PER_THREAD;
+};
+
+template <int B, int OUT, int W>
 __device__ __forceinline__ void affine_decode_fast(const PageDesc* __restrict__ descs,
                                                    const uint2* __restrict__ work, u32 h, float c,
                                                    u64* status) {
+    const int U = UnitsPerThread<W>::U;
     const uint2 w = work[blockIdx.x];
     const PageDesc d = descs[w.x];
-    const u32 upr = d.head_dim >> 3;
-    const u32 nunits = d.rows * upr;
+    const u32 nunits = d.rows * d.upr;
     const u8* body = reinterpret_cast<const u8*>(d.body);
     const float* scales = reinterpret_cast<const float*>(body + d.sec0);
     const float* zeros = reinterpret_cast<const float*>(body + d.sec1);
     const u8* index = body + d.sec2;
     u16* dst = reinterpret_cast<u16*>(d.dst);
+    // Opaque to the compiler, so they stay in registers for LOP3.
+    u32 mask = (1u << B) - 1u, two23 = 0x4b000000u;
+    asm("" : "+r"(mask), "+r"(two23));
 
-    u64 codes[UNITS_PER_THREAD];
-    float sc[UNITS_PER_THREAD], zp[UNITS_PER_THREAD];
+    Codes<B, W> codes[U];
+    float sc[U], zp[U];
+    u32 row[U];
 #pragma unroll
-    for (int k = 0; k < UNITS_PER_THREAD; k++) {
+    for (int k = 0; k < U; k++) {
         u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
-        codes[k] = 0;
+        codes[k].clear();
         sc[k] = 0.f;
         zp[k] = 0.f;
+        row[k] = 0;
         if (u < nunits) {
-            u32 row = u / upr;
-            codes[k] = load_codes<B>(index + (u64)u * B);
-            sc[k] = scales[row];
-            zp[k] = zeros[row];
+            row[k] = udiv(u, d.upr, d.m_upr);
+            codes[k].load(index + (u64)u * (W * B / 8));
+            sc[k] = __ldg(scales + row[k]);
+            zp[k] = __ldg(zeros + row[k]);
         }
     }
 #pragma unroll
-    for (int k = 0; k < UNITS_PER_THREAD; k++) {
+    for (int k = 0; k < U; k++) {
         u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
         float sp = __fmul_rn(sc[k], c);
-        float v[8];
+        float v[W];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            u32 q = (u32)(codes[k] >> (B * i)) & ((1u << B) - 1u);
-            v[i] = __fmul_rn(__fsub_rn((float)q, zp[k]), sp);
-        }
-        if (h > 1) wht8(v, h);  // uniform over the launch: every lane shuffles
+        for (int i = 0; i < W; i++) v[i] = __fmul_rn(codes[k].centered(i, mask, two23, zp[k]), sp);
+        if (h > 1) wht<W>(v, h);  // uniform over the launch: every lane shuffles
         if (u < nunits) {
-            u32 row = u / upr;
-            u32 j = u - row * upr;
-            i64 o = row_dst(d, row, status);
-            if (o >= 0) store8<OUT>(dst + o + 8 * j, v);
+            u32 j = u - row[k] * d.upr;
+            i64 o = row_dst(d, row[k], status);
+            if (o >= 0) {
+                uint4* q = reinterpret_cast<uint4*>(dst + o + W * j);
+#pragma unroll
+                for (int i = 0; i < W / 8; i++) {
+                    __stwb(q + i, make_uint4(pack2<OUT>(v[8 * i], v[8 * i + 1]), pack2<OUT>(v[8 * i + 2], v[8 * i + 3]),
+                                             pack2<OUT>(v[8 * i + 4], v[8 * i + 5]), pack2<OUT>(v[8 * i + 6], v[8 * i + 7])));
+                }
+            }
         }
     }
 }
 
 #define DEC_ARGS const PageDesc *descs, const uint2 *work, u32 h, float c, u64 *status
 #define DEC_PASS descs, work, h, c, status
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b1_bf16(DEC_ARGS) { affine_decode_fast<1, OUT_BF16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b1_f16(DEC_ARGS) { affine_decode_fast<1, OUT_F16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b2_bf16(DEC_ARGS) { affine_decode_fast<2, OUT_BF16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b2_f16(DEC_ARGS) { affine_decode_fast<2, OUT_F16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b3_bf16(DEC_ARGS) { affine_decode_fast<3, OUT_BF16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b3_f16(DEC_ARGS) { affine_decode_fast<3, OUT_F16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b4_bf16(DEC_ARGS) { affine_decode_fast<4, OUT_BF16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b4_f16(DEC_ARGS) { affine_decode_fast<4, OUT_F16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b5_bf16(DEC_ARGS) { affine_decode_fast<5, OUT_BF16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b5_f16(DEC_ARGS) { affine_decode_fast<5, OUT_F16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b6_bf16(DEC_ARGS) { affine_decode_fast<6, OUT_BF16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b6_f16(DEC_ARGS) { affine_decode_fast<6, OUT_F16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b7_bf16(DEC_ARGS) { affine_decode_fast<7, OUT_BF16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b7_f16(DEC_ARGS) { affine_decode_fast<7, OUT_F16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b8_bf16(DEC_ARGS) { affine_decode_fast<8, OUT_BF16>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b8_f16(DEC_ARGS) { affine_decode_fast<8, OUT_F16>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b1_bf16(DEC_ARGS) { affine_decode_fast<1, OUT_BF16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b1_f16(DEC_ARGS) { affine_decode_fast<1, OUT_F16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b2_bf16(DEC_ARGS) { affine_decode_fast<2, OUT_BF16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b2_f16(DEC_ARGS) { affine_decode_fast<2, OUT_F16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b3_bf16(DEC_ARGS) { affine_decode_fast<3, OUT_BF16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b3_f16(DEC_ARGS) { affine_decode_fast<3, OUT_F16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b4_bf16(DEC_ARGS) { affine_decode_fast<4, OUT_BF16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b4_f16(DEC_ARGS) { affine_decode_fast<4, OUT_F16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b5_bf16(DEC_ARGS) { affine_decode_fast<5, OUT_BF16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b5_f16(DEC_ARGS) { affine_decode_fast<5, OUT_F16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b6_bf16(DEC_ARGS) { affine_decode_fast<6, OUT_BF16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b6_f16(DEC_ARGS) { affine_decode_fast<6, OUT_F16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b7_bf16(DEC_ARGS) { affine_decode_fast<7, OUT_BF16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b7_f16(DEC_ARGS) { affine_decode_fast<7, OUT_F16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b8_bf16(DEC_ARGS) { affine_decode_fast<8, OUT_BF16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b8_f16(DEC_ARGS) { affine_decode_fast<8, OUT_F16, 32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b1_bf16(DEC_ARGS) { affine_decode_fast<1, OUT_BF16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b1_f16(DEC_ARGS) { affine_decode_fast<1, OUT_F16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b2_bf16(DEC_ARGS) { affine_decode_fast<2, OUT_BF16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b2_f16(DEC_ARGS) { affine_decode_fast<2, OUT_F16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b3_bf16(DEC_ARGS) { affine_decode_fast<3, OUT_BF16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b3_f16(DEC_ARGS) { affine_decode_fast<3, OUT_F16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b4_bf16(DEC_ARGS) { affine_decode_fast<4, OUT_BF16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b4_f16(DEC_ARGS) { affine_decode_fast<4, OUT_F16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b5_bf16(DEC_ARGS) { affine_decode_fast<5, OUT_BF16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b5_f16(DEC_ARGS) { affine_decode_fast<5, OUT_F16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b6_bf16(DEC_ARGS) { affine_decode_fast<6, OUT_BF16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b6_f16(DEC_ARGS) { affine_decode_fast<6, OUT_F16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b7_bf16(DEC_ARGS) { affine_decode_fast<7, OUT_BF16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b7_f16(DEC_ARGS) { affine_decode_fast<7, OUT_F16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b8_bf16(DEC_ARGS) { affine_decode_fast<8, OUT_BF16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b8_f16(DEC_ARGS) { affine_decode_fast<8, OUT_F16, 8>(DEC_PASS); }
 
 // Fallback decode: one block per segment of `seg` elements (seg = h with a
 // rotation, else head_dim), seg <= SEG_MAX.
@@ -167,29 +275,53 @@ extern "C" __global__ void __launch_bounds__(SEG_BLOCK) decode_affine_any_f16(
 // ---------------------------------------------------------------- encode
 
 template <int SRC>
-__device__ __forceinline__ float load_src(const u8* base, u64 i) {
+__device__ __forceinline__ float load_src1(const u8* base, u64 i) {
     if (SRC == SRC_F32) return reinterpret_cast<const float*>(base)[i];
     u16 h = reinterpret_cast<const u16*>(base)[i];
     return SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
 }
 
-template <int SRC>
-__device__ __forceinline__ void load_src8(const u8* p, float v[8]) {
+
+// W source elements (16-byte aligned) widened to f32.
+template <int SRC, int W>
+__device__ __forceinline__ void load_src(const u8* p, float v[W]) {
     if (SRC == SRC_F32) {
-        float4 a = reinterpret_cast<const float4*>(p)[0];
-        float4 b = reinterpret_cast<const float4*>(p)[1];
-        v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-        v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-    } else {
-        uint4 a = *reinterpret_cast<const uint4*>(p);
-        u32 w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            u16 lo = (u16)(w[i] & 0xffffu), hi = (u16)(w[i] >> 16);
-            v[2 * i] = SRC == SRC_BF16 ? bf16_to_f32(lo) : f16_to_f32(lo);
-            v[2 * i + 1] = SRC == SRC_BF16 ? bf16_to_f32(hi) : f16_to_f32(hi);
+        for (int i = 0; i < W / 4; i++) {
+            float4 a = __ldg(reinterpret_cast<const float4*>(p) + i);
+            v[4 * i] = a.x; v[4 * i + 1] = a.y; v[4 * i + 2] = a.z; v[4 * i + 3] = a.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < W / 8; i++) {
+            uint4 a = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            u32 x[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                if (SRC == SRC_BF16) {
+                    v[8 * i + 2 * k] = __uint_as_float(x[k] << 16);
+                    v[8 * i + 2 * k + 1] = __uint_as_float(x[k] & 0xffff0000u);
+                } else {
+                    v[8 * i + 2 * k] = f16_to_f32((u16)(x[k] & 0xffffu));
+                    v[8 * i + 2 * k + 1] = f16_to_f32((u16)(x[k] >> 16));
+                }
+            }
         }
     }
+}
+
+// min / max propagating NaN (PTX .NaN): a row holding NaN ends with a NaN
+// bound, one holding inf with an infinite one, so one finiteness check of
+// the bounds finds every row the CPU rejects.
+__device__ __forceinline__ float min_nan(float a, float b) {
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+__device__ __forceinline__ float max_nan(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
 }
 
 // Row parameters from the row's min and max (kernels::affine::params).
@@ -206,89 +338,88 @@ __device__ __forceinline__ void row_params(float mn, float mx, u32 levels, float
     *inv = __fdiv_rn(1.0f, *scale);
 }
 
+
+// Code of x: rne(clamp(x * inv + zero, 0, levels)); the rounding is the
+// CPU's (t + 1.5 * 2^23) - 1.5 * 2^23, read off the sum's mantissa.
 __device__ __forceinline__ u32 quantize(float x, float inv, float zero, float levels) {
     float t = __fadd_rn(__fmul_rn(x, inv), zero);
-    t = t < 0.0f ? 0.0f : t;
-    t = t > levels ? levels : t;
-    return (u32)__fsub_rn(__fadd_rn(t, RNE_MAGIC), RNE_MAGIC);
+    t = fminf(fmaxf(t, 0.0f), levels);
+    return __float_as_uint(__fadd_rn(t, RNE_MAGIC)) - 0x4b400000u;
 }
 
-template <int B, int SRC>
+template <int B, int SRC, int W>
 __device__ __forceinline__ void affine_encode_fast(const EncDesc* __restrict__ descs,
                                                    const uint2* __restrict__ work, u32 h, float c,
                                                    u64* status) {
+    const int U = UnitsPerThread<W>::U;
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
-    const u32 upr = d.head_dim >> 3;  // a power of two <= 32
+    const u32 upr = d.upr;  // a power of two <= 32
     const u32 nunits = d.rows * upr;
     const u32 esize = SRC == SRC_F32 ? 4u : 2u;
     const u8* src = reinterpret_cast<const u8*>(d.src);
     u8* body = reinterpret_cast<u8*>(d.body);
     const u32 levels = (1u << B) - 1u;
 
-    float v[UNITS_PER_THREAD][8];
+    float v[U][W];
 #pragma unroll
-    for (int k = 0; k < UNITS_PER_THREAD; k++) {
+    for (int k = 0; k < U; k++) {
         u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
         if (u < nunits) {
-            u32 row = u / upr;
+            u32 row = udiv(u, upr, d.m_upr);
             u32 j = u - row * upr;
-            u32 p = row / d.tokens;
+            u32 p = udiv(row, d.tokens, d.m_tokens);
             u32 t = row - p * d.tokens;
-            u64 e = (u64)p * d.stride + (u64)t * d.head_dim + 8u * j;
-            load_src8<SRC>(src + e * esize, v[k]);
+            u64 e = (u64)p * d.stride + (u64)t * d.head_dim + (u64)W * j;
+            load_src<SRC, W>(src + e * esize, v[k]);
         } else {
 #pragma unroll
-            for (int i = 0; i < 8; i++) v[k][i] = 0.0f;
+            for (int i = 0; i < W; i++) v[k][i] = 0.0f;
         }
     }
 #pragma unroll
-    for (int k = 0; k < UNITS_PER_THREAD; k++) {
+    for (int k = 0; k < U; k++) {
         u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
         bool live = u < nunits;
         if (h > 1) {
-            wht8(v[k], h);
+            wht<W>(v[k], h);
 #pragma unroll
-            for (int i = 0; i < 8; i++) v[k][i] = __fmul_rn(v[k][i], c);
+            for (int i = 0; i < W; i++) v[k][i] = __fmul_rn(v[k][i], c);
         }
-        float mn = __int_as_float(0x7f800000);   // +inf
-        float mx = __int_as_float(0xff800000);   // -inf
-        bool bad = false;
+        float mn = v[k][0], mx = v[k][0];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            float x = v[k][i];
-            mn = x < mn ? x : mn;
-            mx = x > mx ? x : mx;
-            bad |= !is_finite(x);
+        for (int i = 1; i < W; i++) {
+            mn = min_nan(mn, v[k][i]);
+            mx = max_nan(mx, v[k][i]);
         }
         if (!live) {
-            mn = __int_as_float(0x7f800000);
-            mx = __int_as_float(0xff800000);
-            bad = false;
+            mn = __int_as_float(0x7f800000);  // +inf: neutral for min
+            mx = __int_as_float(0xff800000);  // -inf: neutral for max
         }
         for (u32 m = 1; m < upr; m <<= 1) {
-            float omn = __shfl_xor_sync(FULL_MASK, mn, m);
-            float omx = __shfl_xor_sync(FULL_MASK, mx, m);
-            int obad = __shfl_xor_sync(FULL_MASK, (int)bad, m);
-            mn = omn < mn ? omn : mn;
-            mx = omx > mx ? omx : mx;
-            bad |= obad != 0;
+            mn = min_nan(mn, __shfl_xor_sync(FULL_MASK, mn, m));
+            mx = max_nan(mx, __shfl_xor_sync(FULL_MASK, mx, m));
         }
         if (!live) continue;
-        u32 row = u / upr;
+        u32 row = udiv(u, upr, d.m_upr);
         u32 j = u - row * upr;
-        if (bad) {
+        if (!is_finite(mn) || !is_finite(mx)) {
             if (j == 0) atomicMin(status, ((u64)d.page << 32) | row);
             continue;
         }
         float scale, zero, inv;
         row_params(mn, mx, levels, &scale, &zero, &inv);
-        u64 packed = 0;
+        Codes<B, W> out;
+        out.clear();
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            packed |= ((u64)quantize(v[k][i], inv, zero, (float)levels)) << (B * i);
+        for (int i = 0; i < W; i++) {
+            // The clamped t lies in [0, levels], so t + 1.5 * 2^23 holds the
+            // rounded code in its low mantissa bits.
+            float t = __fadd_rn(__fmul_rn(v[k][i], inv), zero);
+            t = fminf(fmaxf(t, 0.0f), (float)levels);
+            out.put(i, __float_as_uint(__fadd_rn(t, RNE_MAGIC)) & levels);
         }
-        store_codes<B>(body + d.sec_index + (u64)u * B, packed);
+        out.store(body + d.sec_index + (u64)u * (W * B / 8));
         if (j == 0) {
             reinterpret_cast<float*>(body + d.sec_scale)[row] = scale;
             reinterpret_cast<float*>(body + d.sec_zero)[row] = zero;
@@ -298,30 +429,54 @@ __device__ __forceinline__ void affine_encode_fast(const EncDesc* __restrict__ d
 
 #define ENC_ARGS const EncDesc *descs, const uint2 *work, u32 h, float c, u64 *status
 #define ENC_PASS descs, work, h, c, status
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_bf16(ENC_ARGS) { affine_encode_fast<1, SRC_BF16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_f16(ENC_ARGS) { affine_encode_fast<1, SRC_F16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_f32(ENC_ARGS) { affine_encode_fast<1, SRC_F32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_bf16(ENC_ARGS) { affine_encode_fast<2, SRC_BF16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_f16(ENC_ARGS) { affine_encode_fast<2, SRC_F16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_f32(ENC_ARGS) { affine_encode_fast<2, SRC_F32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_bf16(ENC_ARGS) { affine_encode_fast<3, SRC_BF16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_f16(ENC_ARGS) { affine_encode_fast<3, SRC_F16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_f32(ENC_ARGS) { affine_encode_fast<3, SRC_F32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_bf16(ENC_ARGS) { affine_encode_fast<4, SRC_BF16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_f16(ENC_ARGS) { affine_encode_fast<4, SRC_F16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_f32(ENC_ARGS) { affine_encode_fast<4, SRC_F32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_bf16(ENC_ARGS) { affine_encode_fast<5, SRC_BF16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_f16(ENC_ARGS) { affine_encode_fast<5, SRC_F16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_f32(ENC_ARGS) { affine_encode_fast<5, SRC_F32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_bf16(ENC_ARGS) { affine_encode_fast<6, SRC_BF16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_f16(ENC_ARGS) { affine_encode_fast<6, SRC_F16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_f32(ENC_ARGS) { affine_encode_fast<6, SRC_F32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_bf16(ENC_ARGS) { affine_encode_fast<7, SRC_BF16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_f16(ENC_ARGS) { affine_encode_fast<7, SRC_F16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_f32(ENC_ARGS) { affine_encode_fast<7, SRC_F32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_bf16(ENC_ARGS) { affine_encode_fast<8, SRC_BF16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_f16(ENC_ARGS) { affine_encode_fast<8, SRC_F16>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_f32(ENC_ARGS) { affine_encode_fast<8, SRC_F32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_bf16(ENC_ARGS) { affine_encode_fast<1, SRC_BF16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_f16(ENC_ARGS) { affine_encode_fast<1, SRC_F16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_f32(ENC_ARGS) { affine_encode_fast<1, SRC_F32, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_bf16(ENC_ARGS) { affine_encode_fast<2, SRC_BF16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_f16(ENC_ARGS) { affine_encode_fast<2, SRC_F16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_f32(ENC_ARGS) { affine_encode_fast<2, SRC_F32, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_bf16(ENC_ARGS) { affine_encode_fast<3, SRC_BF16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_f16(ENC_ARGS) { affine_encode_fast<3, SRC_F16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_f32(ENC_ARGS) { affine_encode_fast<3, SRC_F32, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_bf16(ENC_ARGS) { affine_encode_fast<4, SRC_BF16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_f16(ENC_ARGS) { affine_encode_fast<4, SRC_F16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_f32(ENC_ARGS) { affine_encode_fast<4, SRC_F32, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_bf16(ENC_ARGS) { affine_encode_fast<5, SRC_BF16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_f16(ENC_ARGS) { affine_encode_fast<5, SRC_F16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_f32(ENC_ARGS) { affine_encode_fast<5, SRC_F32, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_bf16(ENC_ARGS) { affine_encode_fast<6, SRC_BF16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_f16(ENC_ARGS) { affine_encode_fast<6, SRC_F16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_f32(ENC_ARGS) { affine_encode_fast<6, SRC_F32, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_bf16(ENC_ARGS) { affine_encode_fast<7, SRC_BF16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_f16(ENC_ARGS) { affine_encode_fast<7, SRC_F16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_f32(ENC_ARGS) { affine_encode_fast<7, SRC_F32, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_bf16(ENC_ARGS) { affine_encode_fast<8, SRC_BF16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_f16(ENC_ARGS) { affine_encode_fast<8, SRC_F16, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_f32(ENC_ARGS) { affine_encode_fast<8, SRC_F32, 32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b1_bf16(ENC_ARGS) { affine_encode_fast<1, SRC_BF16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b1_f16(ENC_ARGS) { affine_encode_fast<1, SRC_F16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b1_f32(ENC_ARGS) { affine_encode_fast<1, SRC_F32, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b2_bf16(ENC_ARGS) { affine_encode_fast<2, SRC_BF16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b2_f16(ENC_ARGS) { affine_encode_fast<2, SRC_F16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b2_f32(ENC_ARGS) { affine_encode_fast<2, SRC_F32, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b3_bf16(ENC_ARGS) { affine_encode_fast<3, SRC_BF16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b3_f16(ENC_ARGS) { affine_encode_fast<3, SRC_F16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b3_f32(ENC_ARGS) { affine_encode_fast<3, SRC_F32, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b4_bf16(ENC_ARGS) { affine_encode_fast<4, SRC_BF16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b4_f16(ENC_ARGS) { affine_encode_fast<4, SRC_F16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b4_f32(ENC_ARGS) { affine_encode_fast<4, SRC_F32, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b5_bf16(ENC_ARGS) { affine_encode_fast<5, SRC_BF16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b5_f16(ENC_ARGS) { affine_encode_fast<5, SRC_F16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b5_f32(ENC_ARGS) { affine_encode_fast<5, SRC_F32, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b6_bf16(ENC_ARGS) { affine_encode_fast<6, SRC_BF16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b6_f16(ENC_ARGS) { affine_encode_fast<6, SRC_F16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b6_f32(ENC_ARGS) { affine_encode_fast<6, SRC_F32, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b7_bf16(ENC_ARGS) { affine_encode_fast<7, SRC_BF16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b7_f16(ENC_ARGS) { affine_encode_fast<7, SRC_F16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b7_f32(ENC_ARGS) { affine_encode_fast<7, SRC_F32, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b8_bf16(ENC_ARGS) { affine_encode_fast<8, SRC_BF16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b8_f16(ENC_ARGS) { affine_encode_fast<8, SRC_F16, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b8_f32(ENC_ARGS) { affine_encode_fast<8, SRC_F32, 8>(ENC_PASS); }
 
 // Min/max/non-finite of a block (SEG_BLOCK threads), broadcast to all.
 __device__ __forceinline__ void block_minmax(float* mn, float* mx, bool* bad) {
@@ -371,7 +526,7 @@ __device__ __forceinline__ void affine_encode_any(const EncDesc* __restrict__ de
     const u32 t = row - p * d.tokens;
     const u8* src = reinterpret_cast<const u8*>(d.src);
     const u64 e0 = (u64)p * d.stride + (u64)t * D;
-    for (u32 i = threadIdx.x; i < D; i += blockDim.x) buf[i] = load_src<SRC>(src, e0 + i);
+    for (u32 i = threadIdx.x; i < D; i += blockDim.x) buf[i] = load_src1<SRC>(src, e0 + i);
     __syncthreads();
     if (h > 1) {
         wht_shared(buf, D, h);

@@ -14,9 +14,12 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 #define FULL_MASK 0xffffffffu
-// Threads per block of every unit kernel, and units one thread handles.
+// Threads per block of every unit kernel. A unit is 8 or 32 consecutive
+// elements of a row (the kernel's W); a thread handles UNITS_PER_THREAD(W)
+// units BLOCK apart, so a block covers BLOCK * UNITS_PER_THREAD(W) units.
 #define BLOCK 256
 #define UNITS_PER_THREAD 4
+#define UNITS_PER_THREAD_W32 1
 #define UNITS_PER_BLOCK (BLOCK * UNITS_PER_THREAD)
 // Threads per block of the segment (fallback) kernels; largest segment.
 #define SEG_BLOCK 128
@@ -30,7 +33,7 @@ typedef long long i64;
 #define SRC_F16 2
 #define SRC_F32 3
 
-// One page to decode (mirrors gpu::spec::PageDesc, 80 bytes).
+// One page to decode (mirrors gpu::spec::PageDesc, 96 bytes).
 struct PageDesc {
     u64 body;     // device address of the page body (uncompressed)
     u64 dst;      // output base: contiguous = element (plane 0, output token 0); paged = cache base
@@ -47,9 +50,13 @@ struct PageDesc {
     int tok_off;  // contiguous: page token_start - output first token; paged: page token_start
     u32 t_lo;     // first page-relative token to write
     u32 t_hi;     // one past the last page-relative token to write
+    u32 m_tokens; // udiv magic of tokens
+    u32 m_heads;  // udiv magic of heads
+    u32 upr;      // units per row of the launched kernel (head_dim / W)
+    u32 m_upr;    // udiv magic of upr
 };
 
-// One page to encode (mirrors gpu::spec::EncDesc, 56 bytes).
+// One page to encode (mirrors gpu::spec::EncDesc, 64 bytes).
 struct EncDesc {
     u64 src;      // device address of source element (plane 0, page token 0)
     u64 body;     // device address of the output page body
@@ -61,8 +68,49 @@ struct EncDesc {
     u32 sec_zero;
     u32 sec_index;
     u32 page;     // page number, for error reports
-    u32 pad;
+    u32 m_tokens; // udiv magic of tokens
+    u32 upr;      // units per row of the launched kernel (head_dim / W)
+    u32 m_upr;    // udiv magic of upr
 };
+
+// n / d for the d whose magic m = ceil(2^32 / d) (0 when d == 1), computed
+// on the host (gpu::spec::magic): umulhi gives the quotient or one more.
+__device__ __forceinline__ u32 udiv(u32 n, u32 d, u32 m) {
+    if (m == 0) return n;
+    u32 q = __umulhi(n, m);
+    if ((u64)q * d > (u64)n) q--;
+    return q;
+}
+
+// Exact f32 of an integer code q < 2^23 without a conversion instruction.
+__device__ __forceinline__ float code_f32(u32 q) {
+    return __fsub_rn(__uint_as_float(0x4b000000u | q), 8388608.0f);
+}
+
+// (a & b) | c in one LOP3 (the constants in registers).
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// Two f32 as packed bf16x2 / f16x2 (round to nearest even; a NaN becomes
+// the canonical NaN, the only place where bits may differ from the CPU,
+// whose NaN keeps its payload).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <int OUT>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    return OUT == OUT_BF16 ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi);
+}
 
 __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 __device__ __forceinline__ bool is_finite(float x) {
@@ -113,13 +161,13 @@ __device__ __forceinline__ void store8(u16* p, const float v[8]) {
 // not written (outside [t_lo, t_hi), or a paged slot < 0). A slot past the
 // cache is reported through `status` and skipped.
 __device__ __forceinline__ i64 row_dst(const PageDesc& d, u32 row, u64* status) {
-    u32 p = row / d.tokens;
+    u32 p = udiv(row, d.tokens, d.m_tokens);
     u32 t = row - p * d.tokens;
     if (t < d.t_lo || t >= d.t_hi) return -1;
     if (d.slots == 0) {
         return (i64)p * (i64)d.stride + ((i64)t + (i64)d.tok_off) * (i64)d.head_dim;
     }
-    u32 b = p / d.heads;
+    u32 b = udiv(p, d.heads, d.m_heads);
     u32 h = p - b * d.heads;
     const i64* slots = reinterpret_cast<const i64*>(d.slots);
     i64 slot = slots[(i64)b * (i64)d.stride + (i64)d.tok_off + (i64)t];
@@ -131,33 +179,47 @@ __device__ __forceinline__ i64 row_dst(const PageDesc& d, u32 row, u64* status) 
     return (slot * (i64)d.heads + (i64)h) * (i64)d.head_dim;
 }
 
-// Walsh-Hadamard butterflies on 8 consecutive elements held by one thread
-// (strides 1, 2, 4 while below h), then on strides 8..h/2 across lanes with
-// xor shuffles. The stage order is the normative one (format/codecs/bdr.md):
-// strides 1, 2, 4, ... in increasing order. The thread whose lane bit is
-// clear holds the lower index and computes a + b; its partner computes
-// a - b with a = the lower value. Every lane of the warp must call this.
-__device__ __forceinline__ void wht8(float v[8], u32 h) {
+// Walsh-Hadamard butterflies on W consecutive elements held by one thread
+// (strides 1, 2, 4, ... while below h and W), then on strides W..h/2 across
+// lanes with xor shuffles. The stage order is the normative one
+// (format/codecs/bdr.md): strides 1, 2, 4, ... in increasing order. The
+// thread whose lane bit is clear holds the lower index and computes a + b;
+// its partner computes a - b with a = the lower value. Every lane of the
+// warp must call this (h is uniform over a launch).
+template <int W>
+__device__ __forceinline__ void wht_stage(float v[W], int s) {
 #pragma unroll
-    for (int s = 1; s < 8; s <<= 1) {
-        if ((u32)s < h) {
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                if (!(i & s)) {
-                    float a = v[i], b = v[i + s];
-                    v[i] = __fadd_rn(a, b);
-                    v[i + s] = __fsub_rn(a, b);
-                }
-            }
+    for (int i = 0; i < W; i++) {
+        if (!(i & s)) {
+            float a = v[i], b = v[i + s];
+            v[i] = __fadd_rn(a, b);
+            v[i + s] = __fsub_rn(a, b);
         }
     }
-    u32 lane = threadIdx.x & 31u;
-    for (u32 m = 1; 8u * m < h; m <<= 1) {
-        bool upper = (lane & m) != 0;
+}
+
+template <int W>
+__device__ __forceinline__ void wht(float v[W], u32 h) {
+    if (h >= (u32)W) {  // the common case: every in-register stage, no branches
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
+        for (int s = 1; s < W; s <<= 1) wht_stage<W>(v, s);
+    } else {
+#pragma unroll
+        for (int s = 1; s < W; s <<= 1) {
+            if ((u32)s < h) wht_stage<W>(v, s);
+        }
+    }
+    // Across lanes: o + v * sign with sign = +1 (lower) or -1 (upper) as
+    // one fused multiply-add. The product is exact, so the single rounding
+    // gives exactly the a + b / a - b of the normative butterfly (the CPU's
+    // AVX2 path does the same).
+    u32 lane = threadIdx.x & 31u;
+    for (u32 m = 1; (u32)W * m < h; m <<= 1) {
+        float sign = (lane & m) ? -1.0f : 1.0f;
+#pragma unroll
+        for (int i = 0; i < W; i++) {
             float o = __shfl_xor_sync(FULL_MASK, v[i], m);
-            v[i] = upper ? __fsub_rn(o, v[i]) : __fadd_rn(v[i], o);
+            v[i] = __fmaf_rn(v[i], sign, o);
         }
     }
 }

@@ -34,7 +34,7 @@ __device__ __forceinline__ void raw_decode_fast(const PageDesc* __restrict__ des
                                                 const uint2* __restrict__ work, u64* status) {
     const uint2 w = work[blockIdx.x];
     const PageDesc d = descs[w.x];
-    const u32 upr = d.head_dim >> 3;
+    const u32 upr = d.upr;  // head_dim / 8
     const u32 nunits = d.rows * upr;
     const u32 esize = SRC == SRC_F32 ? 4u : 2u;
     const u8* src = reinterpret_cast<const u8*>(d.body) + d.sec0;
@@ -48,7 +48,7 @@ __device__ __forceinline__ void raw_decode_fast(const PageDesc* __restrict__ des
         u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
         if (u < nunits) {
             const u8* p = src + (u64)u * 8u * esize;
-            if (same) raw[k] = *reinterpret_cast<const uint4*>(p);
+            if (same) raw[k] = __ldg(reinterpret_cast<const uint4*>(p));
             else load8<SRC>(p, v[k]);
         }
     }
@@ -56,12 +56,12 @@ __device__ __forceinline__ void raw_decode_fast(const PageDesc* __restrict__ des
     for (int k = 0; k < UNITS_PER_THREAD; k++) {
         u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
         if (u < nunits) {
-            u32 row = u / upr;
+            u32 row = udiv(u, upr, d.m_upr);
             u32 j = u - row * upr;
             i64 o = row_dst(d, row, status);
             if (o >= 0) {
                 u16* q = dst + o + 8 * j;
-                if (same) *reinterpret_cast<uint4*>(q) = raw[k];
+                if (same) __stwb(reinterpret_cast<uint4*>(q), raw[k]);
                 else store8<OUT>(q, v[k]);
             }
         }
