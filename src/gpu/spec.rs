@@ -18,8 +18,10 @@ use crate::format::{ElemType, PageView, SectionKind};
 pub const BLOCK: u32 = 256;
 /// Units of 8 elements one thread of a unit kernel handles.
 pub const UNITS_PER_THREAD: u32 = 4;
-/// Units of 32 elements one thread of a unit kernel handles.
-pub const UNITS_PER_THREAD_W32: u32 = 1;
+/// Units of 32 elements one thread of a decode kernel handles.
+pub const DEC_UNITS_W32: u32 = 2;
+/// Units of 32 elements one thread of an encode kernel handles.
+pub const ENC_UNITS_W32: u32 = 1;
 /// Units one block of an 8-element unit kernel handles.
 pub const UNITS_PER_BLOCK: u32 = BLOCK * UNITS_PER_THREAD;
 
@@ -204,11 +206,13 @@ pub struct KernelChoice {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Grid {
     /// [`BLOCK`] threads; units of `w` (8 or 32) consecutive elements of a
-    /// row, [`UNITS_PER_THREAD`] (w = 8) or [`UNITS_PER_THREAD_W32`] per
-    /// thread.
+    /// row, `per_thread` units per thread ([`UNITS_PER_THREAD`] for w = 8,
+    /// [`DEC_UNITS_W32`] / [`ENC_UNITS_W32`] for w = 32).
     Units {
         /// Elements per unit.
         w: u32,
+        /// Units per thread.
+        per_thread: u32,
     },
     /// [`BLOCK`] threads, [`UNITS_PER_BLOCK`] single elements per block.
     Elements,
@@ -234,7 +238,10 @@ impl Grid {
     /// as `(page, first unit / element / segment / row)`, appended to `out`.
     pub fn push_items(self, page: u32, rows: u32, head_dim: u32, out: &mut Vec<[u32; 2]>) {
         let (n, per) = match self {
-            Grid::Units { w } => (rows as u64 * (head_dim / w) as u64, self.units_per_block()),
+            Grid::Units { w, per_thread } => (
+                rows as u64 * (head_dim / w) as u64,
+                u64::from(BLOCK * per_thread),
+            ),
             Grid::Elements => (rows as u64 * head_dim as u64, UNITS_PER_BLOCK as u64),
             Grid::Segments { seg } => (rows as u64 * (head_dim / seg) as u64, 1),
             Grid::Rows => (rows as u64, 1),
@@ -247,19 +254,18 @@ impl Grid {
     }
 }
 
+/// The 8-element unit grid.
+const W8: Grid = Grid::Units {
+    w: 8,
+    per_thread: UNITS_PER_THREAD,
+};
+
 impl Grid {
     /// Elements per unit of a unit kernel (0 for the others).
     pub fn unit(self) -> u32 {
         match self {
-            Grid::Units { w } => w,
+            Grid::Units { w, .. } => w,
             _ => 0,
-        }
-    }
-
-    fn units_per_block(self) -> u64 {
-        match self {
-            Grid::Units { w: 32 } => u64::from(BLOCK * UNITS_PER_THREAD_W32),
-            _ => u64::from(UNITS_PER_BLOCK),
         }
     }
 }
@@ -276,7 +282,7 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             KernelChoice {
                 source: "raw",
                 name: format!("decode_raw_{}_{o}", src_suffix(src)),
-                grid: Grid::Units { w: 8 },
+                grid: W8,
             }
         } else {
             KernelChoice {
@@ -297,13 +303,16 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
                 Ok(KernelChoice {
                     source: "affine",
                     name: format!("decode_affine_b{bits}_{o}"),
-                    grid: Grid::Units { w: 32 },
+                    grid: Grid::Units {
+                        w: 32,
+                        per_thread: DEC_UNITS_W32,
+                    },
                 })
             } else if w8 {
                 Ok(KernelChoice {
                     source: "affine",
                     name: format!("decode_affine_w8_b{bits}_{o}"),
-                    grid: Grid::Units { w: 8 },
+                    grid: W8,
                 })
             } else {
                 let seg = if h > 1 { h } else { head_dim };
@@ -344,13 +353,16 @@ pub fn encode_kernel(kc: KernelCodec, head_dim: u32, src: DType) -> Result<Kerne
         Ok(KernelChoice {
             source: "affine",
             name: format!("encode_affine_b{bits}_{s}"),
-            grid: Grid::Units { w: 32 },
+            grid: Grid::Units {
+                w: 32,
+                per_thread: ENC_UNITS_W32,
+            },
         })
     } else if w8 {
         Ok(KernelChoice {
             source: "affine",
             name: format!("encode_affine_w8_b{bits}_{s}"),
-            grid: Grid::Units { w: 8 },
+            grid: W8,
         })
     } else {
         Ok(KernelChoice {
@@ -825,7 +837,8 @@ mod tests {
         for (name, v) in [
             ("BLOCK", BLOCK),
             ("UNITS_PER_THREAD", UNITS_PER_THREAD),
-            ("UNITS_PER_THREAD_W32", UNITS_PER_THREAD_W32),
+            ("DEC_UNITS_W32", DEC_UNITS_W32),
+            ("ENC_UNITS_W32", ENC_UNITS_W32),
             ("SEG_BLOCK", SEG_BLOCK),
             ("SEG_MAX", SEG_MAX),
         ] {
@@ -865,11 +878,15 @@ mod tests {
     #[test]
     fn grid_items_cover_the_page() {
         let mut v = Vec::new();
-        Grid::Units { w: 8 }.push_items(3, 100, 128, &mut v);
+        W8.push_items(3, 100, 128, &mut v);
         // 100 rows x 16 units = 1600 units -> 2 blocks of 1024.
         assert_eq!(v, [[3, 0], [3, 1024]]);
         v.clear();
-        Grid::Units { w: 32 }.push_items(0, 100, 128, &mut v);
+        Grid::Units {
+            w: 32,
+            per_thread: 1,
+        }
+        .push_items(0, 100, 128, &mut v);
         // 100 rows x 4 units = 400 units -> 2 blocks of 256.
         assert_eq!(v, [[0, 0], [0, 256]]);
         v.clear();
@@ -975,7 +992,10 @@ mod tests {
         );
         assert_eq!(
             decode_kernel(bdr(512), 512, OutType::F16).unwrap().grid,
-            Grid::Units { w: 32 }
+            Grid::Units {
+                w: 32,
+                per_thread: DEC_UNITS_W32
+            }
         );
         assert_eq!(decode_kernel(bdr(512), 1024 + 512, OutType::F16).ok(), None);
         assert_eq!(

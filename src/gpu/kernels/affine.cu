@@ -136,63 +136,59 @@ struct Codes {
     }
 };
 
-template <int W>
-struct UnitsPerThread {
-    static const int U = W == 32 ? UNITS_PER_THREAD_W32 : UNITS_PER_THREAD;
-};
-
-template <int B, int OUT, int W>
+template <int B, int OUT, int W, int U>
 __device__ __forceinline__ void affine_decode_fast(const PageDesc* __restrict__ descs,
                                                    const uint2* __restrict__ work, u32 h, float c,
                                                    u64* status) {
-    const int U = UnitsPerThread<W>::U;
     const uint2 w = work[blockIdx.x];
-    const PageDesc d = descs[w.x];
-    const u32 nunits = d.rows * d.upr;
-    const u8* body = reinterpret_cast<const u8*>(d.body);
-    const float* scales = reinterpret_cast<const float*>(body + d.sec0);
-    const float* zeros = reinterpret_cast<const float*>(body + d.sec1);
-    const u8* index = body + d.sec2;
-    u16* dst = reinterpret_cast<u16*>(d.dst);
+    // Every load of the thread (codes, scales, zero points, slots) is issued
+    // before any arithmetic, so U units' worth of memory requests are in
+    // flight per thread; the descriptor is dead after this phase.
+    Codes<B, W> codes[U];
+    float sc[U], zp[U];
+    u16* out[U];
+    {
+        const PageDesc d = descs[w.x];
+        const u32 nunits = d.rows * d.upr;
+        const u8* body = reinterpret_cast<const u8*>(d.body);
+        const float* scales = reinterpret_cast<const float*>(body + d.sec0);
+        const float* zeros = reinterpret_cast<const float*>(body + d.sec1);
+        const u8* index = body + d.sec2;
+        u16* dst = reinterpret_cast<u16*>(d.dst);
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
+            codes[k].clear();
+            sc[k] = 0.f;
+            zp[k] = 0.f;
+            out[k] = nullptr;
+            if (u < nunits) {
+                u32 row = udiv(u, d.upr, d.m_upr);
+                u32 j = u - row * d.upr;
+                codes[k].load(index + (u64)u * (W * B / 8));
+                sc[k] = __ldg(scales + row);
+                zp[k] = __ldg(zeros + row);
+                i64 o = row_dst(d, row, status);
+                if (o >= 0) out[k] = dst + o + W * j;
+            }
+        }
+    }
     // Opaque to the compiler, so they stay in registers for LOP3.
     u32 mask = (1u << B) - 1u, two23 = 0x4b000000u;
     asm("" : "+r"(mask), "+r"(two23));
-
-    Codes<B, W> codes[U];
-    float sc[U], zp[U];
-    u32 row[U];
 #pragma unroll
     for (int k = 0; k < U; k++) {
-        u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
-        codes[k].clear();
-        sc[k] = 0.f;
-        zp[k] = 0.f;
-        row[k] = 0;
-        if (u < nunits) {
-            row[k] = udiv(u, d.upr, d.m_upr);
-            codes[k].load(index + (u64)u * (W * B / 8));
-            sc[k] = __ldg(scales + row[k]);
-            zp[k] = __ldg(zeros + row[k]);
-        }
-    }
-#pragma unroll
-    for (int k = 0; k < U; k++) {
-        u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
         float sp = __fmul_rn(sc[k], c);
         float v[W];
 #pragma unroll
         for (int i = 0; i < W; i++) v[i] = __fmul_rn(codes[k].centered(i, mask, two23, zp[k]), sp);
         if (h > 1) wht<W>(v, h);  // uniform over the launch: every lane shuffles
-        if (u < nunits) {
-            u32 j = u - row[k] * d.upr;
-            i64 o = row_dst(d, row[k], status);
-            if (o >= 0) {
-                uint4* q = reinterpret_cast<uint4*>(dst + o + W * j);
+        if (out[k] != nullptr) {
+            uint4* q = reinterpret_cast<uint4*>(out[k]);
 #pragma unroll
-                for (int i = 0; i < W / 8; i++) {
-                    __stwb(q + i, make_uint4(pack2<OUT>(v[8 * i], v[8 * i + 1]), pack2<OUT>(v[8 * i + 2], v[8 * i + 3]),
-                                             pack2<OUT>(v[8 * i + 4], v[8 * i + 5]), pack2<OUT>(v[8 * i + 6], v[8 * i + 7])));
-                }
+            for (int i = 0; i < W / 8; i++) {
+                __stwb(q + i, make_uint4(pack2<OUT>(v[8 * i], v[8 * i + 1]), pack2<OUT>(v[8 * i + 2], v[8 * i + 3]),
+                                         pack2<OUT>(v[8 * i + 4], v[8 * i + 5]), pack2<OUT>(v[8 * i + 6], v[8 * i + 7])));
             }
         }
     }
@@ -200,38 +196,38 @@ __device__ __forceinline__ void affine_decode_fast(const PageDesc* __restrict__ 
 
 #define DEC_ARGS const PageDesc *descs, const uint2 *work, u32 h, float c, u64 *status
 #define DEC_PASS descs, work, h, c, status
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b1_bf16(DEC_ARGS) { affine_decode_fast<1, OUT_BF16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b1_f16(DEC_ARGS) { affine_decode_fast<1, OUT_F16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b2_bf16(DEC_ARGS) { affine_decode_fast<2, OUT_BF16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b2_f16(DEC_ARGS) { affine_decode_fast<2, OUT_F16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b3_bf16(DEC_ARGS) { affine_decode_fast<3, OUT_BF16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b3_f16(DEC_ARGS) { affine_decode_fast<3, OUT_F16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b4_bf16(DEC_ARGS) { affine_decode_fast<4, OUT_BF16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b4_f16(DEC_ARGS) { affine_decode_fast<4, OUT_F16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b5_bf16(DEC_ARGS) { affine_decode_fast<5, OUT_BF16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b5_f16(DEC_ARGS) { affine_decode_fast<5, OUT_F16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b6_bf16(DEC_ARGS) { affine_decode_fast<6, OUT_BF16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b6_f16(DEC_ARGS) { affine_decode_fast<6, OUT_F16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b7_bf16(DEC_ARGS) { affine_decode_fast<7, OUT_BF16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b7_f16(DEC_ARGS) { affine_decode_fast<7, OUT_F16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b8_bf16(DEC_ARGS) { affine_decode_fast<8, OUT_BF16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_b8_f16(DEC_ARGS) { affine_decode_fast<8, OUT_F16, 32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b1_bf16(DEC_ARGS) { affine_decode_fast<1, OUT_BF16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b1_f16(DEC_ARGS) { affine_decode_fast<1, OUT_F16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b2_bf16(DEC_ARGS) { affine_decode_fast<2, OUT_BF16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b2_f16(DEC_ARGS) { affine_decode_fast<2, OUT_F16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b3_bf16(DEC_ARGS) { affine_decode_fast<3, OUT_BF16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b3_f16(DEC_ARGS) { affine_decode_fast<3, OUT_F16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b4_bf16(DEC_ARGS) { affine_decode_fast<4, OUT_BF16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b4_f16(DEC_ARGS) { affine_decode_fast<4, OUT_F16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b5_bf16(DEC_ARGS) { affine_decode_fast<5, OUT_BF16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b5_f16(DEC_ARGS) { affine_decode_fast<5, OUT_F16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b6_bf16(DEC_ARGS) { affine_decode_fast<6, OUT_BF16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b6_f16(DEC_ARGS) { affine_decode_fast<6, OUT_F16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b7_bf16(DEC_ARGS) { affine_decode_fast<7, OUT_BF16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b7_f16(DEC_ARGS) { affine_decode_fast<7, OUT_F16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b8_bf16(DEC_ARGS) { affine_decode_fast<8, OUT_BF16, 8>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b8_f16(DEC_ARGS) { affine_decode_fast<8, OUT_F16, 8>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b1_bf16(DEC_ARGS) { affine_decode_fast<1, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b1_f16(DEC_ARGS) { affine_decode_fast<1, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b2_bf16(DEC_ARGS) { affine_decode_fast<2, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b2_f16(DEC_ARGS) { affine_decode_fast<2, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b3_bf16(DEC_ARGS) { affine_decode_fast<3, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b3_f16(DEC_ARGS) { affine_decode_fast<3, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b4_bf16(DEC_ARGS) { affine_decode_fast<4, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b4_f16(DEC_ARGS) { affine_decode_fast<4, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b5_bf16(DEC_ARGS) { affine_decode_fast<5, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b5_f16(DEC_ARGS) { affine_decode_fast<5, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b6_bf16(DEC_ARGS) { affine_decode_fast<6, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b6_f16(DEC_ARGS) { affine_decode_fast<6, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b7_bf16(DEC_ARGS) { affine_decode_fast<7, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b7_f16(DEC_ARGS) { affine_decode_fast<7, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b8_bf16(DEC_ARGS) { affine_decode_fast<8, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b8_f16(DEC_ARGS) { affine_decode_fast<8, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b1_bf16(DEC_ARGS) { affine_decode_fast<1, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b1_f16(DEC_ARGS) { affine_decode_fast<1, OUT_F16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b2_bf16(DEC_ARGS) { affine_decode_fast<2, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b2_f16(DEC_ARGS) { affine_decode_fast<2, OUT_F16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b3_bf16(DEC_ARGS) { affine_decode_fast<3, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b3_f16(DEC_ARGS) { affine_decode_fast<3, OUT_F16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b4_bf16(DEC_ARGS) { affine_decode_fast<4, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b4_f16(DEC_ARGS) { affine_decode_fast<4, OUT_F16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b5_bf16(DEC_ARGS) { affine_decode_fast<5, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b5_f16(DEC_ARGS) { affine_decode_fast<5, OUT_F16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b6_bf16(DEC_ARGS) { affine_decode_fast<6, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b6_f16(DEC_ARGS) { affine_decode_fast<6, OUT_F16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b7_bf16(DEC_ARGS) { affine_decode_fast<7, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b7_f16(DEC_ARGS) { affine_decode_fast<7, OUT_F16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b8_bf16(DEC_ARGS) { affine_decode_fast<8, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b8_f16(DEC_ARGS) { affine_decode_fast<8, OUT_F16, 8, UNITS_PER_THREAD>(DEC_PASS); }
 
 // Fallback decode: one block per segment of `seg` elements (seg = h with a
 // rotation, else head_dim), seg <= SEG_MAX.
@@ -347,11 +343,10 @@ __device__ __forceinline__ u32 quantize(float x, float inv, float zero, float le
     return __float_as_uint(__fadd_rn(t, RNE_MAGIC)) - 0x4b400000u;
 }
 
-template <int B, int SRC, int W>
+template <int B, int SRC, int W, int U>
 __device__ __forceinline__ void affine_encode_fast(const EncDesc* __restrict__ descs,
                                                    const uint2* __restrict__ work, u32 h, float c,
                                                    u64* status) {
-    const int U = UnitsPerThread<W>::U;
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
     const u32 upr = d.upr;  // a power of two <= 32
@@ -429,54 +424,54 @@ __device__ __forceinline__ void affine_encode_fast(const EncDesc* __restrict__ d
 
 #define ENC_ARGS const EncDesc *descs, const uint2 *work, u32 h, float c, u64 *status
 #define ENC_PASS descs, work, h, c, status
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_bf16(ENC_ARGS) { affine_encode_fast<1, SRC_BF16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_f16(ENC_ARGS) { affine_encode_fast<1, SRC_F16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_f32(ENC_ARGS) { affine_encode_fast<1, SRC_F32, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_bf16(ENC_ARGS) { affine_encode_fast<2, SRC_BF16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_f16(ENC_ARGS) { affine_encode_fast<2, SRC_F16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_f32(ENC_ARGS) { affine_encode_fast<2, SRC_F32, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_bf16(ENC_ARGS) { affine_encode_fast<3, SRC_BF16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_f16(ENC_ARGS) { affine_encode_fast<3, SRC_F16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_f32(ENC_ARGS) { affine_encode_fast<3, SRC_F32, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_bf16(ENC_ARGS) { affine_encode_fast<4, SRC_BF16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_f16(ENC_ARGS) { affine_encode_fast<4, SRC_F16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_f32(ENC_ARGS) { affine_encode_fast<4, SRC_F32, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_bf16(ENC_ARGS) { affine_encode_fast<5, SRC_BF16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_f16(ENC_ARGS) { affine_encode_fast<5, SRC_F16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_f32(ENC_ARGS) { affine_encode_fast<5, SRC_F32, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_bf16(ENC_ARGS) { affine_encode_fast<6, SRC_BF16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_f16(ENC_ARGS) { affine_encode_fast<6, SRC_F16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_f32(ENC_ARGS) { affine_encode_fast<6, SRC_F32, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_bf16(ENC_ARGS) { affine_encode_fast<7, SRC_BF16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_f16(ENC_ARGS) { affine_encode_fast<7, SRC_F16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_f32(ENC_ARGS) { affine_encode_fast<7, SRC_F32, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_bf16(ENC_ARGS) { affine_encode_fast<8, SRC_BF16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_f16(ENC_ARGS) { affine_encode_fast<8, SRC_F16, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_f32(ENC_ARGS) { affine_encode_fast<8, SRC_F32, 32>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b1_bf16(ENC_ARGS) { affine_encode_fast<1, SRC_BF16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b1_f16(ENC_ARGS) { affine_encode_fast<1, SRC_F16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b1_f32(ENC_ARGS) { affine_encode_fast<1, SRC_F32, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b2_bf16(ENC_ARGS) { affine_encode_fast<2, SRC_BF16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b2_f16(ENC_ARGS) { affine_encode_fast<2, SRC_F16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b2_f32(ENC_ARGS) { affine_encode_fast<2, SRC_F32, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b3_bf16(ENC_ARGS) { affine_encode_fast<3, SRC_BF16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b3_f16(ENC_ARGS) { affine_encode_fast<3, SRC_F16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b3_f32(ENC_ARGS) { affine_encode_fast<3, SRC_F32, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b4_bf16(ENC_ARGS) { affine_encode_fast<4, SRC_BF16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b4_f16(ENC_ARGS) { affine_encode_fast<4, SRC_F16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b4_f32(ENC_ARGS) { affine_encode_fast<4, SRC_F32, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b5_bf16(ENC_ARGS) { affine_encode_fast<5, SRC_BF16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b5_f16(ENC_ARGS) { affine_encode_fast<5, SRC_F16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b5_f32(ENC_ARGS) { affine_encode_fast<5, SRC_F32, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b6_bf16(ENC_ARGS) { affine_encode_fast<6, SRC_BF16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b6_f16(ENC_ARGS) { affine_encode_fast<6, SRC_F16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b6_f32(ENC_ARGS) { affine_encode_fast<6, SRC_F32, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b7_bf16(ENC_ARGS) { affine_encode_fast<7, SRC_BF16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b7_f16(ENC_ARGS) { affine_encode_fast<7, SRC_F16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b7_f32(ENC_ARGS) { affine_encode_fast<7, SRC_F32, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b8_bf16(ENC_ARGS) { affine_encode_fast<8, SRC_BF16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b8_f16(ENC_ARGS) { affine_encode_fast<8, SRC_F16, 8>(ENC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b8_f32(ENC_ARGS) { affine_encode_fast<8, SRC_F32, 8>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_bf16(ENC_ARGS) { affine_encode_fast<1, SRC_BF16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_f16(ENC_ARGS) { affine_encode_fast<1, SRC_F16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b1_f32(ENC_ARGS) { affine_encode_fast<1, SRC_F32, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_bf16(ENC_ARGS) { affine_encode_fast<2, SRC_BF16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_f16(ENC_ARGS) { affine_encode_fast<2, SRC_F16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b2_f32(ENC_ARGS) { affine_encode_fast<2, SRC_F32, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_bf16(ENC_ARGS) { affine_encode_fast<3, SRC_BF16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_f16(ENC_ARGS) { affine_encode_fast<3, SRC_F16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b3_f32(ENC_ARGS) { affine_encode_fast<3, SRC_F32, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_bf16(ENC_ARGS) { affine_encode_fast<4, SRC_BF16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_f16(ENC_ARGS) { affine_encode_fast<4, SRC_F16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b4_f32(ENC_ARGS) { affine_encode_fast<4, SRC_F32, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_bf16(ENC_ARGS) { affine_encode_fast<5, SRC_BF16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_f16(ENC_ARGS) { affine_encode_fast<5, SRC_F16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b5_f32(ENC_ARGS) { affine_encode_fast<5, SRC_F32, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_bf16(ENC_ARGS) { affine_encode_fast<6, SRC_BF16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_f16(ENC_ARGS) { affine_encode_fast<6, SRC_F16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b6_f32(ENC_ARGS) { affine_encode_fast<6, SRC_F32, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_bf16(ENC_ARGS) { affine_encode_fast<7, SRC_BF16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_f16(ENC_ARGS) { affine_encode_fast<7, SRC_F16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b7_f32(ENC_ARGS) { affine_encode_fast<7, SRC_F32, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_bf16(ENC_ARGS) { affine_encode_fast<8, SRC_BF16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_f16(ENC_ARGS) { affine_encode_fast<8, SRC_F16, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_b8_f32(ENC_ARGS) { affine_encode_fast<8, SRC_F32, 32, ENC_UNITS_W32>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b1_bf16(ENC_ARGS) { affine_encode_fast<1, SRC_BF16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b1_f16(ENC_ARGS) { affine_encode_fast<1, SRC_F16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b1_f32(ENC_ARGS) { affine_encode_fast<1, SRC_F32, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b2_bf16(ENC_ARGS) { affine_encode_fast<2, SRC_BF16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b2_f16(ENC_ARGS) { affine_encode_fast<2, SRC_F16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b2_f32(ENC_ARGS) { affine_encode_fast<2, SRC_F32, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b3_bf16(ENC_ARGS) { affine_encode_fast<3, SRC_BF16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b3_f16(ENC_ARGS) { affine_encode_fast<3, SRC_F16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b3_f32(ENC_ARGS) { affine_encode_fast<3, SRC_F32, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b4_bf16(ENC_ARGS) { affine_encode_fast<4, SRC_BF16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b4_f16(ENC_ARGS) { affine_encode_fast<4, SRC_F16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b4_f32(ENC_ARGS) { affine_encode_fast<4, SRC_F32, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b5_bf16(ENC_ARGS) { affine_encode_fast<5, SRC_BF16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b5_f16(ENC_ARGS) { affine_encode_fast<5, SRC_F16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b5_f32(ENC_ARGS) { affine_encode_fast<5, SRC_F32, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b6_bf16(ENC_ARGS) { affine_encode_fast<6, SRC_BF16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b6_f16(ENC_ARGS) { affine_encode_fast<6, SRC_F16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b6_f32(ENC_ARGS) { affine_encode_fast<6, SRC_F32, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b7_bf16(ENC_ARGS) { affine_encode_fast<7, SRC_BF16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b7_f16(ENC_ARGS) { affine_encode_fast<7, SRC_F16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b7_f32(ENC_ARGS) { affine_encode_fast<7, SRC_F32, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b8_bf16(ENC_ARGS) { affine_encode_fast<8, SRC_BF16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b8_f16(ENC_ARGS) { affine_encode_fast<8, SRC_F16, 8, UNITS_PER_THREAD>(ENC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_affine_w8_b8_f32(ENC_ARGS) { affine_encode_fast<8, SRC_F32, 8, UNITS_PER_THREAD>(ENC_PASS); }
 
 // Min/max/non-finite of a block (SEG_BLOCK threads), broadcast to all.
 __device__ __forceinline__ void block_minmax(float* mn, float* mx, bool* bad) {

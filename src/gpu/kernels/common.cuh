@@ -15,11 +15,16 @@ typedef long long i64;
 
 #define FULL_MASK 0xffffffffu
 // Threads per block of every unit kernel. A unit is 8 or 32 consecutive
-// elements of a row (the kernel's W); a thread handles UNITS_PER_THREAD(W)
-// units BLOCK apart, so a block covers BLOCK * UNITS_PER_THREAD(W) units.
+// elements of a row (the kernel's W); a thread handles U units BLOCK apart,
+// so a block covers BLOCK * U units: U = UNITS_PER_THREAD for W = 8,
+// DEC_UNITS_W32 / ENC_UNITS_W32 for the 32-element decode / encode.
 #define BLOCK 256
 #define UNITS_PER_THREAD 4
-#define UNITS_PER_THREAD_W32 1
+#define DEC_UNITS_W32 2
+#define ENC_UNITS_W32 1
+// Resident blocks per SM the 32-element decode kernels are compiled for
+// (caps their registers at 64, so 32 warps per SM keep loads in flight).
+#define MIN_BLOCKS_W32 4
 #define UNITS_PER_BLOCK (BLOCK * UNITS_PER_THREAD)
 // Threads per block of the segment (fallback) kernels; largest segment.
 #define SEG_BLOCK 128
