@@ -334,6 +334,34 @@ fn cases() -> Vec<Case> {
             layout(8, 0, 0),
             false,
         ),
+        c(
+            "bdr4",
+            spec(1, 2, 37, 64),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "bdr16:b5",
+            spec(1, 2, 45, 128),
+            DType::F16,
+            layout(32, 0, 0),
+            false,
+        ),
+        c(
+            "bdr32",
+            spec(2, 1, 23, 32),
+            DType::Bf16,
+            layout(8, 0, 0),
+            false,
+        ),
+        c(
+            "int6",
+            spec(1, 3, 50, 512),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
     ]
 }
 

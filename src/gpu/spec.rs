@@ -299,7 +299,8 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             }
             let h = block.unwrap_or(0);
             let w8 = head_dim.is_multiple_of(8) && h <= MAX_SHUFFLE_BLOCK;
-            if head_dim.is_multiple_of(32) && !(w8 && narrow()) {
+            let w32 = head_dim.is_multiple_of(32) && (head_dim / 32).is_power_of_two();
+            if w32 && !(w8 && narrow()) {
                 Ok(KernelChoice {
                     source: "affine",
                     name: format!("decode_affine_b{bits}_{o}"),
@@ -1000,6 +1001,10 @@ mod tests {
         assert_eq!(decode_kernel(bdr(512), 1024 + 512, OutType::F16).ok(), None);
         assert_eq!(
             decode_kernel(bdr(16), 48, OutType::F16).unwrap().name,
+            "decode_affine_w8_b4_f16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(32), 96, OutType::F16).unwrap().name,
             "decode_affine_w8_b4_f16"
         );
         assert_eq!(

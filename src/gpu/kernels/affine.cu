@@ -7,14 +7,16 @@
 //     y_i = (f32(q_ri) - z_r) * s'
 //     x = fwht(y, h)             (butterflies, strides 1, 2, 4, ... in order)
 //
-// Fast decode `decode_affine_b{B}_{out}` (head_dim % 32 == 0, any h) and
-// `decode_affine_w8_b{B}_{out}` (head_dim % 8 == 0, h <= 256). A unit is
-// W = 32 (or 8) consecutive elements of a row: 4B (or B) bytes of codes, 4
-// (or 1) 16-byte stores. Rotation stages of stride below W run in
-// registers, strides W..h/2 across lanes with xor shuffles (the h/W lanes
-// of a block are consecutive and aligned in the warp because head_dim is a
-// multiple of h). Work item (x, y) = (page descriptor, first unit); `h` = 0
-// or 1 means no rotation.
+// Fast decode `decode_affine_b{B}_{out}` (head_dim / 32 a power of two,
+// any h): a unit is 32 elements of a row held as four chunks of 8 at stride
+// 8 * lpr (lpr = head_dim / 32 lanes per row), so every 16-byte store
+// instruction of a warp writes whole sectors; butterflies inside chunks and
+// across chunks run in registers, the others across lanes with xor
+// shuffles. `decode_affine_w8_b{B}_{out}` (head_dim % 8 == 0, h <= 256,
+// the other shapes): a unit is 8 consecutive elements, strides 8..h/2
+// across lanes (the h/8 lanes of a block are consecutive and aligned in the
+// warp because head_dim is a multiple of h). Work item (x, y) = (page
+// descriptor, first unit); `h` = 0 or 1 means no rotation.
 //
 // Fallback decode `decode_affine_any_{out}`: any head_dim <= 1024, any h:
 // one block per segment (h elements of one row, or the whole row without
@@ -136,6 +138,133 @@ struct Codes {
     }
 };
 
+// Butterflies of the interleaved layout: a thread holds chunks m = 0..3 of
+// 8 elements, chunk m of lane-in-row j being elements 8 * (j + lpr * m) .. +7
+// of the row (lpr = head_dim / 32 lanes per row, a power of two). Element
+// index bits: [0, 3) inside a chunk, [3, 3 + log2 lpr) the lane, then 2 bits
+// of m. Stages run in the normative order (strides 1, 2, 4, ...): inside
+// chunks, across lanes, across chunks.
+__device__ __forceinline__ void wht_chunk_stage(float v[4][8], int s) {
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            if (!(e & s)) {
+                float a = v[m][e], b = v[m][e + s];
+                v[m][e] = __fadd_rn(a, b);
+                v[m][e + s] = __fsub_rn(a, b);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void wht_across_chunks(float v[4][8], int s) {
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        if (!(m & s)) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                float a = v[m][e], b = v[m + s][e];
+                v[m][e] = __fadd_rn(a, b);
+                v[m + s][e] = __fsub_rn(a, b);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void wht_interleaved(float v[4][8], u32 h, u32 lpr) {
+    if (h >= 8) {
+        wht_chunk_stage(v, 1);
+        wht_chunk_stage(v, 2);
+        wht_chunk_stage(v, 4);
+    } else {
+        if (h > 1) wht_chunk_stage(v, 1);
+        if (h > 2) wht_chunk_stage(v, 2);
+        if (h > 4) wht_chunk_stage(v, 4);
+    }
+    // Across lanes (see wht<W>: one exact FMA per element).
+    u32 lane = threadIdx.x & 31u;
+    for (u32 ml = 1; ml < lpr && 8u * ml < h; ml <<= 1) {
+        float sign = (lane & ml) ? -1.0f : 1.0f;
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                float o = __shfl_xor_sync(FULL_MASK, v[m][e], ml);
+                v[m][e] = __fmaf_rn(v[m][e], sign, o);
+            }
+        }
+    }
+    if (8u * lpr < h) wht_across_chunks(v, 1);
+    if (16u * lpr < h) wht_across_chunks(v, 2);
+}
+
+// Decode with 32 elements per thread in the interleaved layout (four chunks
+// of 8 at stride 8 * lpr), so that each 16-byte store instruction of a warp
+// writes whole 32-byte sectors (64 contiguous bytes per row and chunk), and
+// U units per thread whose loads are all issued before any arithmetic.
+template <int B, int OUT, int U>
+__device__ __forceinline__ void affine_decode_il(const PageDesc* __restrict__ descs,
+                                                 const uint2* __restrict__ work, u32 h, float c,
+                                                 u64* status) {
+    const uint2 w = work[blockIdx.x];
+    Codes<B, 8> codes[U][4];
+    float sc[U], zp[U];
+    u16* out[U];
+    u32 lpr;
+    {
+        const PageDesc d = descs[w.x];
+        lpr = d.upr;  // head_dim / 32
+        const u32 nunits = d.rows * lpr;
+        const u8* body = reinterpret_cast<const u8*>(d.body);
+        const float* scales = reinterpret_cast<const float*>(body + d.sec0);
+        const float* zeros = reinterpret_cast<const float*>(body + d.sec1);
+        const u8* index = body + d.sec2;
+        u16* dst = reinterpret_cast<u16*>(d.dst);
+#pragma unroll
+        for (int k = 0; k < U; k++) {
+            u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
+            sc[k] = 0.f;
+            zp[k] = 0.f;
+            out[k] = nullptr;
+#pragma unroll
+            for (int m = 0; m < 4; m++) codes[k][m].clear();
+            if (u < nunits) {
+                u32 row = udiv(u, lpr, d.m_upr);
+                u32 j = u - row * lpr;
+                u64 chunk = (u64)row * 4u * lpr + j;  // first chunk of this lane
+#pragma unroll
+                for (int m = 0; m < 4; m++) codes[k][m].load(index + (chunk + (u64)lpr * m) * B);
+                sc[k] = __ldg(scales + row);
+                zp[k] = __ldg(zeros + row);
+                i64 o = row_dst(d, row, status);
+                if (o >= 0) out[k] = dst + o + 8 * j;
+            }
+        }
+    }
+    u32 mask = (1u << B) - 1u, two23 = 0x4b000000u;
+    asm("" : "+r"(mask), "+r"(two23));
+#pragma unroll
+    for (int k = 0; k < U; k++) {
+        float sp = __fmul_rn(sc[k], c);
+        float v[4][8];
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) v[m][e] = __fmul_rn(codes[k][m].centered(e, mask, two23, zp[k]), sp);
+        }
+        if (h > 1) wht_interleaved(v, h, lpr);  // uniform over the launch
+        if (out[k] != nullptr) {
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+                __stwb(reinterpret_cast<uint4*>(out[k] + 8u * lpr * m),
+                       make_uint4(pack2<OUT>(v[m][0], v[m][1]), pack2<OUT>(v[m][2], v[m][3]),
+                                  pack2<OUT>(v[m][4], v[m][5]), pack2<OUT>(v[m][6], v[m][7])));
+            }
+        }
+    }
+}
+
 template <int B, int OUT, int W, int U>
 __device__ __forceinline__ void affine_decode_fast(const PageDesc* __restrict__ descs,
                                                    const uint2* __restrict__ work, u32 h, float c,
@@ -196,22 +325,22 @@ __device__ __forceinline__ void affine_decode_fast(const PageDesc* __restrict__ 
 
 #define DEC_ARGS const PageDesc *descs, const uint2 *work, u32 h, float c, u64 *status
 #define DEC_PASS descs, work, h, c, status
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b1_bf16(DEC_ARGS) { affine_decode_fast<1, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b1_f16(DEC_ARGS) { affine_decode_fast<1, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b2_bf16(DEC_ARGS) { affine_decode_fast<2, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b2_f16(DEC_ARGS) { affine_decode_fast<2, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b3_bf16(DEC_ARGS) { affine_decode_fast<3, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b3_f16(DEC_ARGS) { affine_decode_fast<3, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b4_bf16(DEC_ARGS) { affine_decode_fast<4, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b4_f16(DEC_ARGS) { affine_decode_fast<4, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b5_bf16(DEC_ARGS) { affine_decode_fast<5, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b5_f16(DEC_ARGS) { affine_decode_fast<5, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b6_bf16(DEC_ARGS) { affine_decode_fast<6, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b6_f16(DEC_ARGS) { affine_decode_fast<6, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b7_bf16(DEC_ARGS) { affine_decode_fast<7, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b7_f16(DEC_ARGS) { affine_decode_fast<7, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b8_bf16(DEC_ARGS) { affine_decode_fast<8, OUT_BF16, 32, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b8_f16(DEC_ARGS) { affine_decode_fast<8, OUT_F16, 32, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b1_bf16(DEC_ARGS) { affine_decode_il<1, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b1_f16(DEC_ARGS) { affine_decode_il<1, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b2_bf16(DEC_ARGS) { affine_decode_il<2, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b2_f16(DEC_ARGS) { affine_decode_il<2, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b3_bf16(DEC_ARGS) { affine_decode_il<3, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b3_f16(DEC_ARGS) { affine_decode_il<3, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b4_bf16(DEC_ARGS) { affine_decode_il<4, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b4_f16(DEC_ARGS) { affine_decode_il<4, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b5_bf16(DEC_ARGS) { affine_decode_il<5, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b5_f16(DEC_ARGS) { affine_decode_il<5, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b6_bf16(DEC_ARGS) { affine_decode_il<6, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b6_f16(DEC_ARGS) { affine_decode_il<6, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b7_bf16(DEC_ARGS) { affine_decode_il<7, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b7_f16(DEC_ARGS) { affine_decode_il<7, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b8_bf16(DEC_ARGS) { affine_decode_il<8, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b8_f16(DEC_ARGS) { affine_decode_il<8, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b1_bf16(DEC_ARGS) { affine_decode_fast<1, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b1_f16(DEC_ARGS) { affine_decode_fast<1, OUT_F16, 8, UNITS_PER_THREAD>(DEC_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b2_bf16(DEC_ARGS) { affine_decode_fast<2, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
