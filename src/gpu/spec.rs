@@ -407,7 +407,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
 }
 
 /// One page to decode, as the kernels read it (`struct PageDesc` in
-/// `kernels/common.cuh`, 104 bytes). Device addresses are absolute.
+/// `kernels/common.cuh`, 96 bytes). Device addresses are absolute.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
 pub struct PageDesc {
@@ -454,10 +454,6 @@ pub struct PageDesc {
     pub upr: u32,
     /// [`magic`] of `upr`.
     pub m_upr: u32,
-    /// Planes (`batch * heads`).
-    pub planes: u32,
-    /// [`magic`] of `planes`.
-    pub m_planes: u32,
 }
 
 /// One page to encode (`struct EncDesc` in `kernels/common.cuh`, 64 bytes).
@@ -633,8 +629,6 @@ pub fn page_desc(
         m_heads: magic(g.heads),
         upr: g.head_dim.checked_div(unit).unwrap_or(0),
         m_upr: magic(g.head_dim.checked_div(unit).unwrap_or(0)),
-        planes: planes as u32,
-        m_planes: magic(planes as u32),
         ..PageDesc::zeroed()
     };
     match *dst {
@@ -837,7 +831,7 @@ mod tests {
 
     #[test]
     fn struct_sizes_match_cuda() {
-        assert_eq!(std::mem::size_of::<PageDesc>(), 104);
+        assert_eq!(std::mem::size_of::<PageDesc>(), 96);
         assert_eq!(std::mem::size_of::<EncDesc>(), 64);
         // The CUDA side must declare the same constants.
         let c = super::super::sources::COMMON;

@@ -232,7 +232,6 @@ __device__ __forceinline__ void affine_decode_il(const PageDesc* __restrict__ de
             if (u < nunits) {
                 u32 row = udiv(u, lpr, d.m_upr);
                 u32 j = u - row * lpr;
-                row = page_row(d, row);
                 u64 chunk = (u64)row * 4u * lpr + j;  // first chunk of this lane
 #pragma unroll
                 for (int m = 0; m < 4; m++) codes[k][m].load(index + (chunk + (u64)lpr * m) * B);
@@ -295,8 +294,7 @@ __device__ __forceinline__ void affine_decode_fast(const PageDesc* __restrict__ 
             if (u < nunits) {
                 u32 row = udiv(u, d.upr, d.m_upr);
                 u32 j = u - row * d.upr;
-                row = page_row(d, row);
-                codes[k].load(index + ((u64)row * d.upr + j) * (W * B / 8));
+                codes[k].load(index + (u64)u * (W * B / 8));
                 sc[k] = __ldg(scales + row);
                 zp[k] = __ldg(zeros + row);
                 i64 o = row_dst(d, row, status);

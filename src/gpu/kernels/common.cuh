@@ -38,7 +38,7 @@ typedef long long i64;
 #define SRC_F16 2
 #define SRC_F32 3
 
-// One page to decode (mirrors gpu::spec::PageDesc, 104 bytes).
+// One page to decode (mirrors gpu::spec::PageDesc, 96 bytes).
 struct PageDesc {
     u64 body;     // device address of the page body (uncompressed)
     u64 dst;      // output base: contiguous = element (plane 0, output token 0); paged = cache base
@@ -59,8 +59,6 @@ struct PageDesc {
     u32 m_heads;  // udiv magic of heads
     u32 upr;      // units per row of the launched kernel (head_dim / W)
     u32 m_upr;    // udiv magic of upr
-    u32 planes;   // rows / tokens (batch * heads)
-    u32 m_planes; // udiv magic of planes
 };
 
 // One page to encode (mirrors gpu::spec::EncDesc, 64 bytes).
@@ -162,17 +160,6 @@ __device__ __forceinline__ void store8(u16* p, const float v[8]) {
     o.z = (u32)to_out<OUT>(v[4]) | ((u32)to_out<OUT>(v[5]) << 16);
     o.w = (u32)to_out<OUT>(v[6]) | ((u32)to_out<OUT>(v[7]) << 16);
     *reinterpret_cast<uint4*>(p) = o;
-}
-
-// The plane-major row (SPEC 6.3) that the kernels' unit row `row` handles.
-// Identity for the contiguous layout, whose output is plane-major too. For
-// the paged layout units walk the page token-major (every plane of a token,
-// then the next token), so the heads of one slot, adjacent in the cache,
-// are written by neighbouring threads.
-__device__ __forceinline__ u32 page_row(const PageDesc& d, u32 row) {
-    if (d.slots == 0) return row;
-    u32 t = udiv(row, d.planes, d.m_planes);
-    return (row - t * d.planes) * d.tokens + t;
 }
 
 // Output element offset of (row, element 0) of a page, or -1 when the row is

@@ -43,27 +43,27 @@ __device__ __forceinline__ void raw_decode_fast(const PageDesc* __restrict__ des
     const bool same = (SRC == SRC_BF16 && OUT == OUT_BF16) || (SRC == SRC_F16 && OUT == OUT_F16);
     uint4 raw[UNITS_PER_THREAD];
     float v[UNITS_PER_THREAD][8];
-    u16* out[UNITS_PER_THREAD];
 #pragma unroll
     for (int k = 0; k < UNITS_PER_THREAD; k++) {
         u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
-        out[k] = nullptr;
         if (u < nunits) {
-            u32 row = udiv(u, upr, d.m_upr);
-            u32 j = u - row * upr;
-            row = page_row(d, row);
-            const u8* p = src + ((u64)row * upr + j) * 8u * esize;
+            const u8* p = src + (u64)u * 8u * esize;
             if (same) raw[k] = __ldg(reinterpret_cast<const uint4*>(p));
             else load8<SRC>(p, v[k]);
-            i64 o = row_dst(d, row, status);
-            if (o >= 0) out[k] = dst + o + 8 * j;
         }
     }
 #pragma unroll
     for (int k = 0; k < UNITS_PER_THREAD; k++) {
-        if (out[k] != nullptr) {
-            if (same) __stwb(reinterpret_cast<uint4*>(out[k]), raw[k]);
-            else store8<OUT>(out[k], v[k]);
+        u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
+        if (u < nunits) {
+            u32 row = udiv(u, upr, d.m_upr);
+            u32 j = u - row * upr;
+            i64 o = row_dst(d, row, status);
+            if (o >= 0) {
+                u16* q = dst + o + 8 * j;
+                if (same) __stwb(reinterpret_cast<uint4*>(q), raw[k]);
+                else store8<OUT>(q, v[k]);
+            }
         }
     }
 }
