@@ -301,9 +301,12 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             let w8 = head_dim.is_multiple_of(8) && h <= MAX_SHUFFLE_BLOCK;
             let w32 = head_dim.is_multiple_of(32) && (head_dim / 32).is_power_of_two();
             if w32 && !(w8 && narrow()) {
+                // A block spanning the whole row (bdr{head_dim}) has its own
+                // kernel with every butterfly stage unconditional.
+                let kind = if h == head_dim { "rowrot_" } else { "" };
                 Ok(KernelChoice {
                     source: "affine",
-                    name: format!("decode_affine_b{bits}_{o}"),
+                    name: format!("decode_affine_{kind}b{bits}_{o}"),
                     grid: Grid::Units {
                         w: 32,
                         per_thread: DEC_UNITS_W32,
@@ -385,7 +388,13 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
             }
         }
         for bits in 1..=8 {
-            for (d, h) in [(128, None), (128, Some(512)), (6, None), (40, Some(8))] {
+            for (d, h) in [
+                (128, None),
+                (128, Some(128)),
+                (128, Some(512)),
+                (6, None),
+                (40, Some(8)),
+            ] {
                 let kc = KernelCodec::Affine { bits, block: h };
                 let k = decode_kernel(kc, d, out).expect("affine");
                 v.push((k.source, k.name));
@@ -989,6 +998,10 @@ mod tests {
         };
         assert_eq!(
             decode_kernel(bdr(128), 128, OutType::Bf16).unwrap().name,
+            "decode_affine_rowrot_b4_bf16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(64), 128, OutType::Bf16).unwrap().name,
             "decode_affine_b4_bf16"
         );
         assert_eq!(

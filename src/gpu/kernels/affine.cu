@@ -12,7 +12,8 @@
 // 8 * lpr (lpr = head_dim / 32 lanes per row), so every 16-byte store
 // instruction of a warp writes whole sectors; butterflies inside chunks and
 // across chunks run in registers, the others across lanes with xor
-// shuffles. `decode_affine_w8_b{B}_{out}` (head_dim % 8 == 0, h <= 256,
+// shuffles; `decode_affine_rowrot_b{B}_{out}` is the same for h ==
+// head_dim with every stage unconditional. `decode_affine_w8_b{B}_{out}` (head_dim % 8 == 0, h <= 256,
 // the other shapes): a unit is 8 consecutive elements, strides 8..h/2
 // across lanes (the h/8 lanes of a block are consecutive and aligned in the
 // warp because head_dim is a multiple of h). Work item (x, y) = (page
@@ -85,14 +86,14 @@ struct Codes {
             if (B % 4 == 0) {
 #pragma unroll
                 for (int i = 0; i < B / 4; i++)
-                    __stwb(reinterpret_cast<uint4*>(p) + i, make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]));
+                    st_u4(reinterpret_cast<uint4*>(p) + i, make_uint4(w[4 * i], w[4 * i + 1], w[4 * i + 2], w[4 * i + 3]));
             } else if (B % 2 == 0) {
 #pragma unroll
                 for (int i = 0; i < B / 2; i++)
-                    __stwb(reinterpret_cast<uint2*>(p) + i, make_uint2(w[2 * i], w[2 * i + 1]));
+                    st_u2(reinterpret_cast<uint2*>(p) + i, make_uint2(w[2 * i], w[2 * i + 1]));
             } else {
 #pragma unroll
-                for (int i = 0; i < B; i++) __stwb(reinterpret_cast<u32*>(p) + i, w[i]);
+                for (int i = 0; i < B; i++) st_u1(reinterpret_cast<u32*>(p) + i, w[i]);
             }
         } else {
             u64 v = w[0];
@@ -172,7 +173,31 @@ __device__ __forceinline__ void wht_across_chunks(float v[4][8], int s) {
     }
 }
 
+// ROWROT: the block is the whole row (h == head_dim == 32 * lpr, the usual
+// bdr{head_dim}): every stage runs, with no run-time conditions (whose
+// register merges would cost moves).
+template <bool ROWROT>
 __device__ __forceinline__ void wht_interleaved(float v[4][8], u32 h, u32 lpr) {
+    if (ROWROT) {
+        wht_chunk_stage(v, 1);
+        wht_chunk_stage(v, 2);
+        wht_chunk_stage(v, 4);
+        u32 lane = threadIdx.x & 31u;
+        for (u32 ml = 1; ml < lpr; ml <<= 1) {
+            float sign = (lane & ml) ? -1.0f : 1.0f;
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    float o = __shfl_xor_sync(FULL_MASK, v[m][e], ml);
+                    v[m][e] = __fmaf_rn(v[m][e], sign, o);
+                }
+            }
+        }
+        wht_across_chunks(v, 1);
+        wht_across_chunks(v, 2);
+        return;
+    }
     if (h >= 8) {
         wht_chunk_stage(v, 1);
         wht_chunk_stage(v, 2);
@@ -203,7 +228,7 @@ __device__ __forceinline__ void wht_interleaved(float v[4][8], u32 h, u32 lpr) {
 // of 8 at stride 8 * lpr), so that each 16-byte store instruction of a warp
 // writes whole 32-byte sectors (64 contiguous bytes per row and chunk), and
 // U units per thread whose loads are all issued before any arithmetic.
-template <int B, int OUT, int U>
+template <int B, int OUT, int U, bool ROWROT>
 __device__ __forceinline__ void affine_decode_il(const PageDesc* __restrict__ descs,
                                                  const uint2* __restrict__ work, u32 h, float c,
                                                  u64* status) {
@@ -253,11 +278,11 @@ __device__ __forceinline__ void affine_decode_il(const PageDesc* __restrict__ de
 #pragma unroll
             for (int e = 0; e < 8; e++) v[m][e] = __fmul_rn(codes[k][m].centered(e, mask, two23, zp[k]), sp);
         }
-        if (h > 1) wht_interleaved(v, h, lpr);  // uniform over the launch
+        if (ROWROT || h > 1) wht_interleaved<ROWROT>(v, h, lpr);  // uniform over the launch
         if (out[k] != nullptr) {
 #pragma unroll
             for (int m = 0; m < 4; m++) {
-                __stwb(reinterpret_cast<uint4*>(out[k] + 8u * lpr * m),
+                st_u4(out[k] + 8u * lpr * m,
                        make_uint4(pack2<OUT>(v[m][0], v[m][1]), pack2<OUT>(v[m][2], v[m][3]),
                                   pack2<OUT>(v[m][4], v[m][5]), pack2<OUT>(v[m][6], v[m][7])));
             }
@@ -316,7 +341,7 @@ __device__ __forceinline__ void affine_decode_fast(const PageDesc* __restrict__ 
             uint4* q = reinterpret_cast<uint4*>(out[k]);
 #pragma unroll
             for (int i = 0; i < W / 8; i++) {
-                __stwb(q + i, make_uint4(pack2<OUT>(v[8 * i], v[8 * i + 1]), pack2<OUT>(v[8 * i + 2], v[8 * i + 3]),
+                st_u4(q + i, make_uint4(pack2<OUT>(v[8 * i], v[8 * i + 1]), pack2<OUT>(v[8 * i + 2], v[8 * i + 3]),
                                          pack2<OUT>(v[8 * i + 4], v[8 * i + 5]), pack2<OUT>(v[8 * i + 6], v[8 * i + 7])));
             }
         }
@@ -325,22 +350,38 @@ __device__ __forceinline__ void affine_decode_fast(const PageDesc* __restrict__ 
 
 #define DEC_ARGS const PageDesc *descs, const uint2 *work, u32 h, float c, u64 *status
 #define DEC_PASS descs, work, h, c, status
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b1_bf16(DEC_ARGS) { affine_decode_il<1, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b1_f16(DEC_ARGS) { affine_decode_il<1, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b2_bf16(DEC_ARGS) { affine_decode_il<2, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b2_f16(DEC_ARGS) { affine_decode_il<2, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b3_bf16(DEC_ARGS) { affine_decode_il<3, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b3_f16(DEC_ARGS) { affine_decode_il<3, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b4_bf16(DEC_ARGS) { affine_decode_il<4, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b4_f16(DEC_ARGS) { affine_decode_il<4, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b5_bf16(DEC_ARGS) { affine_decode_il<5, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b5_f16(DEC_ARGS) { affine_decode_il<5, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b6_bf16(DEC_ARGS) { affine_decode_il<6, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b6_f16(DEC_ARGS) { affine_decode_il<6, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b7_bf16(DEC_ARGS) { affine_decode_il<7, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b7_f16(DEC_ARGS) { affine_decode_il<7, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b8_bf16(DEC_ARGS) { affine_decode_il<8, OUT_BF16, DEC_UNITS_W32>(DEC_PASS); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b8_f16(DEC_ARGS) { affine_decode_il<8, OUT_F16, DEC_UNITS_W32>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b1_bf16(DEC_ARGS) { affine_decode_il<1, OUT_BF16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b1_f16(DEC_ARGS) { affine_decode_il<1, OUT_F16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b2_bf16(DEC_ARGS) { affine_decode_il<2, OUT_BF16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b2_f16(DEC_ARGS) { affine_decode_il<2, OUT_F16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b3_bf16(DEC_ARGS) { affine_decode_il<3, OUT_BF16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b3_f16(DEC_ARGS) { affine_decode_il<3, OUT_F16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b4_bf16(DEC_ARGS) { affine_decode_il<4, OUT_BF16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b4_f16(DEC_ARGS) { affine_decode_il<4, OUT_F16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b5_bf16(DEC_ARGS) { affine_decode_il<5, OUT_BF16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b5_f16(DEC_ARGS) { affine_decode_il<5, OUT_F16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b6_bf16(DEC_ARGS) { affine_decode_il<6, OUT_BF16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b6_f16(DEC_ARGS) { affine_decode_il<6, OUT_F16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b7_bf16(DEC_ARGS) { affine_decode_il<7, OUT_BF16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b7_f16(DEC_ARGS) { affine_decode_il<7, OUT_F16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b8_bf16(DEC_ARGS) { affine_decode_il<8, OUT_BF16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_b8_f16(DEC_ARGS) { affine_decode_il<8, OUT_F16, DEC_UNITS_W32, false>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b1_bf16(DEC_ARGS) { affine_decode_il<1, OUT_BF16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b1_f16(DEC_ARGS) { affine_decode_il<1, OUT_F16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b2_bf16(DEC_ARGS) { affine_decode_il<2, OUT_BF16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b2_f16(DEC_ARGS) { affine_decode_il<2, OUT_F16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b3_bf16(DEC_ARGS) { affine_decode_il<3, OUT_BF16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b3_f16(DEC_ARGS) { affine_decode_il<3, OUT_F16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b4_bf16(DEC_ARGS) { affine_decode_il<4, OUT_BF16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b4_f16(DEC_ARGS) { affine_decode_il<4, OUT_F16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b5_bf16(DEC_ARGS) { affine_decode_il<5, OUT_BF16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b5_f16(DEC_ARGS) { affine_decode_il<5, OUT_F16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b6_bf16(DEC_ARGS) { affine_decode_il<6, OUT_BF16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b6_f16(DEC_ARGS) { affine_decode_il<6, OUT_F16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b7_bf16(DEC_ARGS) { affine_decode_il<7, OUT_BF16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b7_f16(DEC_ARGS) { affine_decode_il<7, OUT_F16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b8_bf16(DEC_ARGS) { affine_decode_il<8, OUT_BF16, DEC_UNITS_W32, true>(DEC_PASS); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_affine_rowrot_b8_f16(DEC_ARGS) { affine_decode_il<8, OUT_F16, DEC_UNITS_W32, true>(DEC_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b1_bf16(DEC_ARGS) { affine_decode_fast<1, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b1_f16(DEC_ARGS) { affine_decode_fast<1, OUT_F16, 8, UNITS_PER_THREAD>(DEC_PASS); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_affine_w8_b2_bf16(DEC_ARGS) { affine_decode_fast<2, OUT_BF16, 8, UNITS_PER_THREAD>(DEC_PASS); }

@@ -92,6 +92,20 @@ __device__ __forceinline__ float code_f32(u32 q) {
     return __fsub_rn(__uint_as_float(0x4b000000u | q), 8388608.0f);
 }
 
+// Plain (weak, write-back) global stores. Pointers built from descriptor
+// addresses are generic to the compiler, which would emit generic stores;
+// __stwb would make them strong (STG.STRONG.SM).
+__device__ __forceinline__ void st_u4(void* p, uint4 v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+__device__ __forceinline__ void st_u2(void* p, uint2 v) {
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ void st_u1(void* p, u32 v) {
+    asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // (a & b) | c in one LOP3 (the constants in registers).
 __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
     u32 r;
@@ -159,7 +173,7 @@ __device__ __forceinline__ void store8(u16* p, const float v[8]) {
     o.y = (u32)to_out<OUT>(v[2]) | ((u32)to_out<OUT>(v[3]) << 16);
     o.z = (u32)to_out<OUT>(v[4]) | ((u32)to_out<OUT>(v[5]) << 16);
     o.w = (u32)to_out<OUT>(v[6]) | ((u32)to_out<OUT>(v[7]) << 16);
-    *reinterpret_cast<uint4*>(p) = o;
+    st_u4(p, o);
 }
 
 // Output element offset of (row, element 0) of a page, or -1 when the row is

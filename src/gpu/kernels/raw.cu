@@ -61,7 +61,7 @@ __device__ __forceinline__ void raw_decode_fast(const PageDesc* __restrict__ des
             i64 o = row_dst(d, row, status);
             if (o >= 0) {
                 u16* q = dst + o + 8 * j;
-                if (same) __stwb(reinterpret_cast<uint4*>(q), raw[k]);
+                if (same) st_u4(q, raw[k]);
                 else store8<OUT>(q, v[k]);
             }
         }
