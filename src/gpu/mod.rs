@@ -12,8 +12,11 @@
 //!   `[num_blocks, block_size, kv_heads, head_dim]` through a slot mapping
 //!   (token -> slot). Many pages go in one launch through a descriptor
 //!   table ([`spec::PageDesc`]); results equal the CPU decoder's bit for bit
-//!   (same IEEE operations in the same order, no fused multiply-add, the
-//!   Walsh-Hadamard stages in the normative order).
+//!   (same IEEE operations in the same order, no fused multiply-add except
+//!   where the product is exact, the Walsh-Hadamard stages in the normative
+//!   order). The one exception: an `int`/`bdr` output that is NaN (only
+//!   possible from a non-finite scale or zero point) is the canonical NaN,
+//!   where the CPU keeps the payload.
 //! * **Encode** ([`Gpu::plan_encode`]): a contiguous bf16/fp16/f32 tensor
 //!   on the device to `int{b}` / `bdr{h}` page bodies whose sections are
 //!   the CPU encoder's bit for bit ([`EncodePlan::sections`]).
@@ -26,6 +29,9 @@
 //!
 //! [`Device`] runs the same operations on the CPU (the reference codecs)
 //! or on CUDA and returns host results, so one test body checks both.
+//!
+//! Measured throughput against the device-to-device copy ceiling, and what
+//! limits each kernel: `tests/benches/gpu.md`.
 //!
 //! # Building and running
 //! `cargo build --features cuda`. The CUDA driver and NVRTC are loaded at
