@@ -145,6 +145,44 @@ pub(crate) fn ordered_map<T: Sync, U: Send>(
     })
 }
 
+/// Encodes `pages` of `tensors` on all threads and writes them in order.
+/// Window pages use the codec of table slot `raw_slot`, others slot 0.
+/// Returns (elements, source bytes) written.
+fn write_pages<W: Write>(
+    w: &mut Writer<W>,
+    tensors: &[Tensor],
+    pages: &[PlannedPage],
+    codecs: &[&dyn Codec],
+    raw_slot: usize,
+    opts: &CompressOptions,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(u64, u64)> {
+    let total: u64 = pages
+        .iter()
+        .map(|p| page_source_bytes(&tensors[p.tensor as usize], p))
+        .sum();
+    let mut source_bytes = 0u64;
+    let mut elements = 0u64;
+    ordered_map(
+        pages,
+        total / pages.len().max(1) as u64,
+        |p| {
+            let slot = if p.raw { raw_slot } else { 0 };
+            encode_page(&tensors[p.tensor as usize], p, codecs[slot], slot, opts).map(|f| (f, *p))
+        },
+        |(frame, p)| {
+            w.write_page(&frame)?;
+            let t = &tensors[p.tensor as usize];
+            let b = page_source_bytes(t, &p);
+            source_bytes += b;
+            elements += b / t.info.dtype.size() as u64;
+            progress(source_bytes);
+            Ok(())
+        },
+    )?;
+    Ok((elements, source_bytes))
+}
+
 /// Compresses a whole cache into `out` as a new kvpack file (one commit).
 /// `progress` is called with the source bytes encoded so far.
 ///
@@ -194,33 +232,17 @@ pub fn compress<W: Write>(
         recent_tokens: opts.layout.recent,
     };
     let mut w = Writer::new(out, &header)?;
-    let mut done = 0u64;
-    let avg = cache.source_bytes() / pages.len().max(1) as u64;
-    ordered_map(
+    write_pages(
+        &mut w,
+        &cache.tensors,
         &pages,
-        avg,
-        |p| {
-            let slot = usize::from(p.raw && codecs.len() > 1);
-            encode_page(
-                &cache.tensors[p.tensor as usize],
-                p,
-                codecs[slot],
-                slot,
-                opts,
-            )
-            .map(|f| (f, *p))
-        },
-        |(frame, p)| {
-            w.write_page(&frame)?;
-            done += page_source_bytes(&cache.tensors[p.tensor as usize], &p);
-            progress(done);
-            Ok(())
-        },
+        &codecs,
+        codecs.len() - 1,
+        opts,
+        progress,
     )?;
-    let written_before = w.bytes_written();
     let (out, trailer) = w.commit(&cache.token_ids)?;
     let output_bytes = trailer.header_len + trailer.commit_end;
-    debug_assert!(output_bytes >= written_before);
     Ok((
         out,
         CompressReport {
@@ -245,6 +267,9 @@ pub fn compress<W: Write>(
 /// carry token ids that start with them; when neither has token ids the
 /// append is refused unless `unverified_ok` (nothing proves the new tokens
 /// follow the stored ones). A different `kvpack.model` is always refused.
+/// Every tensor must gain the same number of tokens, equal to the growth of
+/// the token ids when both have them: a sliding-window layer whose window
+/// rolled is refused rather than extended with shifted slots.
 ///
 /// # Errors
 /// [`Error::Parameter`] when `longer` does not extend the stored cache
@@ -331,6 +356,26 @@ pub fn append<W: Write>(
             ),
         }));
     }
+    // Every layer must gain the same number of tokens, and as many as the
+    // prompt grew: a sliding-window layer whose window rolled holds other
+    // positions in the same slots and cannot be extended in place.
+    let deltas: Vec<u32> = longer
+        .tensors
+        .iter()
+        .zip(&idx.token_counts)
+        .map(|(t, &n)| t.info.tokens - n)
+        .collect();
+    let grew_ids = (!idx.token_ids.is_empty() && !longer.token_ids.is_empty())
+        .then(|| longer.token_ids.len() - idx.token_ids.len());
+    let want = grew_ids.map(|d| d as u32).unwrap_or(deltas[0]);
+    if let Some(t) = deltas.iter().position(|&d| d != want) {
+        return Err(Error::param(format!(
+            "{} gains {} tokens but the cache gains {want}: its sliding window rolled (the stored slots now hold other \
+             positions), so it cannot be extended in place; compress the new cache instead",
+            longer.tensors[t].info.describe(),
+            deltas[t]
+        )));
+    }
     let codecs: Vec<Box<dyn Codec>> = h
         .codecs
         .iter()
@@ -359,32 +404,15 @@ pub fn append<W: Write>(
         ..*opts
     };
     let mut w = Writer::resume(out, h, existing.header_len(), idx, existing.trailer())?;
-    let mut elements = 0u64;
-    let mut source_bytes = 0u64;
-    let avg = longer.source_bytes() / pages.len().max(1) as u64;
-    ordered_map(
+    let refs: Vec<&dyn Codec> = codecs.iter().map(|c| c.as_ref()).collect();
+    let (elements, source_bytes) = write_pages(
+        &mut w,
+        &longer.tensors,
         &pages,
-        avg,
-        |p| {
-            let slot = if p.raw { raw_slot.unwrap_or(0) } else { 0 };
-            encode_page(
-                &longer.tensors[p.tensor as usize],
-                p,
-                codecs[slot].as_ref(),
-                slot,
-                &opts,
-            )
-            .map(|f| (f, *p))
-        },
-        |(frame, p)| {
-            w.write_page(&frame)?;
-            let tensor = &longer.tensors[p.tensor as usize];
-            let b = page_source_bytes(tensor, &p);
-            elements += b / tensor.info.dtype.size() as u64;
-            source_bytes += b;
-            progress(source_bytes);
-            Ok(())
-        },
+        &refs,
+        raw_slot.unwrap_or(0),
+        &opts,
+        progress,
     )?;
     let before = existing.trailer().commit_end;
     let (out, trailer) = w.commit_durable(&longer.token_ids, sync)?;

@@ -169,12 +169,10 @@ impl<'a> Archive<'a> {
             .try_for_each(|(pi, info, lo, hi, planes)| {
                 self.decode_page(pi, info, lo, hi, planes, stats)
             })?;
-        let r = &self.reader;
-        let src_ids = &r.index().token_ids;
         Ok(KvCache {
             tensors,
             metadata: h.metadata.clone(),
-            token_ids: src_ids.clone(),
+            token_ids: self.reader.index().token_ids.clone(),
         })
     }
 
@@ -237,7 +235,6 @@ impl<'a> Archive<'a> {
                 src.load((p * m.tokens as usize + skip + t) * d, &mut row);
                 dst.store(t * d, &row);
             }
-            let _ = &mut dst;
         }
         Ok(())
     }

@@ -13,7 +13,8 @@ use kvpack::io::file::append_file;
 use kvpack::plan::Layout;
 use kvpack::{KvCache, Tensor, TensorData, TensorInfo};
 
-/// The first `keep(tokens)` tokens of every tensor (and token ids).
+/// The cache truncated by its last tokens: every tensor keeps its first
+/// `keep(tokens)` slots, with the first `ids` token ids.
 fn prefix(c: &KvCache, keep: impl Fn(u32) -> u32, ids: usize) -> KvCache {
     let tensors = c
         .tensors
@@ -65,7 +66,10 @@ fn appending_the_second_half_equals_compressing_the_whole() {
     let fx = fixture().cache;
     let dir = tempfile::tempdir().unwrap();
     for codec in ["bdr128", "int4", "raw"] {
-        let half = prefix(&fx, |t| t / 2, 260);
+        // The first "half": every layer without its last 254 tokens (global
+        // layers 266 of 520, sliding layers 257 of 511), the prompt's first
+        // 266 token ids. The append adds the 254 tokens that follow.
+        let half = prefix(&fx, |t| t - 254, 266);
         let path = dir.path().join(format!("{codec}.kvpack"));
         write_file(
             &path,
@@ -99,7 +103,7 @@ fn a_mismatched_prefix_or_model_is_refused_and_the_file_is_untouched() {
     let fx = fixture().cache;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("c.kvpack");
-    let half = prefix(&fx, |t| t / 2, 260);
+    let half = prefix(&fx, |t| t - 254, 266);
     write_file(
         &path,
         &compress_bytes(&half, "int4", Layout::default(), None),
@@ -119,8 +123,29 @@ fn a_mismatched_prefix_or_model_is_refused_and_the_file_is_untouched() {
             .to_string()
             .contains("model")
     );
-    let shorter = prefix(&fx, |t| t / 4, 130);
+    let shorter = prefix(&fx, |t| t - 400, 120);
     assert!(append_file(&path, &shorter, false, &CompressOptions::default(), &|_| {}).is_err());
+    // A rolled sliding window (as a real 266 -> 520 continuation of Gemma
+    // gives: sliding layers stay at 511 slots) is refused.
+    let mut rolled = fx.clone();
+    for t in &mut rolled.tensors {
+        if t.info.tokens == 511 {
+            *t = prefix(
+                &KvCache {
+                    tensors: vec![t.clone()],
+                    ..Default::default()
+                },
+                |_| 300,
+                0,
+            )
+            .tensors
+            .remove(0);
+        }
+    }
+    let e = append_file(&path, &rolled, false, &CompressOptions::default(), &|_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sliding window rolled"), "{e}");
     assert_eq!(std::fs::read(&path).unwrap(), before);
     // Without token ids on either side, only --force appends.
     let mut anon = half.clone();

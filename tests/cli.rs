@@ -40,7 +40,7 @@ fn compress_inspect_verify_decompress_on_the_fixture() {
     let out = dir.path().join("c.kvpack");
     let o = kvpack(&[
         "compress",
-        FIXTURE_ABS(),
+        &fixture_path(),
         "--codec",
         "bdr128",
         "-o",
@@ -71,7 +71,7 @@ fn compress_inspect_verify_decompress_on_the_fixture() {
         "verify",
         out.to_str().unwrap(),
         "--against",
-        FIXTURE_ABS(),
+        &fixture_path(),
         "--json",
     ]);
     assert_eq!(code(&o), 0, "{}", String::from_utf8_lossy(&o.stdout));
@@ -85,7 +85,7 @@ fn compress_inspect_verify_decompress_on_the_fixture() {
         "verify",
         out.to_str().unwrap(),
         "--against",
-        FIXTURE_ABS(),
+        &fixture_path(),
         "--max-attn-err",
         "1e-9",
     ]);
@@ -113,9 +113,9 @@ fn compress_inspect_verify_decompress_on_the_fixture() {
     assert_eq!(back.cache.metadata, orig.cache.metadata);
 }
 
-#[allow(non_snake_case)]
-fn FIXTURE_ABS() -> &'static str {
-    Box::leak(repo(FIXTURE).display().to_string().into_boxed_str())
+/// The fixture's absolute path (tests run from any directory).
+fn fixture_path() -> String {
+    repo(FIXTURE).display().to_string()
 }
 
 #[test]
@@ -123,13 +123,13 @@ fn existing_output_needs_force_and_is_not_touched() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("c.kvpack");
     std::fs::write(&out, b"precious").unwrap();
-    let o = kvpack(&["compress", FIXTURE_ABS(), "-o", out.to_str().unwrap()]);
+    let o = kvpack(&["compress", &fixture_path(), "-o", out.to_str().unwrap()]);
     assert_eq!(code(&o), 2);
     assert!(stderr(&o).contains("--force"), "{}", stderr(&o));
     assert_eq!(std::fs::read(&out).unwrap(), b"precious");
     let o = kvpack(&[
         "compress",
-        FIXTURE_ABS(),
+        &fixture_path(),
         "-o",
         out.to_str().unwrap(),
         "--force",
@@ -190,7 +190,14 @@ fn bad_input_gives_exit_2_and_a_clear_message() {
     let dir = tempfile::tempdir().unwrap();
     let p = |n: &str| dir.path().join(n).display().to_string();
     // Unknown codec.
-    let o = kvpack(&["compress", FIXTURE_ABS(), "--codec", "zip9", "-o", &p("x")]);
+    let o = kvpack(&[
+        "compress",
+        &fixture_path(),
+        "--codec",
+        "zip9",
+        "-o",
+        &p("x"),
+    ]);
     assert_eq!(code(&o), 2);
     assert!(stderr(&o).contains("unknown codec"), "{}", stderr(&o));
     // Missing file.
@@ -256,7 +263,7 @@ fn verify_reports_corruption_with_exit_1() {
     assert_eq!(
         code(&kvpack(&[
             "compress",
-            FIXTURE_ABS(),
+            &fixture_path(),
             "--codec",
             "int4",
             "-o",

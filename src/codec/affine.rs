@@ -244,30 +244,40 @@ impl Codec for Affine {
         let mut codes = vec![0u8; d];
         for r in 0..rows {
             page.load_row(r, &mut buf);
-            if let Some(h) = block {
-                wht::fwht_blocks(&mut buf, h);
-                crate::kernels::scale(&mut buf, c);
-            }
-            let p = if row_aligned {
-                affine::quantize_row(&buf, bits, &mut index[r * row_bytes..(r + 1) * row_bytes])
-            } else {
-                affine::min_max(&buf).map(|(mn, mx)| {
-                    let (p, inv) = affine::params(mn, mx, (1 << bits) - 1);
-                    affine::quantize_codes(&buf, inv, p.zero, (1 << bits) - 1, &mut codes);
-                    all_codes[r * d..(r + 1) * d].copy_from_slice(&codes);
-                    p
+            let range = match block {
+                Some(h) => {
+                    wht::fwht_blocks(&mut buf, h);
+                    affine::scale_min_max(&mut buf, c)
+                }
+                None => affine::min_max(&buf),
+            };
+            let p = range
+                .map(|(mn, mx)| {
+                    if row_aligned {
+                        affine::quantize_row_in_range(
+                            &buf,
+                            mn,
+                            mx,
+                            bits,
+                            &mut index[r * row_bytes..(r + 1) * row_bytes],
+                        )
+                    } else {
+                        let (p, inv) = affine::params(mn, mx, (1 << bits) - 1);
+                        affine::quantize_codes(&buf, inv, p.zero, (1 << bits) - 1, &mut codes);
+                        all_codes[r * d..(r + 1) * d].copy_from_slice(&codes);
+                        p
+                    }
                 })
-            }
-            .map_err(|e| {
-                let t = page.tokens as usize;
-                Error::param(format!(
-                    "{} ({}) plane {} token {}: {e}",
-                    page.tensor.name,
-                    page.tensor.describe(),
-                    r / t,
-                    page.token_start as usize + r % t
-                ))
-            })?;
+                .map_err(|e| {
+                    let t = page.tokens as usize;
+                    Error::param(format!(
+                        "{} ({}) plane {} token {}: {e}",
+                        page.tensor.name,
+                        page.tensor.describe(),
+                        r / t,
+                        page.token_start as usize + r % t
+                    ))
+                })?;
             scales.push(p.scale);
             zeros.push(p.zero);
         }

@@ -16,7 +16,13 @@
 //! The container, the pipeline and the CLI need no change.
 
 pub mod affine;
+pub mod groups;
+pub mod hqmq;
+pub mod innerq;
+pub mod kivi;
 pub mod outliers;
+pub mod pagebuf;
+pub mod polar;
 pub mod raw;
 pub mod registry;
 

@@ -30,9 +30,14 @@ pub const FAMILIES: &[Family] = &[
     super::raw::FAMILY,
     super::affine::INT_FAMILY,
     super::affine::BDR_FAMILY,
+    super::polar::FAMILY,
+    super::innerq::FAMILY,
+    super::kivi::FAMILY,
+    super::hqmq::FAMILY,
 ];
 
-/// Parses a codec name such as `raw`, `int4`, `bdr128` or `bdr128:k`.
+/// Parses a codec name such as `raw`, `int4`, `bdr128`, `bdr128:k` or
+/// `hqmq:s96r4+med3`.
 ///
 /// # Errors
 /// [`Error::Parameter`] for an unknown name or invalid options, listing the

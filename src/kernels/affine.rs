@@ -126,6 +126,21 @@ pub fn quantize_codes(x: &[f32], inv: f32, zero: f32, levels: u32, codes: &mut [
 /// If `packed` has the wrong length or `x.len() > 1024`.
 pub fn quantize_row(x: &[f32], bits: u32, packed: &mut [u8]) -> Result<RowParams> {
     let (mn, mx) = min_max(x)?;
+    Ok(quantize_row_in_range(x, mn, mx, bits, packed))
+}
+
+/// [`quantize_row`] with the row's minimum and maximum already known (e.g.
+/// from [`scale_min_max`]).
+///
+/// # Panics
+/// If `packed` has the wrong length or `x.len() > 1024`.
+pub fn quantize_row_in_range(
+    x: &[f32],
+    mn: f32,
+    mx: f32,
+    bits: u32,
+    packed: &mut [u8],
+) -> RowParams {
     let levels = (1u32 << bits) - 1;
     let (p, inv) = params(mn, mx, levels);
     #[cfg(target_arch = "x86_64")]
@@ -134,13 +149,29 @@ pub fn quantize_row(x: &[f32], bits: u32, packed: &mut [u8]) -> Result<RowParams
         // packed.len() == x.len() / 2 is asserted by pack_u8's contract below.
         assert_eq!(packed.len(), x.len() / 2);
         unsafe { super::x86::quantize_pack4(x, inv, p.zero, packed) };
-        return Ok(p);
+        return p;
     }
     let mut codes = [0u8; 1024];
     let codes = &mut codes[..x.len()];
     quantize_codes(x, inv, p.zero, levels, codes);
     bitpack::pack_u8(codes, bits, packed);
-    Ok(p)
+    p
+}
+
+/// Multiplies `x` by `c` in place (one IEEE multiplication each) and
+/// returns the minimum and maximum of the result, in one pass.
+///
+/// # Errors
+/// As [`min_max`].
+pub fn scale_min_max(x: &mut [f32], c: f32) -> Result<(f32, f32)> {
+    #[cfg(target_arch = "x86_64")]
+    if super::simd_available() {
+        // SAFETY: AVX2 availability checked.
+        let (lo, hi, ok) = unsafe { super::x86::scale_min_max(x, c) };
+        return if ok { Ok((lo, hi)) } else { Err(non_finite()) };
+    }
+    super::scale(x, c);
+    min_max_scalar(x)
 }
 
 /// Decodes one row of `out.len()` values from `bits`-bit codes:

@@ -12,24 +12,14 @@ pub fn packed_len(n: usize, bits: u32) -> usize {
     (n * bits as usize).div_ceil(8)
 }
 
-/// Packs `codes` (each `< 2^bits`, `bits` in 1..=32) into `out`.
-///
-/// # Panics
-/// If `out.len() != packed_len(codes.len(), bits)` or `bits` is out of
-/// range. Codes are masked to `bits` bits.
-pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
-    assert!((1..=32).contains(&bits));
-    assert_eq!(out.len(), packed_len(codes.len(), bits));
-    let mask = if bits == 32 {
-        u64::from(u32::MAX)
-    } else {
-        (1u64 << bits) - 1
-    };
+/// LSB-first packing of `codes` (masked to `bits` bits, 1..=32) into `out`.
+fn pack_bits(codes: impl Iterator<Item = u64>, bits: u32, out: &mut [u8]) {
+    let mask = (1u64 << bits) - 1;
     let mut acc: u64 = 0;
     let mut nacc = 0u32;
     let mut o = 0;
-    for &c in codes {
-        acc |= (u64::from(c) & mask) << nacc;
+    for c in codes {
+        acc |= (c & mask) << nacc;
         nacc += bits;
         while nacc >= 8 {
             out[o] = acc as u8;
@@ -43,6 +33,36 @@ pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
     }
 }
 
+/// LSB-first unpacking of `n` codes of `bits` bits (1..=32), handed to
+/// `put(i, code)`.
+fn unpack_bits(packed: &[u8], bits: u32, n: usize, mut put: impl FnMut(usize, u64)) {
+    let mask = (1u64 << bits) - 1;
+    let mut acc: u64 = 0;
+    let mut nacc = 0u32;
+    let mut i = 0;
+    for k in 0..n {
+        while nacc < bits {
+            acc |= u64::from(packed[i]) << nacc;
+            i += 1;
+            nacc += 8;
+        }
+        put(k, acc & mask);
+        acc >>= bits;
+        nacc -= bits;
+    }
+}
+
+/// Packs `codes` (each `< 2^bits`, `bits` in 1..=32) into `out`.
+///
+/// # Panics
+/// If `out.len() != packed_len(codes.len(), bits)` or `bits` is out of
+/// range. Codes are masked to `bits` bits.
+pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
+    assert!((1..=32).contains(&bits));
+    assert_eq!(out.len(), packed_len(codes.len(), bits));
+    pack_bits(codes.iter().map(|&c| u64::from(c)), bits, out);
+}
+
 /// Unpacks `out.len()` codes of `bits` bits (1..=32) from `packed`.
 ///
 /// # Panics
@@ -50,23 +70,71 @@ pub fn pack_u32(codes: &[u32], bits: u32, out: &mut [u8]) {
 pub fn unpack_u32(packed: &[u8], bits: u32, out: &mut [u32]) {
     assert!((1..=32).contains(&bits));
     assert!(packed.len() >= packed_len(out.len(), bits));
-    let mask = if bits == 32 {
-        u64::from(u32::MAX)
-    } else {
-        (1u64 << bits) - 1
-    };
-    let mut acc: u64 = 0;
+    unpack_bits(packed, bits, out.len(), |i, c| out[i] = c as u32);
+}
+
+/// Packs `codes` of `bits` bits (1..=64) into `out`, LSB-first, the same
+/// bitstream as [`pack_u32`] for widths up to 32 (used for fields wider
+/// than the 32 bits of the container's packed element type, e.g. the
+/// mixed-radix digit groups of [`super::radix`]).
+///
+/// # Panics
+/// If `out.len() != packed_len(codes.len(), bits)` or `bits` is out of
+/// range. Codes are masked to `bits` bits.
+pub fn pack_u64(codes: &[u64], bits: u32, out: &mut [u8]) {
+    assert!((1..=64).contains(&bits));
+    assert_eq!(out.len(), packed_len(codes.len(), bits));
+    let mask = u128::from(u64::MAX >> (64 - bits));
+    let mut acc: u128 = 0;
+    let mut nacc = 0u32;
+    let mut o = 0;
+    for &c in codes {
+        acc |= (u128::from(c) & mask) << nacc;
+        nacc += bits;
+        while nacc >= 8 {
+            out[o] = acc as u8;
+            o += 1;
+            acc >>= 8;
+            nacc -= 8;
+        }
+    }
+    if nacc > 0 {
+        out[o] = acc as u8;
+    }
+}
+
+/// Unpacks `out.len()` codes of `bits` bits (1..=64) from `packed`
+/// (inverse of [`pack_u64`]).
+///
+/// # Panics
+/// If `packed` is shorter than `packed_len(out.len(), bits)`.
+pub fn unpack_u64(packed: &[u8], bits: u32, out: &mut [u64]) {
+    assert!((1..=64).contains(&bits));
+    assert!(packed.len() >= packed_len(out.len(), bits));
+    let mask = u128::from(u64::MAX >> (64 - bits));
+    let mut acc: u128 = 0;
     let mut nacc = 0u32;
     let mut i = 0;
     for c in out.iter_mut() {
         while nacc < bits {
-            acc |= u64::from(packed[i]) << nacc;
+            acc |= u128::from(packed[i]) << nacc;
             i += 1;
             nacc += 8;
         }
-        *c = (acc & mask) as u32;
+        *c = (acc & mask) as u64;
         acc >>= bits;
         nacc -= bits;
+    }
+}
+
+/// True when the bits of the last byte of a `packed_len(n, bits)`-byte
+/// stream beyond its `n * bits` code bits are zero, as format/SPEC.md
+/// section 6.2 requires (decoders use it to reject non-canonical streams).
+pub fn tail_is_zero(packed: &[u8], n: usize, bits: u32) -> bool {
+    let used = n * bits as usize;
+    match packed.get(used / 8) {
+        Some(&last) if !used.is_multiple_of(8) => last >> (used % 8) == 0,
+        _ => true,
     }
 }
 
@@ -88,25 +156,7 @@ pub fn pack_u8(codes: &[u8], bits: u32, out: &mut [u8]) {
                 out[pairs.len()] = last & 15;
             }
         }
-        _ => {
-            let mask = ((1u32 << bits) - 1) as u64;
-            let mut acc: u64 = 0;
-            let mut nacc = 0u32;
-            let mut o = 0;
-            for &c in codes {
-                acc |= (u64::from(c) & mask) << nacc;
-                nacc += bits;
-                if nacc >= 8 {
-                    out[o] = acc as u8;
-                    o += 1;
-                    acc >>= 8;
-                    nacc -= 8;
-                }
-            }
-            if nacc > 0 {
-                out[o] = acc as u8;
-            }
-        }
+        _ => pack_bits(codes.iter().map(|&c| u64::from(c)), bits, out),
     }
 }
 
@@ -130,22 +180,7 @@ pub fn unpack_u8(packed: &[u8], bits: u32, out: &mut [u8]) {
                 *last = packed[n / 2] & 15;
             }
         }
-        _ => {
-            let mask = (1u64 << bits) - 1;
-            let mut acc: u64 = 0;
-            let mut nacc = 0u32;
-            let mut i = 0;
-            for c in out.iter_mut() {
-                if nacc < bits {
-                    acc |= u64::from(packed[i]) << nacc;
-                    i += 1;
-                    nacc += 8;
-                }
-                *c = (acc & mask) as u8;
-                acc >>= bits;
-                nacc -= bits;
-            }
-        }
+        _ => unpack_bits(packed, bits, out.len(), |i, c| out[i] = c as u8),
     }
 }
 
@@ -179,6 +214,24 @@ mod tests {
             let mut packed32 = vec![0u8; packed.len()];
             pack_u32(&wide, bits, &mut packed32);
             prop_assert_eq!(&packed32, &packed);
+        }
+
+        #[test]
+        fn u64_matches_u32_and_round_trips(bits in 1u32..=64, raw in proptest::collection::vec(any::<u64>(), 0..120)) {
+            let mask = u64::MAX >> (64 - bits);
+            let codes: Vec<u64> = raw.iter().map(|c| c & mask).collect();
+            let mut packed = vec![0u8; packed_len(codes.len(), bits)];
+            pack_u64(&codes, bits, &mut packed);
+            prop_assert!(tail_is_zero(&packed, codes.len(), bits));
+            let mut back = vec![0u64; codes.len()];
+            unpack_u64(&packed, bits, &mut back);
+            prop_assert_eq!(&back, &codes);
+            if bits <= 32 {
+                let narrow: Vec<u32> = codes.iter().map(|&c| c as u32).collect();
+                let mut p32 = vec![0u8; packed.len()];
+                pack_u32(&narrow, bits, &mut p32);
+                prop_assert_eq!(&p32, &packed);
+            }
         }
 
         #[test]

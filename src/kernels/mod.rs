@@ -1,6 +1,7 @@
 //! Shared numeric kernels used by the codecs: element-type conversion, bit
-//! packing, the fast Walsh-Hadamard transform and asymmetric (affine)
-//! quantization.
+//! packing, mixed-radix digit packing, the fast Walsh-Hadamard transform,
+//! asymmetric (affine) quantization, quaternion arithmetic and a seeded
+//! integer PRNG.
 //!
 //! Every kernel has a portable scalar implementation that defines its exact
 //! result. Where an x86-64 AVX2 path exists it is selected at run time and
@@ -11,6 +12,11 @@
 pub mod affine;
 pub mod bitpack;
 pub mod convert;
+pub mod group;
+pub mod polar;
+pub mod quaternion;
+pub mod radix;
+pub mod rng;
 pub mod wht;
 #[cfg(target_arch = "x86_64")]
 pub mod x86;

@@ -74,6 +74,33 @@ pub unsafe fn f32_to_bf16(src: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// Reduces 8-lane min/max/non-finite accumulators and folds in `tail`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn reduce_min_max(mn: __m256, mx: __m256, bad: __m256, tail: &[f32]) -> (f32, f32, bool) {
+    let mut a = [0f32; 8];
+    let mut b = [0f32; 8];
+    let mut c = [0f32; 8];
+    // SAFETY: 8-float stores into 8-float arrays.
+    unsafe {
+        _mm256_storeu_ps(a.as_mut_ptr(), mn);
+        _mm256_storeu_ps(b.as_mut_ptr(), mx);
+        _mm256_storeu_ps(c.as_mut_ptr(), bad);
+    }
+    let mut lo = f32::INFINITY;
+    let mut hi = f32::NEG_INFINITY;
+    let mut ok = c.iter().all(|v| v.to_bits() == 0);
+    for l in 0..8 {
+        lo = if a[l] < lo { a[l] } else { lo };
+        hi = if b[l] > hi { b[l] } else { hi };
+    }
+    for &v in tail {
+        lo = if v < lo { v } else { lo };
+        hi = if v > hi { v } else { hi };
+        ok &= v.is_finite();
+    }
+    (lo, hi, ok)
+}
+
 /// Minimum, maximum and "all finite" of `x` ([`super::affine::min_max`]).
 ///
 /// # Safety
@@ -99,28 +126,46 @@ pub unsafe fn min_max(x: &[f32]) -> (f32, f32, bool) {
         );
         i += 8;
     }
-    let mut a = [0f32; 8];
-    let mut b = [0f32; 8];
-    let mut c = [0f32; 8];
-    // SAFETY: 8-float stores into 8-float arrays.
-    unsafe {
-        _mm256_storeu_ps(a.as_mut_ptr(), mn);
-        _mm256_storeu_ps(b.as_mut_ptr(), mx);
-        _mm256_storeu_ps(c.as_mut_ptr(), bad);
+    // SAFETY: same target features.
+    unsafe { reduce_min_max(mn, mx, bad, &x[i..]) }
+}
+
+/// Multiplies `x` by `c` in place and returns the minimum, maximum and
+/// "all finite" of the products ([`super::scale`] then
+/// [`super::affine::min_max`], in one pass).
+///
+/// # Safety
+/// AVX2, FMA and F16C must be available (checked by `simd_available`).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn scale_min_max(x: &mut [f32], c: f32) -> (f32, f32, bool) {
+    let n = x.len();
+    let vc = _mm256_set1_ps(c);
+    let mut mn = _mm256_set1_ps(f32::INFINITY);
+    let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut bad = _mm256_setzero_ps();
+    let zero = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 8 <= n {
+        // SAFETY: i + 8 <= n.
+        let v = unsafe {
+            let p = x.as_mut_ptr().add(i);
+            let v = _mm256_mul_ps(_mm256_loadu_ps(p), vc);
+            _mm256_storeu_ps(p, v);
+            v
+        };
+        mn = _mm256_min_ps(mn, v);
+        mx = _mm256_max_ps(mx, v);
+        bad = _mm256_or_ps(
+            bad,
+            _mm256_cmp_ps::<_CMP_UNORD_Q>(_mm256_mul_ps(v, zero), zero),
+        );
+        i += 8;
     }
-    let mut lo = f32::INFINITY;
-    let mut hi = f32::NEG_INFINITY;
-    let mut ok = c.iter().all(|v| v.to_bits() == 0);
-    for l in 0..8 {
-        lo = if a[l] < lo { a[l] } else { lo };
-        hi = if b[l] > hi { b[l] } else { hi };
+    for v in &mut x[i..] {
+        *v *= c;
     }
-    for &v in &x[i..] {
-        lo = if v < lo { v } else { lo };
-        hi = if v > hi { v } else { hi };
-        ok &= v.is_finite();
-    }
-    (lo, hi, ok)
+    // SAFETY: same target features.
+    unsafe { reduce_min_max(mn, mx, bad, &x[i..]) }
 }
 
 /// Quantizes `x` to 4-bit codes and packs them two per byte, low nibble
@@ -253,6 +298,14 @@ mod tests {
             let (lo, hi, ok) = unsafe { min_max(&x) };
             prop_assert!(ok);
             prop_assert_eq!((lo, hi), affine::min_max_scalar(&x).unwrap());
+            // scale + min/max in one pass
+            let mut y = x.clone();
+            let (slo, shi, sok) = unsafe { scale_min_max(&mut y, 0.0883883) };
+            let mut z = x.clone();
+            z.iter_mut().for_each(|v| *v *= 0.0883883);
+            prop_assert!(sok);
+            prop_assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), z.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            prop_assert_eq!((slo, shi), affine::min_max_scalar(&z).unwrap());
             // quantize + pack
             let (p, inv) = affine::params(lo, hi, 15);
             let mut codes = vec![0u8; n];

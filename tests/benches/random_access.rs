@@ -4,49 +4,25 @@
 //!
 //! `cargo bench --bench random_access`
 
+#[path = "../common/mod.rs"]
+mod common;
+
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use half::bf16;
-use kvpack::cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
+use kvpack::cache::{DType, Kind};
 use kvpack::compress::{CompressOptions, compress};
 use kvpack::decode::{Archive, Selection};
 
-fn synthetic() -> KvCache {
-    let mut s: u64 = 0x1234_5678_9ABC_DEF1;
-    let mut tensors = Vec::new();
-    for layer in 0..32 {
-        for kind in [Kind::Key, Kind::Value] {
-            let info = TensorInfo {
-                name: format!(
-                    "past_key_values.{layer}.{}",
-                    if kind == Kind::Key { "key" } else { "value" }
-                ),
-                layer,
-                kind,
-                dtype: DType::Bf16,
-                batch: 1,
-                heads: 8,
-                tokens: 2048,
-                head_dim: 128,
-            };
-            let data = (0..info.elements())
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
-                    bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-                })
-                .collect();
-            tensors.push(Tensor::new(info, TensorData::Bf16(data)).unwrap());
-        }
-    }
-    KvCache {
-        tensors,
-        ..Default::default()
-    }
-}
-
 fn bench(c: &mut Criterion) {
-    let cache = synthetic();
+    let cache = common::synthetic(
+        &[common::LayerSpec {
+            batch: 1,
+            heads: 8,
+            tokens: 2048,
+            head_dim: 128,
+        }; 32],
+        DType::Bf16,
+        7,
+    );
     let codec = kvpack::codec::parse("bdr128").unwrap();
     let (bytes, _) = compress(
         &cache,

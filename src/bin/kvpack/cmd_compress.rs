@@ -5,9 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
-use kvpack::compress::{CompressOptions, compress};
+use kvpack::compress::compress;
 use kvpack::io::{file, safetensors};
-use kvpack::plan::Layout;
 
 use crate::output;
 
@@ -25,21 +24,8 @@ pub struct Args {
     /// Output file, or - for stdout [default: INPUT with extension .kvpack].
     #[arg(long, short = 'o')]
     pub output: Option<String>,
-    /// Leading tokens per layer kept at source precision (attention sinks)
-    /// [default: the codec's own, 0 for raw/int/bdr].
-    #[arg(long, value_name = "N")]
-    pub sink: Option<u32>,
-    /// Trailing tokens per layer kept at source precision [default: the
-    /// codec's own, 0 for raw/int/bdr].
-    #[arg(long, value_name = "N")]
-    pub recent: Option<u32>,
-    /// Tokens per page (the unit of random access and streaming).
-    #[arg(long, default_value_t = 256, value_name = "N")]
-    pub page_tokens: u32,
-    /// Also compress each page with zstd at this level (kept only where it
-    /// helps).
-    #[arg(long, value_name = "LEVEL", num_args = 0..=1, default_missing_value = "3")]
-    pub zstd: Option<i32>,
+    #[command(flatten)]
+    pub layout: output::LayoutArgs,
     /// Frame alignment in bytes: 64, or 4096 for O_DIRECT / GPUDirect
     /// Storage.
     #[arg(long, default_value_t = 64, value_parser = parse_align)]
@@ -68,25 +54,10 @@ pub fn run(a: Args) -> Result<u8> {
     let input = file::open_input(&a.input)?;
     let loaded = safetensors::parse(&input, &a.input)?;
     let cache = loaded.cache;
-    let out_name = match &a.output {
-        Some(o) => o.clone(),
-        None if a.input == "-" => anyhow::bail!(kvpack::Error::param(
-            "reading stdin needs -o OUTPUT (or -o - for stdout)"
-        )),
-        None => output::with_extension(&a.input, "kvpack")
-            .display()
-            .to_string(),
-    };
-    let (def_sink, def_recent) = codec.default_windows();
-    let opts = CompressOptions {
-        layout: Layout {
-            page_tokens: a.page_tokens,
-            sink: a.sink.unwrap_or(def_sink),
-            recent: a.recent.unwrap_or(def_recent),
-        },
-        zstd_level: a.zstd,
-        align_log2: a.align.trailing_zeros() as u8,
-    };
+    let out_name = output::output_name(&a.input, a.output.as_deref(), "kvpack")?;
+    let opts = a
+        .layout
+        .options(codec.as_ref(), a.align.trailing_zeros() as u8);
     let pb = output::progress(cache.source_bytes(), "compress", a.quiet || a.json);
     let progress = |n: u64| pb.set_position(n);
     let report = if out_name == "-" {

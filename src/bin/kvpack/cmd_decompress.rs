@@ -65,15 +65,7 @@ pub fn run(a: Args) -> Result<u8> {
     if cache.tensors.is_empty() {
         anyhow::bail!(kvpack::Error::param("the selection matches no tensor"));
     }
-    let out_name = match &a.output {
-        Some(o) => o.clone(),
-        None if a.input == "-" => anyhow::bail!(kvpack::Error::param(
-            "reading stdin needs -o OUTPUT (or -o - for stdout)"
-        )),
-        None => output::with_extension(&a.input, "safetensors")
-            .display()
-            .to_string(),
-    };
+    let out_name = output::output_name(&a.input, a.output.as_deref(), "safetensors")?;
     if out_name == "-" {
         let mut w = std::io::BufWriter::new(std::io::stdout().lock());
         safetensors::write(&cache, &mut w)?;

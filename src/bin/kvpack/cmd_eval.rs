@@ -2,10 +2,8 @@
 
 use anyhow::Result;
 use clap::Args as ClapArgs;
-use kvpack::compress::CompressOptions;
 use kvpack::eval::evaluate;
 use kvpack::io::{file, safetensors};
-use kvpack::plan::Layout;
 
 use crate::output;
 
@@ -25,15 +23,8 @@ pub struct Args {
         value_delimiter = ','
     )]
     pub codec: Vec<String>,
-    /// Sink window [default: the codec's own].
-    #[arg(long, value_name = "N")]
-    pub sink: Option<u32>,
-    /// Recent window [default: the codec's own].
-    #[arg(long, value_name = "N")]
-    pub recent: Option<u32>,
-    /// Tokens per page.
-    #[arg(long, default_value_t = 256, value_name = "N")]
-    pub page_tokens: u32,
+    #[command(flatten)]
+    pub layout: output::LayoutArgs,
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -45,15 +36,9 @@ pub fn run(a: Args) -> Result<u8> {
     let mut rows = Vec::new();
     for name in &a.codec {
         let codec = kvpack::codec::parse(name)?;
-        let (ds, dr) = codec.default_windows();
-        let opts = CompressOptions {
-            layout: Layout {
-                page_tokens: a.page_tokens,
-                sink: a.sink.unwrap_or(ds),
-                recent: a.recent.unwrap_or(dr),
-            },
-            ..Default::default()
-        };
+        let opts = a
+            .layout
+            .options(codec.as_ref(), kvpack::format::DEFAULT_ALIGN_LOG2);
         rows.push(evaluate(&loaded, codec.as_ref(), &opts)?);
     }
     if a.json {

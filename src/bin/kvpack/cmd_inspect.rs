@@ -24,6 +24,66 @@ pub struct Args {
     /// List every page with its sections.
     #[arg(long)]
     pub pages: bool,
+    /// Read every page and break the bits per element down by section kind
+    /// (scales, indices, outlier tables, raw windows, framing), with the
+    /// outlier tables' entry count (format/SPEC.md section 6.5).
+    #[arg(long)]
+    pub sections: bool,
+}
+
+/// Bytes per section kind over all pages, outlier-table totals, and the
+/// bytes outside sections (headers, section tables, padding, index).
+fn section_breakdown(
+    r: &kvpack::format::Reader<'_>,
+    elements: u64,
+    file_bytes: u64,
+) -> Result<serde_json::Value> {
+    use kvpack::format::SectionKind;
+    let kinds = [
+        SectionKind::Scale,
+        SectionKind::Zero,
+        SectionKind::Index,
+        SectionKind::Outliers,
+        SectionKind::Raw,
+        SectionKind::Aux,
+    ];
+    let mut bytes = [0u64; 6];
+    let (mut entries, mut universe) = (0u64, 0u64);
+    for i in 0..r.index().entries.len() {
+        let page = r.page(i)?;
+        for d in page.sections() {
+            let k = kinds.iter().position(|k| *k == d.kind).unwrap_or(0);
+            bytes[k] += u64::from(d.len);
+            if d.kind == SectionKind::Outliers {
+                let (_, b) = page.section(d.kind, d.stream)?;
+                if b.len() >= 12 {
+                    entries += u64::from(u32::from_le_bytes(b[0..4].try_into()?));
+                    universe += u64::from(u32::from_le_bytes(b[8..12].try_into()?));
+                }
+            }
+        }
+    }
+    let bpe = |b: u64| 8.0 * b as f64 / elements.max(1) as f64;
+    let mut v = serde_json::Map::new();
+    for (k, &b) in kinds.iter().zip(&bytes) {
+        if b > 0 {
+            v.insert(
+                k.name().to_string(),
+                json!({"bytes": b, "bits_per_element": bpe(b)}),
+            );
+        }
+    }
+    let in_sections: u64 = bytes.iter().sum();
+    v.insert(
+        "framing".into(),
+        json!({"bytes": file_bytes - in_sections, "bits_per_element": bpe(file_bytes - in_sections)}),
+    );
+    v.insert(
+        "outlier_entries".into(),
+        json!({"entries": entries, "positions": universe,
+               "fraction": if universe == 0 { 0.0 } else { entries as f64 / universe as f64 }}),
+    );
+    Ok(serde_json::Value::Object(v))
 }
 
 /// List the codecs this build knows, with bits per element.
@@ -129,6 +189,9 @@ pub fn run(a: Args) -> Result<u8> {
         if a.pages {
             v["page_list"] = json!(pages_json);
         }
+        if a.sections {
+            v["sections"] = section_breakdown(r, elements, file_bytes)?;
+        }
         output::print_json(&v, false);
         return Ok(crate::EXIT_OK);
     }
@@ -209,6 +272,29 @@ pub fn run(a: Args) -> Result<u8> {
         bpe,
         source as f64 / file_bytes.max(1) as f64
     );
+    if a.sections {
+        let b = section_breakdown(r, elements, file_bytes)?;
+        let parts: Vec<String> = b
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter_map(|(k, v)| {
+                v["bits_per_element"]
+                    .as_f64()
+                    .map(|x| format!("{k} {x:.4}"))
+            })
+            .collect();
+        println!("  bits/element by section: {}", parts.join(", "));
+        let o = &b["outlier_entries"];
+        if o["entries"].as_u64().unwrap_or(0) > 0 {
+            println!(
+                "  outlier tables: {} entries of {} positions ({:.2}%)",
+                o["entries"],
+                o["positions"],
+                100.0 * o["fraction"].as_f64().unwrap_or(0.0)
+            );
+        }
+    }
     if !h.metadata.is_empty() {
         println!("  metadata:");
         for (k, v) in &h.metadata {
@@ -245,13 +331,36 @@ pub fn run(a: Args) -> Result<u8> {
 
 pub fn codecs(a: CodecsArgs) -> Result<u8> {
     let examples = [
-        "raw", "int2", "int3", "int4", "int8", "bdr16", "bdr32", "bdr64", "bdr128", "bdr256",
+        "raw",
+        "int2",
+        "int3",
+        "int4",
+        "int8",
+        "bdr16",
+        "bdr32",
+        "bdr64",
+        "bdr128",
+        "bdr256",
         "bdr128:k",
+        "hqmq:s24r3",
+        "hqmq:s48r4",
+        "hqmq:s96r4",
+        "hqmq:s192r4",
+        "hqmq:s192r6",
+        "hqmq:s96r4+med3",
+        "polar:m4n4",
+        "polar:m4n2",
+        "innerq:k3v3",
+        "innerq:k3v2",
+        "innerq:k2v2",
+        "kivi:2",
+        "kivi:4",
     ];
-    let shape = |d: u32| TensorInfo {
+    // Mean of the K and V figures (codecs such as innerq:k3v2 differ).
+    let shape = |d: u32, kind: Kind| TensorInfo {
         name: String::new(),
         layer: 0,
-        kind: Kind::Key,
+        kind,
         dtype: DType::Bf16,
         batch: 1,
         heads: 1,
@@ -261,7 +370,12 @@ pub fn codecs(a: CodecsArgs) -> Result<u8> {
     let rows: Vec<_> = examples
         .iter()
         .filter_map(|n| kvpack::codec::parse(n).ok())
-        .map(|c| json!({"name": c.name(), "id": c.id(), "bits_per_element_d128": c.bits_per_element(&shape(128)), "bits_per_element_d256": c.bits_per_element(&shape(256))}))
+        .map(|c| {
+            let bpe = |d| {
+                (c.bits_per_element(&shape(d, Kind::Key)) + c.bits_per_element(&shape(d, Kind::Value))) / 2.0
+            };
+            json!({"name": c.name(), "id": c.id(), "bits_per_element_d128": bpe(128), "bits_per_element_d256": bpe(256)})
+        })
         .collect();
     if a.json {
         let fams: Vec<_> = FAMILIES
@@ -275,11 +389,13 @@ pub fn codecs(a: CodecsArgs) -> Result<u8> {
     for f in FAMILIES {
         println!("  [{}] {:<44} {}", f.id, f.syntax, f.summary);
     }
-    println!("\nbits/element (codec payload; sink/recent windows and container add a little):");
-    println!("  {:<12} {:>10} {:>10}", "codec", "d=128", "d=256");
+    println!(
+        "\nbits/element (codec payload, mean of K and V; sink/recent windows, per-page scales and the container add more):"
+    );
+    println!("  {:<16} {:>10} {:>10}", "codec", "d=128", "d=256");
     for r in rows {
         println!(
-            "  {:<12} {:>10.3} {:>10.3}",
+            "  {:<16} {:>10.3} {:>10.3}",
             r["name"].as_str().unwrap_or(""),
             r["bits_per_element_d128"].as_f64().unwrap_or(0.0),
             r["bits_per_element_d256"].as_f64().unwrap_or(0.0)

@@ -12,7 +12,6 @@ use kvpack::compress::CompressOptions;
 use kvpack::decode::Archive;
 use kvpack::format::{StreamEvent, StreamReader};
 use kvpack::io::{file, safetensors};
-use kvpack::plan::Layout;
 use serde_json::json;
 
 use crate::output;
@@ -33,18 +32,8 @@ pub struct SendArgs {
     /// Emulate a slower link: at most GBIT gigabits per second.
     #[arg(long, value_name = "GBIT")]
     pub rate_limit: Option<f64>,
-    /// Sink window [default: the codec's own].
-    #[arg(long, value_name = "N")]
-    pub sink: Option<u32>,
-    /// Recent window [default: the codec's own].
-    #[arg(long, value_name = "N")]
-    pub recent: Option<u32>,
-    /// Tokens per page.
-    #[arg(long, default_value_t = 256, value_name = "N")]
-    pub page_tokens: u32,
-    /// zstd level per page.
-    #[arg(long, value_name = "LEVEL")]
-    pub zstd: Option<i32>,
+    #[command(flatten)]
+    pub layout: output::LayoutArgs,
     /// Print a JSON report.
     #[arg(long)]
     pub json: bool,
@@ -118,29 +107,13 @@ pub struct MatchArgs {
     pub json: bool,
 }
 
-fn layout(
-    codec: &dyn kvpack::codec::Codec,
-    page_tokens: u32,
-    sink: Option<u32>,
-    recent: Option<u32>,
-) -> Layout {
-    let (s, r) = codec.default_windows();
-    Layout {
-        page_tokens,
-        sink: sink.unwrap_or(s),
-        recent: recent.unwrap_or(r),
-    }
-}
-
 pub fn send(a: SendArgs) -> Result<u8> {
     let codec = kvpack::codec::parse(&a.codec)?;
     let input = file::open_input(&a.input)?;
     let cache = safetensors::parse(&input, &a.input)?.cache;
-    let opts = CompressOptions {
-        layout: layout(codec.as_ref(), a.page_tokens, a.sink, a.recent),
-        zstd_level: a.zstd,
-        ..Default::default()
-    };
+    let opts = a
+        .layout
+        .options(codec.as_ref(), kvpack::format::DEFAULT_ALIGN_LOG2);
     let pb = output::progress(cache.source_bytes(), "send", a.quiet || a.json);
     let r = kvpack::transport::send(
         &cache,

@@ -1,9 +1,12 @@
 //! Shared CLI helpers: progress bars, exit codes, output paths, formatting.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use kvpack::Error;
+use kvpack::codec::Codec;
+use kvpack::compress::CompressOptions;
+use kvpack::plan::Layout;
 
 use crate::{EXIT_BAD_INPUT, EXIT_IO};
 
@@ -33,10 +36,56 @@ pub fn progress(total: u64, what: &str, quiet: bool) -> ProgressBar {
     pb
 }
 
-/// `path` with its extension replaced by `ext` (`cache.safetensors` ->
-/// `cache.kvpack`).
-pub fn with_extension(path: &str, ext: &str) -> PathBuf {
-    Path::new(path).with_extension(ext)
+/// The output path: `output` when given, else `input` with its extension
+/// replaced by `ext` (`cache.safetensors` -> `cache.kvpack`).
+///
+/// # Errors
+/// When reading stdin without `-o`.
+pub fn output_name(input: &str, output: Option<&str>, ext: &str) -> Result<String, Error> {
+    match output {
+        Some(o) => Ok(o.to_string()),
+        None if input == "-" => Err(Error::param(
+            "reading stdin needs -o OUTPUT (or -o - for stdout)",
+        )),
+        None => Ok(Path::new(input).with_extension(ext).display().to_string()),
+    }
+}
+
+/// Page size, windows and zstd, shared by the commands that encode.
+#[derive(clap::Args, Debug)]
+pub struct LayoutArgs {
+    /// Leading tokens per layer kept at source precision (attention sinks)
+    /// [default: the codec's own, 0 for raw/int/bdr].
+    #[arg(long, value_name = "N")]
+    pub sink: Option<u32>,
+    /// Trailing tokens per layer kept at source precision [default: the
+    /// codec's own, 0 for raw/int/bdr].
+    #[arg(long, value_name = "N")]
+    pub recent: Option<u32>,
+    /// Tokens per page (the unit of random access and streaming).
+    #[arg(long, default_value_t = 256, value_name = "N")]
+    pub page_tokens: u32,
+    /// Also compress each page with zstd at this level (kept only where it
+    /// helps).
+    #[arg(long, value_name = "LEVEL", num_args = 0..=1, default_missing_value = "3")]
+    pub zstd: Option<i32>,
+}
+
+impl LayoutArgs {
+    /// Compression options for `codec`, filling unset windows with the
+    /// codec's defaults.
+    pub fn options(&self, codec: &dyn Codec, align_log2: u8) -> CompressOptions {
+        let (sink, recent) = codec.default_windows();
+        CompressOptions {
+            layout: Layout {
+                page_tokens: self.page_tokens,
+                sink: self.sink.unwrap_or(sink),
+                recent: self.recent.unwrap_or(recent),
+            },
+            zstd_level: self.zstd,
+            align_log2,
+        }
+    }
 }
 
 /// Human byte count: `10.9 MB`.

@@ -1,0 +1,225 @@
+//! `hqmq:s{S}r{b}[+med{C}]`: Hurwitz-quaternion multiplicative vector
+//! quantization (seeds/hqmq-hurwitz-quaternion.txt; bitstream in
+//! format/codecs/hqmq.md).
+//!
+//! Every head vector (one token of one kv head, `head_dim` values) is cut
+//! into `head_dim / 4` chunks, each a quaternion `x`. Its radius `|x|` and
+//! its direction are quantized separately (paper section 3, appendix B):
+//!
+//! * direction: the nearest codeword of the joint codebook
+//!   `{q_p * q_s : q_p in 2T, q_s in S_{layer, head, K|V}}` (Eq. 1): the
+//!   24 Hurwitz units times `S` Haar-random unit quaternions regenerated
+//!   from the file's seed ([`codebook`]), found by an exact fast search
+//!   ([`search`]);
+//! * radius: `b` bits, uniform levels `0 ..= 2^b - 1` times a per-token
+//!   fp16 scale (the row's largest inlier radius).
+//!
+//! With `+med{C}` (paper "Median-multiplier outlier extraction", Eq. 2,
+//! `C = 3` in the paper) a chunk whose radius exceeds `C` times the median
+//! chunk radius of its (plane, page) is stored exactly in fp16 in the
+//! page's outlier table (format/SPEC.md section 6.5) instead.
+//!
+//! The `(direction, radius)` symbol of a chunk takes one of `24 S 2^b`
+//! values; it is split into its low `E` bits and a base-`O` digit (`24 S
+//! 2^b = O 2^E`, `O` odd: 9 for `S = 3 * 2^k`), and the digits are packed
+//! in mixed radix ([`crate::kernels::radix`]), so a chunk costs
+//! `E + W/G ~ log2(24 S) + b` bits: the paper's Table 21 accounting,
+//! `(log2(24 S) + b) / 4 + 16 / head_dim` bits per element.
+
+pub mod codebook;
+mod page;
+mod params;
+pub mod search;
+
+use std::sync::Arc;
+
+use crate::cache::TensorInfo;
+use crate::error::{Error, Result};
+use crate::format::{PageView, Section};
+use crate::kernels::radix::Groups;
+
+use self::codebook::{Cache, Codebook};
+use super::{Codec, Family, PageIn, PageOut};
+
+pub use params::parse_name;
+
+/// Codec id of `hqmq` (format/SPEC.md section 7).
+pub const ID: u16 = 3;
+
+/// Largest secondary codebook size `S`.
+pub const MAX_S: u32 = 65_536;
+
+/// Registry entry of `hqmq`.
+pub const FAMILY: Family = Family {
+    id: ID,
+    name: "hqmq",
+    syntax: "hqmq:s{S}r{b}[+med{C}] e.g. hqmq:s96r4+med3",
+    summary: "Hurwitz-quaternion multiplicative VQ of 4-element chunks, fp16 outliers (:seed{N})",
+    parse: params::parse_family,
+    from_params: params::from_params,
+};
+
+/// An HQMQ configuration. Immutable; caches the codebooks it builds.
+#[derive(Debug)]
+pub struct Hqmq {
+    /// Secondary codebook size `S` (1..=65536).
+    pub secondaries: u32,
+    /// Radius bits `b` (1..=8): levels `0 ..= 2^b - 1`.
+    pub radius_bits: u8,
+    /// Outlier multiplier `C` of `+med{C}`, or `None` without outlier
+    /// extraction.
+    pub outlier_multiplier: Option<f32>,
+    /// Seed of every secondary codebook (default 0).
+    pub seed: u64,
+    /// Mixed-radix grouping of the direction digits.
+    pub groups: Groups,
+    cache: Arc<Cache>,
+}
+
+impl Hqmq {
+    /// A configuration with the default digit grouping.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when `S` is not in 1..=65536, `b` not in 1..=8,
+    /// or `C` is not a finite number in 1..=65504.
+    pub fn new(
+        secondaries: u32,
+        radius_bits: u8,
+        outlier_multiplier: Option<f32>,
+        seed: u64,
+    ) -> Result<Hqmq> {
+        check_ranges(secondaries, radius_bits)?;
+        let base = symbol_split(secondaries, radius_bits).1;
+        Hqmq::with_groups(
+            secondaries,
+            radius_bits,
+            outlier_multiplier,
+            seed,
+            Groups::best(base),
+        )
+    }
+
+    /// A configuration with an explicit digit grouping (as read from a
+    /// parameter block).
+    ///
+    /// # Errors
+    /// As [`Hqmq::new`], and when `groups` is not a grouping of base `O`.
+    pub fn with_groups(
+        secondaries: u32,
+        radius_bits: u8,
+        outlier_multiplier: Option<f32>,
+        seed: u64,
+        groups: Groups,
+    ) -> Result<Hqmq> {
+        check_ranges(secondaries, radius_bits)?;
+        if let Some(c) = outlier_multiplier
+            && !(c.is_finite() && (1.0..=65504.0).contains(&c))
+        {
+            return Err(Error::param(format!(
+                "hqmq: outlier multiplier {c}; C must be a number from 1 to 65504"
+            )));
+        }
+        let base = symbol_split(secondaries, radius_bits).1;
+        if Groups::new(base, groups.digits) != Some(groups) {
+            return Err(Error::param(format!(
+                "hqmq: {} digits per group is not a valid grouping of base {base}",
+                groups.digits
+            )));
+        }
+        Ok(Hqmq {
+            secondaries,
+            radius_bits,
+            outlier_multiplier,
+            seed,
+            groups,
+            cache: Arc::default(),
+        })
+    }
+
+    /// Radius levels minus one, `L = 2^b - 1`.
+    pub fn levels(&self) -> u32 {
+        (1 << self.radius_bits) - 1
+    }
+
+    /// `(E, O)` with `24 S 2^b = O 2^E`, `O` odd.
+    pub fn split(&self) -> (u32, u64) {
+        symbol_split(self.secondaries, self.radius_bits)
+    }
+
+    /// The codebook of `(layer, kv head, kind)`.
+    pub fn codebook(&self, layer: u32, head: u32, kind: crate::cache::Kind) -> Arc<Codebook> {
+        self.cache
+            .get(self.seed, self.secondaries as usize, layer, head, kind)
+    }
+
+    /// Payload bits per inlier chunk: `E + W / G` (direction and radius
+    /// symbol; compare `log2(24 S) + b`, HQMQ paper Table 21).
+    pub fn bits_per_chunk(&self) -> f64 {
+        f64::from(self.split().0) + self.groups.bits_per_digit()
+    }
+}
+
+fn check_ranges(secondaries: u32, radius_bits: u8) -> Result<()> {
+    if !(1..=MAX_S).contains(&secondaries) {
+        return Err(Error::param(format!(
+            "hqmq: S = {secondaries} secondary codewords; S must be 1 to {MAX_S}"
+        )));
+    }
+    if !(1..=8).contains(&radius_bits) {
+        return Err(Error::param(format!(
+            "hqmq: {radius_bits} radius bits; b must be 1 to 8"
+        )));
+    }
+    Ok(())
+}
+
+/// `(E, O)` with `24 S 2^b = O 2^E` and `O` odd (`S >= 1`).
+fn symbol_split(s: u32, b: u8) -> (u32, u64) {
+    let m = (24 * u64::from(s)) << b;
+    let e = m.trailing_zeros();
+    (e, m >> e)
+}
+
+impl Codec for Hqmq {
+    fn name(&self) -> String {
+        params::name(self)
+    }
+
+    fn id(&self) -> u16 {
+        ID
+    }
+
+    fn params(&self) -> Vec<u8> {
+        params::to_bytes(self)
+    }
+
+    fn check(&self, t: &TensorInfo) -> Result<()> {
+        if !t.head_dim.is_multiple_of(4) {
+            return Err(Error::param(format!(
+                "{} cuts head vectors into 4-element chunks, but {} ({}) has head_dim {}, \
+                 not a multiple of 4",
+                self.name(),
+                t.name,
+                t.describe(),
+                t.head_dim
+            )));
+        }
+        Ok(())
+    }
+
+    fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
+        page::encode(self, page)
+    }
+
+    fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
+        page::decode(self, page, out)
+    }
+
+    /// `(E + W/G) / 4 + 16 / head_dim`: the chunk symbols and the fp16
+    /// per-token scale; outliers (data-dependent) excluded. At head_dim 128
+    /// this is the HQMQ paper's Table 21 (3.17 for s24r3 ... 4.67 for
+    /// s192r6) to two decimals.
+    fn bits_per_element(&self, t: &TensorInfo) -> f64 {
+        self.bits_per_chunk() / 4.0 + 16.0 / f64::from(t.head_dim)
+    }
+}

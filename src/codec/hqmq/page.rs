@@ -1,0 +1,499 @@
+//! HQMQ page sections (format/codecs/hqmq.md "Page sections"): encoding
+//! and decoding of one page.
+//!
+//! With `R` rows (plane-major, format/SPEC.md section 6.3), `n_c =
+//! head_dim / 4` chunks per row and `n_in` inlier chunks:
+//!
+//! | kind | stream | element type | count | content |
+//! |---|---|---|---|---|
+//! | SCALE | 0 | f16 | `R` | per-row radius scale `sigma_r` |
+//! | INDEX | 0 | packed, `E` bits | `n_in` | low `E` bits of each inlier symbol |
+//! | INDEX | 1 | bytes | `ceil(ceil(n_in/G) W / 8)` | base-`O` digits of the symbols, mixed radix |
+//! | OUTLIERS | 0 | bytes | table | only with `+med{C}`: unit 4, fp16 chunks |
+
+use half::f16;
+
+use crate::error::{Error, Result};
+use crate::format::{ElemType, PageView, Section, SectionKind};
+use crate::kernels::bitpack;
+
+use super::super::outliers::OutlierTable;
+use super::super::{PageIn, PageOut, expect_section};
+use super::{Hqmq, search};
+
+/// `1.5 * 2^23`: `(t + M) - M` rounds `t` in `[0, 2^22]` to the nearest
+/// integer, ties to even.
+const RNE_MAGIC: f32 = 12_582_912.0;
+
+/// Largest finite fp16 value: scales and outlier values are stored in fp16.
+const F16_MAX: f32 = 65504.0;
+
+/// The smallest fp16 value `>= v` (`v` finite, `>= 0`), or `None` above
+/// the fp16 range.
+fn f16_ceil(v: f32) -> Option<f16> {
+    let h = f16::from_f32(v);
+    let h = if h.to_f32() < v {
+        f16::from_bits(h.to_bits() + 1)
+    } else {
+        h
+    };
+    h.is_finite().then_some(h)
+}
+
+/// Encodes one page (format/codecs/hqmq.md "Encoding").
+pub(super) fn encode(h: &Hqmq, page: &PageIn<'_>) -> Result<Vec<Section>> {
+    let info = page.tensor;
+    let d = page.head_dim();
+    if !d.is_multiple_of(4) {
+        return Err(Error::param(format!(
+            "{} ({}): head_dim {d} is not a multiple of 4",
+            info.name,
+            info.describe()
+        )));
+    }
+    let nc = d / 4;
+    let t = page.tokens as usize;
+    let rows = page.rows();
+    let planes = page.planes.len();
+    let n = rows * nc;
+    let at_row = |r: usize| {
+        format!(
+            "{} ({}) plane {} token {}",
+            info.name,
+            info.describe(),
+            r / t,
+            page.token_start as usize + r % t
+        )
+    };
+    let universe = u32::try_from(n).map_err(|_| Error::param("hqmq page over 2^32 chunks"))?;
+
+    // Chunks (structure of arrays) and their radii.
+    let mut xs: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; n]);
+    let mut row = vec![0f32; d];
+    for r in 0..rows {
+        page.load_row(r, &mut row);
+        // Branch-free check (vectorizes); NaN fails the comparison.
+        if !row.iter().fold(true, |ok, v| ok & (v.abs() <= F16_MAX))
+            && let Some(v) = row
+                .iter()
+                .find(|v| v.abs().partial_cmp(&F16_MAX).is_none_or(|o| o.is_gt()))
+        {
+            return Err(Error::param(format!(
+                "{}: value {v} cannot be encoded by hqmq (its scales and outliers are fp16: \
+                 values must be finite and within +-65504)",
+                at_row(r)
+            )));
+        }
+        for (k, comp) in xs.iter_mut().enumerate() {
+            for (dst, c) in comp[r * nc..(r + 1) * nc]
+                .iter_mut()
+                .zip(row.chunks_exact(4))
+            {
+                *dst = c[k];
+            }
+        }
+    }
+    let mut radii = vec![0f32; n];
+    for ((((r, &a), &b), &c), &e) in radii
+        .iter_mut()
+        .zip(&xs[0])
+        .zip(&xs[1])
+        .zip(&xs[2])
+        .zip(&xs[3])
+    {
+        *r = (((a * a + b * b) + c * c) + e * e).sqrt();
+    }
+
+    // Med-C outlier extraction per plane: r > C * lower median.
+    let per_plane = t * nc;
+    let mut outlier = vec![false; n];
+    if let Some(c) = h.outlier_multiplier {
+        let mut tmp = Vec::with_capacity(per_plane);
+        for (o, rr) in outlier
+            .chunks_exact_mut(per_plane)
+            .zip(radii.chunks_exact(per_plane))
+        {
+            tmp.clear();
+            tmp.extend_from_slice(rr);
+            let (_, med, _) = tmp.select_nth_unstable_by((per_plane - 1) / 2, f32::total_cmp);
+            let threshold = c * *med;
+            for (flag, &r) in o.iter_mut().zip(rr) {
+                *flag = r > threshold;
+            }
+        }
+    }
+
+    // Per-row scale: the largest inlier radius, rounded up to fp16.
+    let levels = h.levels() as f32;
+    let mut scales = Vec::with_capacity(2 * rows);
+    let mut steps = Vec::with_capacity(rows);
+    for r in 0..rows {
+        let span = r * nc..(r + 1) * nc;
+        let mx = radii[span.clone()]
+            .iter()
+            .zip(&outlier[span])
+            .fold(0.0f32, |m, (&v, &o)| if !o && v > m { v } else { m });
+        let sigma = f16_ceil(mx).ok_or_else(|| {
+            Error::param(format!(
+                "{}: chunk radius {mx} exceeds the fp16 range of the hqmq radius scale",
+                at_row(r)
+            ))
+        })?;
+        scales.extend_from_slice(&sigma.to_le_bytes());
+        steps.push(sigma.to_f32() / levels);
+    }
+
+    // Direction search, one codebook per (layer, kv head, K|V). Outlier
+    // chunks are searched too (their result is unused): simpler than
+    // compacting, and they are a few percent.
+    let mut js = vec![0u32; n];
+    for p in 0..planes {
+        let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
+        let span = p * per_plane..(p + 1) * per_plane;
+        search::search(
+            &cb,
+            [
+                &xs[0][span.clone()],
+                &xs[1][span.clone()],
+                &xs[2][span.clone()],
+                &xs[3][span.clone()],
+            ],
+            &mut js[span],
+        );
+    }
+
+    // Radius levels (format/codecs/hqmq.md encoding rule 5).
+    let mut qs = vec![0u32; n];
+    for ((q, rr), &step) in qs
+        .chunks_exact_mut(nc)
+        .zip(radii.chunks_exact(nc))
+        .zip(&steps)
+    {
+        if step != 0.0 {
+            for (q, &rho) in q.iter_mut().zip(rr) {
+                // Round to nearest, ties to even (exact for 0 <= t <= 2^22).
+                *q = (((rho / step).min(levels) + RNE_MAGIC) - RNE_MAGIC) as i32 as u32;
+            }
+        }
+    }
+
+    // Symbols v = j * 2^b + q, split into low E bits and a base-O digit.
+    let (e, _) = h.split();
+    let b = u32::from(h.radius_bits);
+    let low_mask = (1u32 << e) - 1;
+    let mut table = OutlierTable::new(4, universe);
+    let (low, high): (Vec<u32>, Vec<u32>) = if h.outlier_multiplier.is_none() {
+        // v < 24 * 65536 * 256 < 2^32.
+        let v = js.iter().zip(&qs).map(|(&j, &q)| (j << b) | q);
+        (
+            v.clone().map(|v| v & low_mask).collect(),
+            v.map(|v| v >> e).collect(),
+        )
+    } else {
+        let mut low = Vec::with_capacity(n);
+        let mut high = Vec::with_capacity(n);
+        for i in 0..n {
+            if outlier[i] {
+                table.push(i as u32, &[xs[0][i], xs[1][i], xs[2][i], xs[3][i]]);
+            } else {
+                let v = (js[i] << b) | qs[i];
+                low.push(v & low_mask);
+                high.push(v >> e);
+            }
+        }
+        (low, high)
+    };
+    let n_in = low.len();
+    let count = |v: usize| u32::try_from(v).map_err(|_| Error::param("hqmq page too large"));
+    let mut low_bytes = vec![0u8; bitpack::packed_len(n_in, e)];
+    bitpack::pack_u32(&low, e, &mut low_bytes);
+    let mut high_bytes = vec![0u8; h.groups.packed_len(n_in)];
+    h.groups.pack(&high, &mut high_bytes);
+    let mut sections = vec![
+        Section {
+            kind: SectionKind::Scale,
+            stream: 0,
+            elem: ElemType::F16,
+            count: count(rows)?,
+            data: scales,
+        },
+        Section::packed(SectionKind::Index, 0, e as u8, count(n_in)?, low_bytes),
+        Section {
+            kind: SectionKind::Index,
+            stream: 1,
+            elem: ElemType::Bytes,
+            count: count(high_bytes.len())?,
+            data: high_bytes,
+        },
+    ];
+    if h.outlier_multiplier.is_some() {
+        sections.push(table.to_section());
+    }
+    Ok(sections)
+}
+
+/// Decodes one page (format/codecs/hqmq.md "Decoding").
+pub(super) fn decode(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
+    let info = out.tensor;
+    let d = info.head_dim as usize;
+    if !d.is_multiple_of(4) {
+        return Err(page.error(format!("hqmq needs head_dim divisible by 4, not {d}")));
+    }
+    let nc = d / 4;
+    let rows = out.rows();
+    let t = out.tokens as usize;
+    let n = rows * nc;
+    let universe = u32::try_from(n).map_err(|_| page.error("page over 2^32 chunks"))?;
+    let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, rows)?;
+    let has_table = page
+        .sections()
+        .iter()
+        .any(|s| s.kind == SectionKind::Outliers);
+    let table = match (h.outlier_multiplier.is_some(), has_table) {
+        (true, true) => OutlierTable::from_page(page, 4, universe)?,
+        (false, false) => OutlierTable::new(4, universe),
+        (true, false) => return Err(page.error("missing OUTLIERS section (+med codec)")),
+        (false, true) => {
+            return Err(
+                page.error("OUTLIERS section present, but the codec does not extract outliers")
+            );
+        }
+    };
+    if table.values.iter().any(|v| !v.is_finite()) {
+        return Err(page.error("outlier table holds a non-finite value"));
+    }
+    let n_in = n - table.positions.len();
+    let (e, _) = h.split();
+    let low_bytes = expect_section(page, SectionKind::Index, 0, ElemType::Packed(e as u8), n_in)?;
+    let high_bytes = expect_section(
+        page,
+        SectionKind::Index,
+        1,
+        ElemType::Bytes,
+        h.groups.packed_len(n_in),
+    )?;
+    if !bitpack::tail_is_zero(low_bytes, n_in, e) {
+        return Err(page.error("INDEX stream 0: padding bits after the last code are set"));
+    }
+    let mut low = vec![0u32; n_in];
+    bitpack::unpack_u32(low_bytes, e, &mut low);
+    let mut high = vec![0u32; n_in];
+    h.groups
+        .unpack(high_bytes, &mut high)
+        .map_err(|err| page.error(format!("INDEX stream 1: {err}")))?;
+    let levels = h.levels() as f32;
+    let mut steps = Vec::with_capacity(rows);
+    for c in scales.chunks_exact(2) {
+        let s = f16::from_le_bytes([c[0], c[1]]);
+        if !s.is_finite() || s.is_sign_negative() {
+            return Err(page.error(format!(
+                "SCALE holds {s}; radius scales must be finite and non-negative"
+            )));
+        }
+        steps.push(s.to_f32() / levels);
+    }
+
+    let b = h.radius_bits;
+    let q_mask = (1u64 << b) - 1;
+    let mut row = vec![0f32; d];
+    let (mut k, mut o) = (0usize, 0usize);
+    let mut next_outlier = table.positions.first().map_or(usize::MAX, |&p| p as usize);
+    for p in 0..out.planes.len() {
+        let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
+        let joint = &cb.joint[..];
+        for (r, &step) in steps.iter().enumerate().take((p + 1) * t).skip(p * t) {
+            for (c, dst) in row.chunks_exact_mut(4).enumerate() {
+                if r * nc + c == next_outlier {
+                    for (m, v) in dst.iter_mut().enumerate() {
+                        *v = table.values[4 * o + m].to_f32();
+                    }
+                    o += 1;
+                    next_outlier = table.positions.get(o).map_or(usize::MAX, |&p| p as usize);
+                    continue;
+                }
+                let v = (u64::from(high[k]) << e) | u64::from(low[k]);
+                k += 1;
+                // v < 24 S 2^b because every digit is < O, so j < 24 S.
+                let cw = joint[(v >> b) as usize];
+                let rh = (v & q_mask) as f32 * step;
+                dst[0] = rh * cw[0];
+                dst[1] = rh * cw[1];
+                dst[2] = rh * cw[2];
+                dst[3] = rh * cw[3];
+            }
+            out.store_row(r, &row);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::cache::{DType, Elems, ElemsMut, Kind, TensorInfo};
+    use crate::codec::Codec;
+    use crate::format::{Limits, PageFrame, PageHeader, PageMeta};
+
+    const D: usize = 16;
+    const T: usize = 6;
+
+    fn info() -> TensorInfo {
+        TensorInfo {
+            name: "past_key_values.2.value".into(),
+            layer: 2,
+            kind: Kind::Value,
+            dtype: DType::F32,
+            batch: 1,
+            heads: 2,
+            tokens: T as u32,
+            head_dim: D as u32,
+        }
+    }
+
+    fn values() -> Vec<f32> {
+        (0..2 * T * D)
+            .map(|i| ((i * 37 % 23) as f32 - 11.0) * if i % 29 == 3 { 9.0 } else { 0.25 })
+            .collect()
+    }
+
+    fn encode(h: &Hqmq) -> Vec<Section> {
+        let (ti, v) = (info(), values());
+        let page = PageIn {
+            tensor: &ti,
+            token_start: 0,
+            tokens: T as u32,
+            planes: v.chunks(T * D).map(Elems::F32).collect(),
+        };
+        h.encode(&page).unwrap()
+    }
+
+    /// Decodes `sections` as one page through the public frame path.
+    fn decode(h: &Hqmq, sections: &[Section]) -> Result<Vec<f32>> {
+        let frame = PageFrame::encode(
+            PageMeta {
+                tensor: 0,
+                token_start: 0,
+                tokens: T as u32,
+                codec: 0,
+            },
+            sections,
+            None,
+            64,
+        )?;
+        let at = crate::Location::Header;
+        let hd = PageHeader::parse(
+            frame.bytes[..64].try_into().unwrap(),
+            &at,
+            &Limits::default(),
+        )?;
+        let body = std::borrow::Cow::Borrowed(&frame.bytes[64..64 + hd.stored_len as usize]);
+        let view = PageView::from_stored(hd, body, 0, "test page".into(), &at)?;
+        let ti = info();
+        let mut out = vec![0f32; 2 * T * D];
+        let (a, b) = out.split_at_mut(T * D);
+        let mut po = PageOut {
+            tensor: &ti,
+            tokens: T as u32,
+            planes: vec![ElemsMut::F32(a), ElemsMut::F32(b)],
+        };
+        h.decode(&view, &mut po)?;
+        Ok(out)
+    }
+
+    fn section_mut(s: &mut [Section], kind: SectionKind, stream: u8) -> &mut Section {
+        s.iter_mut()
+            .find(|x| x.kind == kind && x.stream == stream)
+            .unwrap()
+    }
+
+    #[test]
+    fn round_trip_and_invalid_sections_are_format_errors() {
+        let h = Hqmq::new(24, 3, Some(3.0), 5).unwrap();
+        let good = encode(&h);
+        let ok = decode(&h, &good).unwrap();
+        assert!(
+            ok.iter().zip(values()).any(|(a, b)| a == &b),
+            "outliers exact"
+        );
+        type Edit = fn(&mut Vec<Section>);
+        let edits: [(&str, Edit); 10] = [
+            ("missing scale", |s| {
+                s.retain(|x| x.kind != SectionKind::Scale)
+            }),
+            ("missing outliers", |s| {
+                s.retain(|x| x.kind != SectionKind::Outliers)
+            }),
+            ("scale count", |s| {
+                let x = section_mut(s, SectionKind::Scale, 0);
+                x.count -= 1;
+                x.data.truncate(x.data.len() - 2);
+            }),
+            ("negative scale", |s| {
+                section_mut(s, SectionKind::Scale, 0).data[1] |= 0x80
+            }),
+            ("infinite scale", |s| {
+                let x = section_mut(s, SectionKind::Scale, 0);
+                x.data[0] = 0x00;
+                x.data[1] = 0x7C;
+            }),
+            ("low code width", |s| {
+                let x = section_mut(s, SectionKind::Index, 0);
+                x.elem = ElemType::Packed(8);
+                x.data.resize(x.count as usize, 0);
+            }),
+            ("digit group out of range", |s| {
+                // 0xFF... in the first 54-bit group exceeds 9^17.
+                let x = section_mut(s, SectionKind::Index, 1);
+                for b in &mut x.data[..6] {
+                    *b = 0xFF;
+                }
+                x.data[6] |= 0x3F;
+            }),
+            ("digit stream length", |s| {
+                let x = section_mut(s, SectionKind::Index, 1);
+                x.data.push(0);
+                x.count += 1;
+            }),
+            ("stray bit after the digits", |s| {
+                let x = section_mut(s, SectionKind::Index, 1);
+                let last = x.data.len() - 1;
+                x.data[last] |= 0x80;
+            }),
+            ("outlier unit", |s| {
+                section_mut(s, SectionKind::Outliers, 0).data[4] = 1
+            }),
+        ];
+        for (what, edit) in edits {
+            let mut s = good.clone();
+            edit(&mut s);
+            match decode(&h, &s) {
+                Err(e) => assert!(e.is_format(), "{what}: {e}"),
+                Ok(_) => panic!("{what}: accepted"),
+            }
+        }
+        // An OUTLIERS section for a codec without +med.
+        let plain = Hqmq::new(24, 3, None, 5).unwrap();
+        assert!(decode(&plain, &good).unwrap_err().is_format());
+        assert!(decode(&plain, &encode(&plain)).is_ok());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        /// Any byte of any section replaced: an error or a decode, never a
+        /// panic.
+        #[test]
+        fn corrupted_sections_never_panic(sec in 0usize..4, pos in any::<usize>(), byte in any::<u8>()) {
+            let h = Hqmq::new(5, 2, Some(2.0), 1).unwrap();
+            let mut s = encode(&h);
+            let n = s.len();
+            let x = &mut s[sec % n];
+            if !x.data.is_empty() {
+                let i = pos % x.data.len();
+                x.data[i] = byte;
+            }
+            let _ = decode(&h, &s);
+        }
+    }
+}

@@ -1,0 +1,240 @@
+//! HQMQ names (`hqmq:s96r4+med3:seed7`) and the 24-byte parameter block
+//! (format/codecs/hqmq.md "Parameter block").
+
+use crate::error::{Error, Result};
+use crate::kernels::radix::Groups;
+
+use super::super::Codec;
+use super::Hqmq;
+
+/// Parameter block length in bytes.
+pub const PARAMS_LEN: usize = 24;
+/// Flag bit 0: Med-C outlier extraction.
+const FLAG_OUTLIERS: u8 = 1;
+
+/// Canonical name: `hqmq:s{S}r{b}`, then `+med{C}` with outliers, then
+/// `:seed{N}` for a non-zero seed and `:g{G}` for a non-default grouping.
+pub(super) fn name(h: &Hqmq) -> String {
+    let mut n = format!("hqmq:s{}r{}", h.secondaries, h.radius_bits);
+    if let Some(c) = h.outlier_multiplier {
+        n.push_str(&format!("+med{c}"));
+    }
+    if h.seed != 0 {
+        n.push_str(&format!(":seed{}", h.seed));
+    }
+    if h.groups != Groups::best(h.split().1) {
+        n.push_str(&format!(":g{}", h.groups.digits));
+    }
+    n
+}
+
+/// The parameter block (all integers little-endian):
+///
+/// | off | size | field |
+/// |---|---|---|
+/// | 0 | 4 | `S`, u32 |
+/// | 4 | 1 | radius bits `b` |
+/// | 5 | 1 | digits per group `G` |
+/// | 6 | 1 | flags (bit 0: outlier extraction) |
+/// | 7 | 1 | reserved, 0 |
+/// | 8 | 4 | `C`, f32 (0 without outliers) |
+/// | 12 | 4 | reserved, 0 |
+/// | 16 | 8 | seed, u64 |
+pub(super) fn to_bytes(h: &Hqmq) -> Vec<u8> {
+    let mut p = Vec::with_capacity(PARAMS_LEN);
+    p.extend_from_slice(&h.secondaries.to_le_bytes());
+    p.push(h.radius_bits);
+    p.push(h.groups.digits as u8);
+    p.push(if h.outlier_multiplier.is_some() {
+        FLAG_OUTLIERS
+    } else {
+        0
+    });
+    p.push(0);
+    p.extend_from_slice(&h.outlier_multiplier.unwrap_or(0.0).to_le_bytes());
+    p.extend_from_slice(&[0; 4]);
+    p.extend_from_slice(&h.seed.to_le_bytes());
+    p
+}
+
+/// Rebuilds the codec from its parameter block.
+///
+/// # Errors
+/// [`Error::Parameter`] for a wrong length, reserved bytes or unknown flag
+/// bits set, or any field out of range.
+pub(super) fn from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
+    if p.len() != PARAMS_LEN {
+        return Err(Error::param(format!(
+            "hqmq parameters are {PARAMS_LEN} bytes, found {}",
+            p.len()
+        )));
+    }
+    let u32_at = |o: usize| u32::from_le_bytes(p[o..o + 4].try_into().expect("4 bytes"));
+    let (s, b, g, flags) = (u32_at(0), p[4], p[5], p[6]);
+    if p[7] != 0 || u32_at(12) != 0 || flags & !FLAG_OUTLIERS != 0 {
+        return Err(Error::param(format!(
+            "hqmq parameters have reserved bytes or flag bits set: {p:02x?}"
+        )));
+    }
+    let c = f32::from_bits(u32_at(8));
+    let multiplier = if flags & FLAG_OUTLIERS != 0 {
+        Some(c)
+    } else if c.to_bits() != 0 {
+        return Err(Error::param(
+            "hqmq parameters: C must be 0 without outlier extraction",
+        ));
+    } else {
+        None
+    };
+    let seed = u64::from_le_bytes(p[16..24].try_into().expect("8 bytes"));
+    if !(1..=8).contains(&b) || !(1..=super::MAX_S).contains(&s) {
+        return Err(Error::param(format!(
+            "hqmq parameters out of range: S = {s}, b = {b}"
+        )));
+    }
+    let base = super::symbol_split(s, b).1;
+    let groups = Groups::new(base, u32::from(g)).ok_or_else(|| {
+        Error::param(format!(
+            "hqmq parameters: {g} digits per group is not valid for base {base}"
+        ))
+    })?;
+    Ok(Box::new(Hqmq::with_groups(s, b, multiplier, seed, groups)?))
+}
+
+/// Registry parser: `None` unless the name starts with `hqmq`.
+pub(super) fn parse_family(s: &str) -> Option<Result<Box<dyn Codec>>> {
+    if !s.starts_with("hqmq") {
+        return None;
+    }
+    Some(parse_name(s).map(|h| Box::new(h) as Box<dyn Codec>))
+}
+
+/// Parses `hqmq:s{S}r{b}[+med{C}][:seed{N}][:g{G}]`.
+///
+/// # Errors
+/// [`Error::Parameter`] with the expected syntax.
+pub fn parse_name(s: &str) -> Result<Hqmq> {
+    let bad = |why: &str| {
+        Error::param(format!(
+            "{s:?}: {why}; HQMQ names look like hqmq:s96r4, hqmq:s96r4+med3 or \
+             hqmq:s24r3:seed7 (S >= 1 secondary codewords, 1 to 8 radius bits, \
+             optional Med-C outlier extraction, optional codebook seed)"
+        ))
+    };
+    let rest = s
+        .strip_prefix("hqmq:")
+        .ok_or_else(|| bad("missing the configuration"))?;
+    let mut parts = rest.split(':');
+    let main = parts.next().unwrap_or("");
+    let (core, med) = match main.split_once('+') {
+        Some((c, m)) => (c, Some(m)),
+        None => (main, None),
+    };
+    let (sv, rv) = core
+        .strip_prefix('s')
+        .and_then(|c| c.split_once('r'))
+        .ok_or_else(|| bad("expected s{S}r{b}"))?;
+    let secondaries: u32 = sv.parse().map_err(|_| bad("S is not a number"))?;
+    let radius_bits: u8 = rv.parse().map_err(|_| bad("b is not a number"))?;
+    let multiplier = match med {
+        None => None,
+        Some(m) => Some(
+            m.strip_prefix("med")
+                .and_then(|c| c.parse::<f32>().ok())
+                .ok_or_else(|| bad("the outlier option is +med{C}, e.g. +med3"))?,
+        ),
+    };
+    let mut seed = 0u64;
+    let mut digits = None;
+    for opt in parts {
+        if let Some(v) = opt.strip_prefix("seed") {
+            seed = v
+                .parse()
+                .map_err(|_| bad("the seed is a number, e.g. :seed7"))?;
+        } else if let Some(v) = opt.strip_prefix('g') {
+            digits = Some(v.parse::<u32>().map_err(|_| bad("bad :g{G}"))?);
+        } else {
+            return Err(bad(&format!("unknown option {opt:?}")));
+        }
+    }
+    let h =
+        Hqmq::new(secondaries, radius_bits, multiplier, seed).map_err(|e| bad(&e.to_string()))?;
+    match digits {
+        None => Ok(h),
+        Some(g) => {
+            let base = h.split().1;
+            let groups = Groups::new(base, g)
+                .ok_or_else(|| bad(&format!("{g} digits per group do not fit 64 bits")))?;
+            Hqmq::with_groups(secondaries, radius_bits, multiplier, seed, groups)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::{from_entry, parse};
+    use crate::format::CodecEntry;
+
+    #[test]
+    fn names_round_trip() {
+        for n in [
+            "hqmq:s24r3",
+            "hqmq:s96r4",
+            "hqmq:s96r4+med3",
+            "hqmq:s192r6+med3",
+            "hqmq:s1r1",
+            "hqmq:s100r8+med2.5",
+            "hqmq:s48r4:seed1337",
+            "hqmq:s96r4+med3:seed42:g5",
+        ] {
+            let c = parse(n).unwrap();
+            assert_eq!(c.name(), n);
+            assert_eq!(c.params().len(), PARAMS_LEN);
+            let back = from_entry(
+                0,
+                &CodecEntry {
+                    id: c.id(),
+                    params: c.params(),
+                },
+            )
+            .unwrap();
+            assert_eq!(back.name(), n);
+            assert_eq!(back.params(), c.params());
+        }
+    }
+
+    #[test]
+    fn bad_names_and_params_are_rejected() {
+        for n in [
+            "hqmq",
+            "hqmq:",
+            "hqmq:s0r4",
+            "hqmq:s96r0",
+            "hqmq:s96r9",
+            "hqmq:s65537r4",
+            "hqmq:s96",
+            "hqmq:s96r4+med",
+            "hqmq:s96r4+med0.5",
+            "hqmq:s96r4+mad3",
+            "hqmq:s96r4:seedx",
+            "hqmq:s96r4:g30",
+            "hqmq:s96r4:z",
+        ] {
+            assert!(parse(n).is_err(), "{n}");
+        }
+        let good = parse("hqmq:s96r4+med3").unwrap().params();
+        for (i, v) in [(4, 0u8), (5, 0), (5, 21), (6, 2), (7, 1), (12, 1), (0, 0)] {
+            let mut p = good.clone();
+            p[i] = v;
+            if i == 0 {
+                p[1] = 0; // S = 0
+            }
+            assert!(from_params(&p).is_err(), "byte {i} = {v}");
+        }
+        let mut no_flag = good.clone();
+        no_flag[6] = 0; // C set without the flag
+        assert!(from_params(&no_flag).is_err());
+        assert!(from_params(&good[..23]).is_err());
+    }
+}

@@ -1,0 +1,509 @@
+//! Direction search: the nearest joint codeword `q_p * q_s` of a chunk
+//! (HQMQ paper section 3 "Joint codebook", appendix B line 4).
+//!
+//! # The normative rule ([`exhaustive`])
+//! For a chunk `x` (four f32 values), codeword `j = p*S + s` scores
+//! `score_j = ((x0*C_j0 + x1*C_j1) + x2*C_j2) + x3*C_j3` in binary32 without
+//! fused multiply-add, `C_j` being the joint codebook entry. The chosen
+//! index is the **smallest `j` among those with the largest score**. (The
+//! paper maximizes `<x/|x|, c>`; dividing by `|x| > 0` does not change the
+//! argmax in exact arithmetic, and scoring `x` directly avoids a rounding.)
+//! Evaluating all `24 S` codewords costs `24 S` four-term dot products.
+//!
+//! # The fast exact search ([`search`])
+//! Right multiplication by a quaternion is adjoint to right multiplication
+//! by its conjugate, so `<x, q_p q_s> = <x conj(q_s), q_p>`: with
+//! `w = x conj(q_s)` (one quaternion product per secondary) the 24 scores
+//! of coset `s` are `+-w_i` (axis units) and `(+-w_0 +-w_1 +-w_2 +-w_3)/2`
+//! (half units), whose maximum is `max(max_i |w_i|, sum_i |w_i| / 2)`. The
+//! search computes that group maximum for every `s` (8 chunks per AVX2
+//! register, fused multiply-adds allowed), keeps the best and second-best
+//! group, then, for the winner, the best and second-best unit.
+//!
+//! These approximate scores differ from the normative binary32 scores by at
+//! most about `21 * 2^-24 * |x|` (rounding of `w`: `<= 8u|x|`; of the group
+//! sums: `<= 2u|x|`; of the normative codeword and dot product: `<= 10u|x|`,
+//! with `u = 2^-24`), plus `2^-145` absolute for underflow. With the margin
+//! `eps = 2 max_i |x_i| * 2^-17 + 10^-36` (`2 max_i |x_i| >= |x|`; more
+//! than 6 times that bound):
+//!
+//! * if the best approximate score exceeds every other codeword's by more
+//!   than `2 eps`, its codeword is the unique normative maximum and is
+//!   returned;
+//! * otherwise (near-ties: a fraction of a percent of real chunks), every
+//!   group whose approximate maximum is within `4 eps` of the best is
+//!   re-scored with the normative rule over its 24 codewords, and the
+//!   smallest `j` with the largest normative score is returned.
+//!
+//! Either way the result equals [`exhaustive`] bit for bit; tests compare
+//! them on millions of random and adversarial chunks and the real fixture.
+
+use crate::kernels::quaternion::{self, Quat};
+
+use super::codebook::{Codebook, PRIMARY};
+
+/// The normative direction index: smallest `j` with the largest binary32
+/// score `((x0*C0 + x1*C1) + x2*C2) + x3*C3` over the joint codebook.
+/// `24 S` dot products; the reference the fast search is tested against.
+pub fn exhaustive(joint: &[Quat], x: Quat) -> u32 {
+    let mut best = f32::NEG_INFINITY;
+    let mut arg = 0u32;
+    for (j, c) in joint.iter().enumerate() {
+        let sc = quaternion::dot(x, *c);
+        if sc > best {
+            best = sc;
+            arg = j as u32;
+        }
+    }
+    arg
+}
+
+/// Normative index restricted to the codewords of the listed secondaries
+/// (all 24 primaries each), smallest `j` among equal scores.
+fn exhaustive_in_groups(cb: &Codebook, x: Quat, groups: &[usize]) -> u32 {
+    let s_count = cb.s();
+    let mut best = f32::NEG_INFINITY;
+    let mut arg = u32::MAX;
+    for &s in groups {
+        for p in 0..PRIMARY {
+            let j = p * s_count + s;
+            let sc = quaternion::dot(x, cb.joint[j]);
+            if sc > best || (sc == best && (j as u32) < arg) {
+                best = sc;
+                arg = j as u32;
+            }
+        }
+    }
+    arg
+}
+
+/// `x * conj(q)`.
+#[inline]
+fn rotate(x: Quat, q: Quat) -> Quat {
+    quaternion::mul(x, quaternion::conj(q))
+}
+
+/// Twice the group maximum `max(2 max_i |w_i|, sum_i |w_i|)` (scalar).
+#[inline]
+fn group_score2(w: Quat) -> f32 {
+    let a = w.map(f32::abs);
+    let m = a[0].max(a[1]).max(a[2].max(a[3]));
+    let sum = (a[0] + a[1]) + (a[2] + a[3]);
+    (m + m).max(sum)
+}
+
+/// Best and second-best approximate scores of the 24 units against `w`
+/// (`<w, q_p>`), and the best unit's index `p`.
+fn top2_units(w: Quat) -> (f32, f32, usize) {
+    let a = w.map(f32::abs);
+    // Axis units: largest and second-largest |w_i|.
+    let mut i1 = 0;
+    for i in 1..4 {
+        if a[i] > a[i1] {
+            i1 = i;
+        }
+    }
+    let m1 = a[i1];
+    let m2 = (0..4)
+        .filter(|&i| i != i1)
+        .map(|i| a[i])
+        .fold(f32::NEG_INFINITY, f32::max);
+    // Half units: signs of w; the runner-up flips the smallest |w_i|.
+    let h1 = ((a[0] + a[1]) + (a[2] + a[3])) * 0.5;
+    let h2 = h1 - a[0].min(a[1]).min(a[2].min(a[3]));
+    let neg = |v: f32| usize::from(v.is_sign_negative());
+    let (best, p) = if m1 >= h1 {
+        (m1, 2 * i1 + neg(w[i1]))
+    } else {
+        (
+            h1,
+            8 + neg(w[0]) + 2 * neg(w[1]) + 4 * neg(w[2]) + 8 * neg(w[3]),
+        )
+    };
+    let second = m1.min(h1).max(m2).max(h2);
+    (best, second, p)
+}
+
+/// Margin `eps` of the module docs for a chunk of norm at most `r`.
+#[inline]
+fn margin(r: f32) -> f32 {
+    r * (1.0 / 131_072.0) + 1e-36
+}
+
+/// Finishes the search of one chunk given the vector pass's best group
+/// `s1`, its doubled score `b`, and the doubled best score `b2` of all other
+/// groups.
+fn finish(cb: &Codebook, x: Quat, s1: usize, b2: f32) -> u32 {
+    // 2 max|x_i| >= |x| exactly, without the underflow of x_i^2.
+    let r = 2.0 * x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    if r == 0.0 {
+        // Every score is +-0: the smallest index wins.
+        return 0;
+    }
+    let eps = margin(r);
+    let w = rotate(x, cb.secondary[s1]);
+    let (v1, v2, p) = top2_units(w);
+    if v1 - (b2 * 0.5).max(v2) > 2.0 * eps {
+        return (p * cb.s() + s1) as u32;
+    }
+    // Near-tie: rescore every group that can hold the normative maximum.
+    let floor = v1 - 4.0 * eps;
+    let groups: Vec<usize> = (0..cb.s())
+        .filter(|&s| group_score2(rotate(x, cb.secondary[s])) * 0.5 >= floor)
+        .collect();
+    exhaustive_in_groups(cb, x, &groups)
+}
+
+/// Portable filter pass for one chunk: best group, second-best doubled
+/// group score.
+fn filter_scalar(cb: &Codebook, x: Quat) -> (usize, f32) {
+    let mut b = f32::NEG_INFINITY;
+    let mut b2 = f32::NEG_INFINITY;
+    let mut s1 = 0;
+    for (s, q) in cb.secondary.iter().enumerate() {
+        let sc = group_score2(rotate(x, *q));
+        b2 = b2.max(b.min(sc));
+        if sc > b {
+            b = sc;
+            s1 = s;
+        }
+    }
+    (s1, b2)
+}
+
+/// Chunks in structure-of-arrays form: component `k` of chunk `i` is
+/// `x[k][i]`; all four slices have the same length.
+pub type Soa<'a> = [&'a [f32]; 4];
+
+/// Direction index of every chunk of `x` into `out`, equal to
+/// [`exhaustive`] for each (module docs), using AVX2 + FMA when available.
+///
+/// # Panics
+/// If the slices of `x` and `out` differ in length.
+pub fn search(cb: &Codebook, x: Soa<'_>, out: &mut [u32]) {
+    let n = out.len();
+    assert!(x.iter().all(|c| c.len() == n));
+    #[cfg(target_arch = "x86_64")]
+    if crate::kernels::simd_available() {
+        let mut i = 0;
+        while i < n {
+            let m = (n - i).min(8);
+            let mut lanes = [[0f32; 8]; 4];
+            for k in 0..4 {
+                lanes[k][..m].copy_from_slice(&x[k][i..i + m]);
+            }
+            // SAFETY: simd_available() checked AVX2 and FMA.
+            let (j, ok, s1, b2) = unsafe { avx2::search8(cb, &lanes) };
+            for l in 0..m {
+                out[i + l] = if ok[l] {
+                    j[l]
+                } else {
+                    let q = [lanes[0][l], lanes[1][l], lanes[2][l], lanes[3][l]];
+                    finish(cb, q, s1[l] as usize, b2[l])
+                };
+            }
+            i += m;
+        }
+        return;
+    }
+    search_scalar(cb, x, out);
+}
+
+/// Portable implementation of [`search`] (same results).
+///
+/// # Panics
+/// If the slices of `x` and `out` differ in length.
+pub fn search_scalar(cb: &Codebook, x: Soa<'_>, out: &mut [u32]) {
+    assert!(x.iter().all(|c| c.len() == out.len()));
+    for (i, o) in out.iter_mut().enumerate() {
+        let q = [x[0][i], x[1][i], x[2][i], x[3][i]];
+        let (s1, b2) = filter_scalar(cb, q);
+        *o = finish(cb, q, s1, b2);
+    }
+}
+
+/// [`search`] over chunks given as quaternions (a convenience for tests
+/// and tools).
+pub fn search_quats(cb: &Codebook, xs: &[Quat], out: &mut [u32]) {
+    let soa: [Vec<f32>; 4] = std::array::from_fn(|k| xs.iter().map(|q| q[k]).collect());
+    search(cb, [&soa[0], &soa[1], &soa[2], &soa[3]], out);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::Codebook;
+
+    /// Search of 8 chunks (`x[k][lane]` = component `k` of chunk `lane`):
+    /// the filter pass over all secondaries, then the winner check of
+    /// [`super::finish`] in vector form. Per lane: the joint index, whether
+    /// it is proven (else the caller runs `finish`), the best group `s` and
+    /// the doubled score of the best other group.
+    ///
+    /// # Safety
+    /// AVX2 and FMA must be available.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn search8(
+        cb: &Codebook,
+        x: &[[f32; 8]; 4],
+    ) -> ([u32; 8], [bool; 8], [u32; 8], [f32; 8]) {
+        let [sa, sb, sc, sd] = &cb.soa;
+        let n = sa.len().min(sb.len()).min(sc.len()).min(sd.len());
+        let s_count = cb.s() as i32;
+        // SAFETY (whole body): loads are from 8-element arrays; broadcast
+        // loads read index s < n of slices of length >= n; gathers read
+        // indices s1 < n (s1 is a loop index, or 0 when n == 0 is
+        // impossible: S >= 1).
+        unsafe {
+            let x0 = _mm256_loadu_ps(x[0].as_ptr());
+            let x1 = _mm256_loadu_ps(x[1].as_ptr());
+            let x2 = _mm256_loadu_ps(x[2].as_ptr());
+            let x3 = _mm256_loadu_ps(x[3].as_ptr());
+            let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+            let mut b = _mm256_set1_ps(f32::NEG_INFINITY);
+            let mut b2 = b;
+            let mut best_s = _mm256_setzero_ps();
+            // w = x * conj(q), q = (qa, qb, qc, qd).
+            let rot = |qa: __m256, qb: __m256, qc: __m256, qd: __m256| {
+                let mut w0 = _mm256_mul_ps(x0, qa);
+                w0 = _mm256_fmadd_ps(x1, qb, w0);
+                w0 = _mm256_fmadd_ps(x2, qc, w0);
+                w0 = _mm256_fmadd_ps(x3, qd, w0);
+                let mut w1 = _mm256_mul_ps(x1, qa);
+                w1 = _mm256_fnmadd_ps(x0, qb, w1);
+                w1 = _mm256_fnmadd_ps(x2, qd, w1);
+                w1 = _mm256_fmadd_ps(x3, qc, w1);
+                let mut w2 = _mm256_mul_ps(x2, qa);
+                w2 = _mm256_fnmadd_ps(x0, qc, w2);
+                w2 = _mm256_fmadd_ps(x1, qd, w2);
+                w2 = _mm256_fnmadd_ps(x3, qb, w2);
+                let mut w3 = _mm256_mul_ps(x3, qa);
+                w3 = _mm256_fnmadd_ps(x0, qd, w3);
+                w3 = _mm256_fnmadd_ps(x1, qc, w3);
+                w3 = _mm256_fmadd_ps(x2, qb, w3);
+                [w0, w1, w2, w3]
+            };
+            let idx = &cb.index;
+            for s in 0..n {
+                let qa = _mm256_broadcast_ss(sa.get_unchecked(s));
+                let qb = _mm256_broadcast_ss(sb.get_unchecked(s));
+                let qc = _mm256_broadcast_ss(sc.get_unchecked(s));
+                let qd = _mm256_broadcast_ss(sd.get_unchecked(s));
+                let mut w0 = _mm256_mul_ps(x0, qa);
+                w0 = _mm256_fmadd_ps(x1, qb, w0);
+                w0 = _mm256_fmadd_ps(x2, qc, w0);
+                w0 = _mm256_fmadd_ps(x3, qd, w0);
+                let mut w1 = _mm256_mul_ps(x1, qa);
+                w1 = _mm256_fnmadd_ps(x0, qb, w1);
+                w1 = _mm256_fnmadd_ps(x2, qd, w1);
+                w1 = _mm256_fmadd_ps(x3, qc, w1);
+                let mut w2 = _mm256_mul_ps(x2, qa);
+                w2 = _mm256_fnmadd_ps(x0, qc, w2);
+                w2 = _mm256_fmadd_ps(x1, qd, w2);
+                w2 = _mm256_fnmadd_ps(x3, qb, w2);
+                let mut w3 = _mm256_mul_ps(x3, qa);
+                w3 = _mm256_fnmadd_ps(x0, qd, w3);
+                w3 = _mm256_fnmadd_ps(x1, qc, w3);
+                w3 = _mm256_fmadd_ps(x2, qb, w3);
+                let a0 = _mm256_and_ps(w0, abs);
+                let a1 = _mm256_and_ps(w1, abs);
+                let a2 = _mm256_and_ps(w2, abs);
+                let a3 = _mm256_and_ps(w3, abs);
+                let m = _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3));
+                let sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+                let score = _mm256_max_ps(_mm256_add_ps(m, m), sum);
+                b2 = _mm256_max_ps(b2, _mm256_min_ps(b, score));
+                let gt = _mm256_cmp_ps::<_CMP_GT_OQ>(score, b);
+                b = _mm256_max_ps(b, score);
+                best_s = _mm256_blendv_ps(best_s, _mm256_broadcast_ss(idx.get_unchecked(s)), gt);
+            }
+
+            // Winner check (super::finish): best and second-best unit of
+            // the winning group, against the margin.
+            let s1 = _mm256_cvttps_epi32(best_s);
+            let [w0, w1, w2, w3] = rot(
+                _mm256_i32gather_ps::<4>(sa.as_ptr(), s1),
+                _mm256_i32gather_ps::<4>(sb.as_ptr(), s1),
+                _mm256_i32gather_ps::<4>(sc.as_ptr(), s1),
+                _mm256_i32gather_ps::<4>(sd.as_ptr(), s1),
+            );
+            let a0 = _mm256_and_ps(w0, abs);
+            let a1 = _mm256_and_ps(w1, abs);
+            let a2 = _mm256_and_ps(w2, abs);
+            let a3 = _mm256_and_ps(w3, abs);
+            let (lo01, hi01) = (_mm256_min_ps(a0, a1), _mm256_max_ps(a0, a1));
+            let (lo23, hi23) = (_mm256_min_ps(a2, a3), _mm256_max_ps(a2, a3));
+            let m1 = _mm256_max_ps(hi01, hi23);
+            let m2 = _mm256_max_ps(_mm256_min_ps(hi01, hi23), _mm256_max_ps(lo01, lo23));
+            let min4 = _mm256_min_ps(lo01, lo23);
+            let half = _mm256_set1_ps(0.5);
+            let h1 = _mm256_mul_ps(
+                _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)),
+                half,
+            );
+            let h2 = _mm256_sub_ps(h1, min4);
+            let v1 = _mm256_max_ps(m1, h1);
+            let v2 = _mm256_max_ps(
+                _mm256_max_ps(_mm256_min_ps(m1, h1), m2),
+                _mm256_max_ps(h2, _mm256_mul_ps(b2, half)),
+            );
+            let xm = _mm256_max_ps(
+                _mm256_max_ps(_mm256_and_ps(x0, abs), _mm256_and_ps(x1, abs)),
+                _mm256_max_ps(_mm256_and_ps(x2, abs), _mm256_and_ps(x3, abs)),
+            );
+            // 2 eps = 2 * (2 max|x_i| * 2^-17 + 1e-36).
+            let two_eps = _mm256_add_ps(
+                _mm256_mul_ps(xm, _mm256_set1_ps(4.0 / 131_072.0)),
+                _mm256_set1_ps(2e-36),
+            );
+            let ok = _mm256_cmp_ps::<_CMP_GT_OQ>(_mm256_sub_ps(v1, v2), two_eps);
+
+            // Unit index: axis 2i + sign(w_i) for the largest |w_i| (unique
+            // when ok), else the half unit 8 + sum_k sign(w_k) 2^k.
+            let sign = |w: __m256| _mm256_srli_epi32::<31>(_mm256_castps_si256(w));
+            let (g0, g1, g2, g3) = (sign(w0), sign(w1), sign(w2), sign(w3));
+            let half_p = _mm256_add_epi32(
+                _mm256_set1_epi32(8),
+                _mm256_add_epi32(
+                    _mm256_add_epi32(g0, _mm256_slli_epi32::<1>(g1)),
+                    _mm256_add_epi32(_mm256_slli_epi32::<2>(g2), _mm256_slli_epi32::<3>(g3)),
+                ),
+            );
+            let is = |a: __m256| _mm256_castps_si256(_mm256_cmp_ps::<_CMP_EQ_OQ>(a, m1));
+            let mut axis_p = _mm256_add_epi32(_mm256_set1_epi32(6), g3);
+            axis_p = _mm256_blendv_epi8(axis_p, _mm256_add_epi32(_mm256_set1_epi32(4), g2), is(a2));
+            axis_p = _mm256_blendv_epi8(axis_p, _mm256_add_epi32(_mm256_set1_epi32(2), g1), is(a1));
+            axis_p = _mm256_blendv_epi8(axis_p, g0, is(a0));
+            let use_axis = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(m1, h1));
+            let p = _mm256_blendv_epi8(half_p, axis_p, use_axis);
+            let j = _mm256_add_epi32(_mm256_mullo_epi32(p, _mm256_set1_epi32(s_count)), s1);
+
+            let mut j_out = [0u32; 8];
+            let mut s_out = [0u32; 8];
+            let mut b2_out = [0f32; 8];
+            _mm256_storeu_si256(j_out.as_mut_ptr() as *mut __m256i, j);
+            _mm256_storeu_si256(s_out.as_mut_ptr() as *mut __m256i, s1);
+            _mm256_storeu_ps(b2_out.as_mut_ptr(), b2);
+            let mask = _mm256_movemask_ps(ok);
+            let ok_out = std::array::from_fn(|l| mask >> l & 1 == 1);
+            (j_out, ok_out, s_out, b2_out)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::Kind;
+    use crate::codec::hqmq::codebook::secondaries;
+    use crate::kernels::quaternion::HURWITZ;
+    use crate::kernels::rng::SplitMix64;
+
+    fn book(s: usize, seed: u64) -> Codebook {
+        Codebook::new(secondaries(seed, 0, 0, Kind::Key, s))
+    }
+
+    /// Uniform f32 in [-1, 1).
+    fn uniform(r: &mut SplitMix64) -> f32 {
+        ((r.next_u64() >> 40) as f32 - 8_388_608.0) / 8_388_608.0
+    }
+
+    /// Chunks built to hit ties and near-ties: codewords themselves,
+    /// zeros, axis-aligned and half-unit-aligned vectors, tiny and
+    /// subnormal values, sums of two codewords.
+    fn adversarial(cb: &Codebook, r: &mut SplitMix64, n: usize) -> Vec<Quat> {
+        let mut v = Vec::with_capacity(n);
+        while v.len() < n {
+            let j = (r.next_u64() % cb.joint.len() as u64) as usize;
+            let k = (r.next_u64() % cb.joint.len() as u64) as usize;
+            let c = cb.joint[j];
+            let scale = [1.0f32, 3.5, 1e-3, 1e-38, 1e-41, 65_000.0][v.len() % 6];
+            v.push(c.map(|t| t * scale));
+            let d = cb.joint[k];
+            v.push(std::array::from_fn(|i| (c[i] + d[i]) * scale));
+            v.push([0.0, -0.0, 0.0, 0.0]);
+            v.push(HURWITZ[v.len() % 24].map(|t| t * scale));
+            let mut a = [0.0f32; 4];
+            a[v.len() % 4] = uniform(r);
+            v.push(a);
+            v.push([1.0, 1.0, 0.0, 0.0].map(|t: f32| t * scale));
+            v.push([uniform(r), uniform(r), uniform(r), 0.0]);
+            v.push(std::array::from_fn(|_| (uniform(r) * 4.0).round()));
+        }
+        v
+    }
+
+    fn check(cb: &Codebook, xs: &[Quat]) {
+        let mut fast = vec![0u32; xs.len()];
+        let mut portable = vec![0u32; xs.len()];
+        search_quats(cb, xs, &mut fast);
+        let soa: [Vec<f32>; 4] = std::array::from_fn(|k| xs.iter().map(|q| q[k]).collect());
+        search_scalar(cb, [&soa[0], &soa[1], &soa[2], &soa[3]], &mut portable);
+        for (i, x) in xs.iter().enumerate() {
+            let want = exhaustive(&cb.joint, *x);
+            assert_eq!(fast[i], want, "S={} chunk {x:?}", cb.s());
+            assert_eq!(portable[i], want, "S={} chunk {x:?} (scalar)", cb.s());
+        }
+    }
+
+    #[test]
+    fn fast_search_equals_exhaustive_on_random_and_adversarial_chunks() {
+        let mut r = SplitMix64::new(2024);
+        for (s, seed) in [(1, 1u64), (5, 2), (24, 3), (96, 4), (192, 5), (100, 6)] {
+            let cb = book(s, seed);
+            let mut xs: Vec<Quat> = (0..4000)
+                .map(|_| std::array::from_fn(|_| uniform(&mut r)))
+                .collect();
+            xs.extend(adversarial(&cb, &mut r, 4000));
+            check(&cb, &xs);
+        }
+    }
+
+    #[test]
+    fn ties_go_to_the_smallest_joint_index() {
+        let cb = book(7, 11);
+        // x = 0: all scores equal.
+        assert_eq!(exhaustive(&cb.joint, [0.0; 4]), 0);
+        let mut o = [9u32];
+        search_quats(&cb, &[[0.0; 4]], &mut o);
+        assert_eq!(o[0], 0);
+        // A secondary codebook with a repeated entry: the coset of the
+        // first copy wins.
+        let mut sec = cb.secondary.clone();
+        sec[5] = sec[2];
+        let dup = Codebook::new(sec);
+        let x = quaternion::mul(HURWITZ[13], dup.secondary[2]);
+        let want = exhaustive(&dup.joint, x);
+        assert_eq!(want as usize, 13 * 7 + 2);
+        search_quats(&dup, &[x], &mut o);
+        assert_eq!(o[0], want);
+        search_scalar(&dup, [&[x[0]], &[x[1]], &[x[2]], &[x[3]]], &mut o);
+        assert_eq!(o[0], want);
+    }
+
+    /// The proof obligation: at least 10^6 random chunks (S = 96,
+    /// the headline configuration), fast == exhaustive.
+    #[test]
+    fn a_million_random_chunks() {
+        let cb = book(96, 42);
+        let mut r = SplitMix64::new(7);
+        let xs: Vec<Quat> = (0..1_000_000)
+            .map(|i| {
+                // Gaussian-like magnitudes across several decades.
+                let scale = [1.0f32, 0.01, 30.0, 4.0][i % 4];
+                std::array::from_fn(|_| {
+                    (uniform(&mut r) + uniform(&mut r) + uniform(&mut r)) * scale
+                })
+            })
+            .collect();
+        let mut fast = vec![0u32; xs.len()];
+        search_quats(&cb, &xs, &mut fast);
+        let mismatches = xs
+            .iter()
+            .zip(&fast)
+            .filter(|(x, f)| exhaustive(&cb.joint, **x) != **f)
+            .count();
+        assert_eq!(mismatches, 0);
+    }
+}
