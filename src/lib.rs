@@ -20,7 +20,8 @@
 //! [`codec::Codec`] trait, the registry and one module per codec),
 //! [`kernels`] (shared math), [`compress`] / [`decode`] (whole-cache
 //! pipelines on all threads), [`stream_decode`] / [`transport`] (the
-//! prefill-to-decode handoff), [`io`] (safetensors, mmap, atomic writes and
+//! prefill-to-decode handoff), [`gpu`] (CUDA decode/encode kernels, feature
+//! `cuda`), [`io`] (safetensors, mmap, atomic writes and
 //! crash-safe appends), [`eval`] / [`metrics`] (quality measurement).
 
 #![warn(missing_docs)]
@@ -36,6 +37,7 @@ pub use cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
 pub use error::{Error, Location, Result};
 pub mod compress;
 pub mod decode;
+pub mod gpu;
 pub mod io;
 pub mod metrics;
 pub mod plan;

@@ -1,0 +1,585 @@
+//! The CUDA backend (cargo feature `cuda`): device handle, device buffers,
+//! NVRTC compilation and the per-device module cache, kernel timing.
+//!
+//! Everything kvpack submits runs on one compute stream per device (plus a
+//! copy stream inside [`FileDecoder`]), ordered by the stream and by
+//! explicit events, so cudarc's automatic per-buffer event tracking is off
+//! for kvpack's context handle and device memory is managed as raw
+//! allocations ([`GpuBuffer`]).
+
+mod decode;
+mod encode;
+mod stream;
+
+pub use decode::{DecodePlan, GpuPages};
+pub use encode::EncodePlan;
+pub use stream::FileDecoder;
+
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, PushKernelArg,
+    result, sys,
+};
+use cudarc::nvrtc::{CompileOptions, Ptx};
+
+use super::GpuInfo;
+use super::sources::{self, Source};
+use crate::error::{Error, Result};
+
+/// Maps a CUDA driver failure to [`Error::Io`] with what kvpack was doing.
+pub(crate) fn cuda_err(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
+    move |e| {
+        Error::io(
+            format!("CUDA {what}"),
+            std::io::Error::other(format!("{e:?}")),
+        )
+    }
+}
+
+/// True when the CUDA driver library can be loaded.
+fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library by its usual names.
+    unsafe { sys::is_culib_present() }
+}
+
+/// True when the NVRTC library can be loaded.
+fn nvrtc_present() -> bool {
+    // SAFETY: only tries to dlopen libnvrtc by its usual names.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// A CUDA device with kvpack's compute stream and compiled kernels.
+///
+/// Cheap to clone (shared handle). [`Gpu::new`] returns the same handle for
+/// the same ordinal within a process, so kernels are compiled once per
+/// device (NVRTC for the device's compute capability, on first use of each
+/// source file).
+#[derive(Clone)]
+pub struct Gpu {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    info: GpuInfo,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpu")
+            .field("info", &self.inner.info)
+            .finish()
+    }
+}
+
+impl Gpu {
+    /// Number of CUDA devices, 0 when the driver library or a device is
+    /// missing.
+    pub fn device_count() -> usize {
+        if !driver_present() {
+            return 0;
+        }
+        CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+    }
+
+    /// Opens device `ordinal` (shared handle per ordinal).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when the CUDA driver or NVRTC library cannot
+    /// be loaded, or there is no such device; [`Error::Io`] when the driver
+    /// fails to create a context or stream.
+    pub fn new(ordinal: usize) -> Result<Gpu> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, Gpu>>> = OnceLock::new();
+        let devices = DEVICES.get_or_init(|| Mutex::new(HashMap::new()));
+        let mut map = devices.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(g) = map.get(&ordinal) {
+            return Ok(g.clone());
+        }
+        if !driver_present() {
+            return Err(Error::Unsupported(
+                "no CUDA driver library (libcuda.so) found: this machine has no NVIDIA driver"
+                    .into(),
+            ));
+        }
+        if !nvrtc_present() {
+            return Err(Error::Unsupported(
+                "no NVRTC library (libnvrtc.so) found: install the CUDA toolkit's runtime \
+                 compiler or add its lib64 folder to LD_LIBRARY_PATH"
+                    .into(),
+            ));
+        }
+        let count = Self::device_count();
+        if ordinal >= count {
+            return Err(Error::Unsupported(format!(
+                "no CUDA device {ordinal}: {count} device(s) present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err("context creation"))?;
+        // SAFETY: kvpack orders all of its work itself (one compute stream,
+        // explicit events for the copy stream of FileDecoder) and allocates
+        // device memory as raw allocations, never as CudaSlice; turning off
+        // cudarc's per-slice tracking for this handle changes nothing else.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(cuda_err("stream creation"))?;
+        let attr = |a| ctx.attribute(a).map_err(cuda_err("device query"));
+        let info = GpuInfo {
+            ordinal,
+            name: ctx.name().map_err(cuda_err("device query"))?,
+            compute_capability: ctx.compute_capability().map_err(cuda_err("device query"))?,
+            multiprocessors: attr(
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )? as u32,
+            memory_bytes: ctx.total_mem().map_err(cuda_err("device query"))? as u64,
+            l2_bytes: attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)? as u64,
+        };
+        let g = Gpu {
+            inner: Arc::new(Inner {
+                ctx,
+                stream,
+                info,
+                modules: Mutex::new(HashMap::new()),
+                functions: Mutex::new(HashMap::new()),
+            }),
+        };
+        map.insert(ordinal, g.clone());
+        Ok(g)
+    }
+
+    /// Name, compute capability and sizes of the device.
+    pub fn info(&self) -> &GpuInfo {
+        &self.inner.info
+    }
+
+    pub(crate) fn ctx(&self) -> &Arc<CudaContext> {
+        &self.inner.ctx
+    }
+
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.inner.stream
+    }
+
+    /// Waits until all work submitted by kvpack on this device is done.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a failed kernel or copy.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream().synchronize().map_err(cuda_err("synchronize"))
+    }
+
+    /// Compiles (once per device) and loads the module of `src`.
+    fn module(&self, src: Source) -> Result<Arc<CudaModule>> {
+        let mut m = self.inner.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(module) = m.get(src.name) {
+            return Ok(module.clone());
+        }
+        let ptx = compile(src, self.info().compute_capability)?;
+        let module = self
+            .ctx()
+            .load_module(ptx)
+            .map_err(cuda_err(&format!("loading module {}", src.name)))?;
+        m.insert(src.name, module.clone());
+        Ok(module)
+    }
+
+    /// The kernel `name` of source module `source` (compiled on first use).
+    pub(crate) fn function(&self, source: &str, name: &str) -> Result<CudaFunction> {
+        if let Some(f) = self
+            .inner
+            .functions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+        {
+            return Ok(f.clone());
+        }
+        let src = sources::ALL
+            .into_iter()
+            .find(|s| s.name == source)
+            .ok_or_else(|| Error::param(format!("internal: no kernel source {source:?}")))?;
+        let f = self
+            .module(src)?
+            .load_function(name)
+            .map_err(cuda_err(&format!("loading kernel {name}")))?;
+        self.inner
+            .functions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// Compiles every kernel source now (otherwise done on first use), so
+    /// that compile time stays out of measurements.
+    ///
+    /// # Errors
+    /// [`Error::Io`] naming the source when NVRTC or the driver rejects it.
+    pub fn warm_up(&self) -> Result<()> {
+        for s in sources::ALL {
+            self.module(s)?;
+        }
+        Ok(())
+    }
+
+    /// A zero-filled buffer of `len` elements.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the allocation fails (out of memory).
+    pub fn alloc<T: GpuElem>(&self, len: usize) -> Result<GpuBuffer<T>> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| Error::param("GPU allocation size overflows"))?;
+        self.ctx().bind_to_thread().map_err(cuda_err("bind"))?;
+        let s = self.stream().cu_stream();
+        // SAFETY: a fresh allocation of `bytes` (at least 1) on our stream
+        // (or synchronous where the device has no memory pools), zeroed on
+        // the same stream before any use.
+        let ptr = unsafe {
+            let p = if self.ctx().has_async_alloc() {
+                result::malloc_async(s, bytes.max(1))
+            } else {
+                result::malloc_sync(bytes.max(1))
+            }
+            .map_err(cuda_err("allocation"))?;
+            result::memset_d8_async(p, 0, bytes, s).map_err(cuda_err("memset"))?;
+            p
+        };
+        Ok(GpuBuffer {
+            ptr,
+            len,
+            owned: true,
+            gpu: self.clone(),
+            _t: PhantomData,
+        })
+    }
+
+    /// A buffer holding a copy of `data`.
+    ///
+    /// # Errors
+    /// As [`Gpu::alloc`].
+    pub fn upload<T: GpuElem>(&self, data: &[T]) -> Result<GpuBuffer<T>> {
+        let b = self.alloc::<T>(data.len())?;
+        b.write(data)?;
+        Ok(b)
+    }
+
+    /// Copies `buf` to the host (waits for pending work on the stream).
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a failed copy or an earlier failed kernel.
+    pub fn download<T: GpuElem>(&self, buf: &GpuBuffer<T>) -> Result<Vec<T>> {
+        let mut v = vec![T::zeroed(); buf.len];
+        self.ctx().bind_to_thread().map_err(cuda_err("bind"))?;
+        // SAFETY: `buf` holds `len` elements of T; `v` has room for them; the
+        // stream is synchronized before `v` is read.
+        unsafe {
+            result::memcpy_dtoh_async(&mut v[..], buf.ptr, self.stream().cu_stream())
+                .map_err(cuda_err("device-to-host copy"))?;
+        }
+        self.synchronize()?;
+        Ok(v)
+    }
+
+    /// Times `f` (which submits work to kvpack's stream) with CUDA events:
+    /// milliseconds from before the first to after the last submission.
+    ///
+    /// # Errors
+    /// The error of `f`, or [`Error::Io`] from the events.
+    pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let a = self.ctx().new_event(flags).map_err(cuda_err("event"))?;
+        let b = self.ctx().new_event(flags).map_err(cuda_err("event"))?;
+        a.record(self.stream()).map_err(cuda_err("event record"))?;
+        f()?;
+        b.record(self.stream()).map_err(cuda_err("event record"))?;
+        let ms = a.elapsed_ms(&b).map_err(cuda_err("event timing"))?;
+        Ok(f64::from(ms))
+    }
+
+    /// Device-to-device copy of `src` into `dst` with the 16-byte copy
+    /// kernel (the bandwidth ceiling kvpack's kernels are compared with),
+    /// or with the driver's copy when `driver` is true.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when the lengths differ or are not a multiple
+    /// of 16 bytes; [`Error::Io`] on launch failure.
+    pub fn copy(&self, src: &GpuBuffer<u8>, dst: &GpuBuffer<u8>, driver: bool) -> Result<()> {
+        if src.len != dst.len || !src.len.is_multiple_of(16) {
+            return Err(Error::param(
+                "copy needs equal lengths that are multiples of 16 bytes",
+            ));
+        }
+        if driver {
+            // SAFETY: both buffers hold `len` bytes; ordered on our stream.
+            return unsafe {
+                result::memcpy_dtod_async(dst.ptr, src.ptr, src.len, self.stream().cu_stream())
+            }
+            .map_err(cuda_err("device-to-device copy"));
+        }
+        let f = self.function("copy", "copy_u128")?;
+        let n = (src.len / 16) as u64;
+        let blocks = (self.info().multiprocessors * 8).max(1);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (super::spec::BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&src.ptr).arg(&dst.ptr).arg(&n);
+        // SAFETY: copy_u128(const uint4*, uint4*, u64 n) reads and writes n
+        // 16-byte elements, within both buffers.
+        unsafe { l.launch(cfg) }.map_err(cuda_err("launch copy_u128"))?;
+        Ok(())
+    }
+
+    /// Launches `name` over `work` (one block per item) with the common
+    /// leading arguments (descriptor table, work list) then `extra`.
+    pub(crate) fn launch_items(
+        &self,
+        k: &super::spec::KernelChoice,
+        descs: u64,
+        work: u64,
+        blocks: u32,
+        extra: &Args,
+    ) -> Result<()> {
+        if blocks == 0 {
+            return Ok(());
+        }
+        let f = self.function(k.source, &k.name)?;
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (k.grid.threads(), 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = self.stream().launch_builder(&f);
+        l.arg(&descs).arg(&work);
+        if let Some(b) = &extra.bits {
+            l.arg(b);
+        }
+        if let Some(h) = &extra.h {
+            l.arg(h);
+        }
+        if let Some(c) = &extra.c {
+            l.arg(c);
+        }
+        l.arg(&extra.status);
+        // SAFETY: every kernel of kernels/*.cu takes (descriptor table, work
+        // list, [bits|src_type], [h], [c], status) exactly as pushed here
+        // (spec::KernelChoice picks the name, `Args` the optional ones); the
+        // descriptors were built by spec.rs against buffers that outlive the
+        // launch (held by the plan), and every access is bounded by them.
+        unsafe { l.launch(cfg) }.map_err(cuda_err(&format!("launch {}", k.name)))?;
+        Ok(())
+    }
+}
+
+/// Optional kernel arguments after (descriptors, work list).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Args {
+    /// Bits (fallback affine kernels) or source type code (raw fallback).
+    pub bits: Option<u32>,
+    /// Rotation block (affine kernels).
+    pub h: Option<u32>,
+    /// `1/sqrt(h)` (affine kernels).
+    pub c: Option<f32>,
+    /// Address of the u64 status word.
+    pub status: u64,
+}
+
+/// Compiles a source with NVRTC for compute capability `cc`, without fused
+/// multiply-add contraction and without flush-to-zero.
+fn compile(src: Source, cc: (i32, i32)) -> Result<Ptx> {
+    let opts = CompileOptions {
+        fmad: Some(false),
+        ftz: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        use_fast_math: Some(false),
+        options: vec![
+            format!("--gpu-architecture=compute_{}{}", cc.0, cc.1),
+            "--std=c++17".into(),
+        ],
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(src.full_text(), opts).map_err(|e| {
+        Error::io(
+            format!("NVRTC compiling {}.cu", src.name),
+            std::io::Error::other(format!("{e:?}")),
+        )
+    })
+}
+
+/// Compiles every kernel source with NVRTC for compute capability `cc`
+/// without touching a device (needs only libnvrtc), returning each
+/// source's PTX. Used by tests and by tools that inspect the generated
+/// code.
+///
+/// # Errors
+/// [`Error::Unsupported`] without libnvrtc; [`Error::Io`] with the compiler
+/// log when a source does not compile.
+pub fn compile_all(cc: (i32, i32)) -> Result<Vec<(&'static str, String)>> {
+    if !nvrtc_present() {
+        return Err(Error::Unsupported(
+            "no NVRTC library (libnvrtc.so) found".into(),
+        ));
+    }
+    sources::ALL
+        .into_iter()
+        .map(|s| Ok((s.name, compile(s, cc)?.to_src())))
+        .collect()
+}
+
+/// Element types a [`GpuBuffer`] can hold.
+pub trait GpuElem:
+    Copy + bytemuck::Pod + cudarc::driver::DeviceRepr + Send + Sync + 'static
+{
+}
+impl GpuElem for u8 {}
+impl GpuElem for u16 {}
+impl GpuElem for u32 {}
+impl GpuElem for u64 {}
+impl GpuElem for i32 {}
+impl GpuElem for i64 {}
+impl GpuElem for f32 {}
+
+/// A device allocation of `len` elements of `T` (owned), or a borrowed view
+/// of memory owned by someone else (for example a serving engine's KV
+/// cache tensor, see [`GpuBuffer::from_raw_parts`]).
+///
+/// Kernels write device memory through shared references (as CUDA
+/// launches do): a decode target is a `&GpuBuffer`.
+pub struct GpuBuffer<T: GpuElem> {
+    ptr: u64,
+    len: usize,
+    owned: bool,
+    gpu: Gpu,
+    _t: PhantomData<T>,
+}
+
+impl<T: GpuElem> std::fmt::Debug for GpuBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuBuffer")
+            .field("ptr", &format_args!("0x{:x}", self.ptr))
+            .field("len", &self.len)
+            .field("owned", &self.owned)
+            .finish()
+    }
+}
+
+impl<T: GpuElem> GpuBuffer<T> {
+    /// Wraps device memory owned elsewhere (not freed on drop).
+    ///
+    /// # Safety
+    /// `ptr` must be a device address on `gpu`'s device holding `len`
+    /// elements of `T`, valid and not used concurrently by other streams
+    /// for as long as the returned buffer (and any plan using it) lives.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when `ptr` is not 16-byte aligned (the kernels
+    /// use 16-byte stores).
+    pub unsafe fn from_raw_parts(gpu: &Gpu, ptr: u64, len: usize) -> Result<GpuBuffer<T>> {
+        if !ptr.is_multiple_of(16) {
+            return Err(Error::param(format!(
+                "device pointer 0x{ptr:x} is not 16-byte aligned"
+            )));
+        }
+        Ok(GpuBuffer {
+            ptr,
+            len,
+            owned: false,
+            gpu: gpu.clone(),
+            _t: PhantomData,
+        })
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the buffer holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The device address (for interop, e.g. wrapping it as a tensor).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The device this buffer lives on.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Overwrites the first `data.len()` elements (ordered on kvpack's
+    /// stream; returns when the copy is done).
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when `data` is longer than the buffer;
+    /// [`Error::Io`] when the copy fails.
+    pub fn write(&self, data: &[T]) -> Result<()> {
+        if data.len() > self.len {
+            return Err(Error::param("write past the end of a GPU buffer"));
+        }
+        self.gpu.ctx().bind_to_thread().map_err(cuda_err("bind"))?;
+        // SAFETY: the buffer holds at least data.len() elements; the stream
+        // is synchronized before `data` may be freed by the caller.
+        unsafe {
+            result::memcpy_htod_async(self.ptr, data, self.gpu.stream().cu_stream())
+                .map_err(cuda_err("host-to-device copy"))?;
+        }
+        self.gpu.synchronize()
+    }
+
+    /// Sets every byte of the buffer to `byte`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the memset fails.
+    pub fn fill_bytes(&self, byte: u8) -> Result<()> {
+        self.gpu.ctx().bind_to_thread().map_err(cuda_err("bind"))?;
+        // SAFETY: exactly the buffer's bytes, on our stream.
+        unsafe {
+            result::memset_d8_async(
+                self.ptr,
+                byte,
+                self.len * std::mem::size_of::<T>(),
+                self.gpu.stream().cu_stream(),
+            )
+        }
+        .map_err(cuda_err("memset"))
+    }
+
+    /// Copies the buffer to the host.
+    ///
+    /// # Errors
+    /// As [`Gpu::download`].
+    pub fn to_vec(&self) -> Result<Vec<T>> {
+        self.gpu.download(self)
+    }
+}
+
+impl<T: GpuElem> Drop for GpuBuffer<T> {
+    fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
+        let ctx = self.gpu.ctx();
+        ctx.record_err(ctx.bind_to_thread());
+        let stream = self.gpu.stream();
+        if ctx.has_async_alloc() {
+            // SAFETY: we own this allocation; freeing on the stream that all
+            // kvpack work is ordered on runs after every use of it.
+            ctx.record_err(unsafe { result::free_async(self.ptr, stream.cu_stream()) });
+        } else {
+            ctx.record_err(stream.synchronize());
+            // SAFETY: we own this allocation and the stream is idle.
+            ctx.record_err(unsafe { result::free_sync(self.ptr) });
+        }
+    }
+}

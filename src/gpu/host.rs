@@ -1,0 +1,151 @@
+//! The CPU side of [`super::Device`]: the reference codecs writing the same
+//! layouts as the GPU kernels, so one test body checks both backends.
+
+use crate::cache::{Elems, ElemsMut, Tensor, TensorData, TensorInfo};
+use crate::codec::{Codec, PageIn, PageOut};
+use crate::decode::Archive;
+use crate::error::{Error, Result};
+use crate::format::Section;
+use crate::plan::PlannedPage;
+
+use super::{HostLayout, OutType, POISON};
+
+/// Elements of a [`HostLayout`] output for `info`.
+///
+/// # Errors
+/// [`Error::Parameter`] when a paged slot mapping does not have `batch *
+/// tokens` entries.
+pub fn layout_len(info: &TensorInfo, layout: &HostLayout) -> Result<usize> {
+    let row = info.head_dim as usize;
+    match layout {
+        HostLayout::Contiguous { tokens, .. } => Ok(info.planes() * *tokens as usize * row),
+        HostLayout::Paged { num_slots, slots } => {
+            let want = info.batch as usize * info.tokens as usize;
+            if slots.len() != want {
+                return Err(Error::param(format!(
+                    "slot mapping has {} entries, {} (batch x tokens) expected",
+                    slots.len(),
+                    want
+                )));
+            }
+            Ok(*num_slots as usize * info.heads as usize * row)
+        }
+    }
+}
+
+/// Tensor tokens `[lo, hi)` a layout needs.
+pub fn token_range(info: &TensorInfo, layout: &HostLayout) -> (u32, u32) {
+    match layout {
+        HostLayout::Contiguous {
+            first_token,
+            tokens,
+        } => (
+            (*first_token).min(info.tokens),
+            first_token.saturating_add(*tokens).min(info.tokens),
+        ),
+        HostLayout::Paged { .. } => (0, info.tokens),
+    }
+}
+
+/// Decodes tensor `t` page by page with the CPU codecs and scatters the
+/// rows into `layout` (see [`super::Device::decode_tensor`]).
+///
+/// # Errors
+/// As [`super::Device::decode_tensor`].
+pub fn decode_tensor(
+    archive: &Archive<'_>,
+    t: usize,
+    out: OutType,
+    layout: &HostLayout,
+) -> Result<Vec<u16>> {
+    let infos = archive.tensors();
+    let info = &infos[t];
+    let len = layout_len(info, layout)?;
+    let mut dst = vec![POISON; len];
+    let d = info.head_dim as usize;
+    let (lo, hi) = token_range(info, layout);
+    for pi in archive.reader().pages_overlapping(t, lo, hi) {
+        let view = archive.reader().page(pi)?;
+        let m = view.header.meta;
+        let n = m.tokens as usize;
+        let mut scratch = TensorData::zeros(out.dtype(), info.planes() * n * d);
+        {
+            let mut rest = scratch.as_elems_mut();
+            let mut planes: Vec<ElemsMut<'_>> = Vec::new();
+            for _ in 0..info.planes() {
+                let (a, b) = rest.split_at(n * d);
+                planes.push(a);
+                rest = b;
+            }
+            let mut po = PageOut {
+                tensor: info,
+                tokens: m.tokens,
+                planes,
+            };
+            archive.codec(m.codec as usize).decode(&view, &mut po)?;
+        }
+        let bits: &[u16] = match &scratch {
+            TensorData::Bf16(v) => bytemuck::cast_slice(v),
+            TensorData::F16(v) => bytemuck::cast_slice(v),
+            TensorData::F32(_) => unreachable!("OutType is 16-bit"),
+        };
+        for p in 0..info.planes() {
+            let (b, h) = (p / info.heads as usize, p % info.heads as usize);
+            for r in 0..n {
+                let tok = m.token_start as usize + r;
+                let at = match layout {
+                    HostLayout::Contiguous {
+                        first_token,
+                        tokens,
+                    } => {
+                        let f = *first_token as usize;
+                        if tok < f || tok >= f + *tokens as usize {
+                            continue;
+                        }
+                        (p * *tokens as usize + tok - f) * d
+                    }
+                    HostLayout::Paged { num_slots, slots } => {
+                        let s = slots[b * info.tokens as usize + tok];
+                        if s < 0 {
+                            continue;
+                        }
+                        if s >= i64::from(*num_slots) {
+                            return Err(Error::param(format!(
+                                "slot {s} of token {tok} is past the {num_slots} slots of the cache"
+                            )));
+                        }
+                        (s as usize * info.heads as usize + h) * d
+                    }
+                };
+                let src = (p * n + r) * d;
+                dst[at..at + d].copy_from_slice(&bits[src..src + d]);
+            }
+        }
+    }
+    Ok(dst)
+}
+
+/// Encodes planned pages of `tensor` with the CPU codec.
+///
+/// # Errors
+/// The codec's encode error.
+pub fn encode_tensor(
+    tensor: &Tensor,
+    codec: &dyn Codec,
+    pages: &[PlannedPage],
+) -> Result<Vec<Vec<Section>>> {
+    pages
+        .iter()
+        .map(|p| {
+            let planes: Vec<Elems<'_>> = (0..tensor.info.planes())
+                .map(|pl| tensor.plane_rows(pl, p.token_start as usize, p.tokens as usize))
+                .collect();
+            codec.encode(&PageIn {
+                tensor: &tensor.info,
+                token_start: p.token_start,
+                tokens: p.tokens,
+                planes,
+            })
+        })
+        .collect()
+}

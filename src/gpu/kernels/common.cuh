@@ -1,0 +1,269 @@
+// Shared definitions for every kvpack kernel source. The Rust side prepends
+// this file to each .cu source before handing it to NVRTC, so the sources
+// need no #include (NVRTC ships no standard headers).
+//
+// Numerics: every kernel is compiled with --fmad=false and spells the
+// normative operations with the *_rn intrinsics, so no multiply-add is ever
+// contracted; denormals are kept (no -ftz). This makes the results
+// bit-identical to the CPU reference (format/codecs/*.md).
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define FULL_MASK 0xffffffffu
+// Threads per block of every unit kernel. A unit is 8 or 32 consecutive
+// elements of a row (the kernel's W); a thread handles U units BLOCK apart,
+// so a block covers BLOCK * U units: U = UNITS_PER_THREAD for W = 8,
+// DEC_UNITS_W32 / ENC_UNITS_W32 for the 32-element decode / encode.
+#define BLOCK 256
+#define UNITS_PER_THREAD 4
+#define DEC_UNITS_W32 2
+#define ENC_UNITS_W32 1
+// Resident blocks per SM the 32-element decode kernels are compiled for
+// (caps their registers at 64, so 32 warps per SM keep loads in flight).
+#define MIN_BLOCKS_W32 4
+#define UNITS_PER_BLOCK (BLOCK * UNITS_PER_THREAD)
+// Threads per block of the segment (fallback) kernels; largest segment.
+#define SEG_BLOCK 128
+#define SEG_MAX 1024
+
+// Output element types (template tags).
+#define OUT_BF16 0
+#define OUT_F16 1
+// Source element types (template tags; the same codes as the file format).
+#define SRC_BF16 1
+#define SRC_F16 2
+#define SRC_F32 3
+
+// One page to decode (mirrors gpu::spec::PageDesc, 96 bytes).
+struct PageDesc {
+    u64 body;     // device address of the page body (uncompressed)
+    u64 dst;      // output base: contiguous = element (plane 0, output token 0); paged = cache base
+    u64 slots;    // paged: address of slot_mapping[batch 0, tensor token 0] (i64); 0 = contiguous
+    u64 stride;   // contiguous: elements between planes; paged: slot entries between batch items
+    u64 limit;    // paged: number of slots in the cache
+    u32 rows;     // planes * tokens
+    u32 tokens;   // tokens in the page
+    u32 heads;    // kv heads per batch item
+    u32 head_dim; // elements per row
+    u32 sec0;     // body offset of SCALE (affine) or RAW (raw)
+    u32 sec1;     // body offset of ZERO
+    u32 sec2;     // body offset of INDEX
+    int tok_off;  // contiguous: page token_start - output first token; paged: page token_start
+    u32 t_lo;     // first page-relative token to write
+    u32 t_hi;     // one past the last page-relative token to write
+    u32 m_tokens; // udiv magic of tokens
+    u32 m_heads;  // udiv magic of heads
+    u32 upr;      // units per row of the launched kernel (head_dim / W)
+    u32 m_upr;    // udiv magic of upr
+};
+
+// One page to encode (mirrors gpu::spec::EncDesc, 64 bytes).
+struct EncDesc {
+    u64 src;      // device address of source element (plane 0, page token 0)
+    u64 body;     // device address of the output page body
+    u64 stride;   // source elements between planes
+    u32 rows;
+    u32 tokens;
+    u32 head_dim;
+    u32 sec_scale;
+    u32 sec_zero;
+    u32 sec_index;
+    u32 page;     // page number, for error reports
+    u32 m_tokens; // udiv magic of tokens
+    u32 upr;      // units per row of the launched kernel (head_dim / W)
+    u32 m_upr;    // udiv magic of upr
+};
+
+// n / d for the d whose magic m = ceil(2^32 / d) (0 when d == 1), computed
+// on the host (gpu::spec::magic): umulhi gives the quotient or one more.
+__device__ __forceinline__ u32 udiv(u32 n, u32 d, u32 m) {
+    if (m == 0) return n;
+    u32 q = __umulhi(n, m);
+    if ((u64)q * d > (u64)n) q--;
+    return q;
+}
+
+// Exact f32 of an integer code q < 2^23 without a conversion instruction.
+__device__ __forceinline__ float code_f32(u32 q) {
+    return __fsub_rn(__uint_as_float(0x4b000000u | q), 8388608.0f);
+}
+
+// Plain (weak, write-back) global stores. Pointers built from descriptor
+// addresses are generic to the compiler, which would emit generic stores;
+// __stwb would make them strong (STG.STRONG.SM).
+__device__ __forceinline__ void st_u4(void* p, uint4 v) {
+    asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+__device__ __forceinline__ void st_u2(void* p, uint2 v) {
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(v.x), "r"(v.y) : "memory");
+}
+__device__ __forceinline__ void st_u1(void* p, u32 v) {
+    asm volatile("st.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// (a & b) | c in one LOP3 (the constants in registers).
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// Two f32 as packed bf16x2 / f16x2 (round to nearest even; a NaN becomes
+// the canonical NaN, the only place where bits may differ from the CPU,
+// whose NaN keeps its payload).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <int OUT>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    return OUT == OUT_BF16 ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi);
+}
+
+__device__ __forceinline__ bool is_nan(float x) { return x != x; }
+__device__ __forceinline__ bool is_finite(float x) {
+    return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u;
+}
+
+// f32 -> bf16 bits, round to nearest even, NaN quieted (kernels::convert).
+__device__ __forceinline__ u16 f32_to_bf16(float x) {
+    u32 b = __float_as_uint(x);
+    if (is_nan(x)) return (u16)((b >> 16) | 0x40u);
+    return (u16)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+// f32 -> f16 bits, round to nearest even; NaN as the `half` crate does it.
+__device__ __forceinline__ u16 f32_to_f16(float x) {
+    if (is_nan(x)) {
+        u32 b = __float_as_uint(x);
+        return (u16)(((b >> 16) & 0x8000u) | 0x7c00u | 0x0200u | ((b & 0x7fffffu) >> 13));
+    }
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+template <int OUT>
+__device__ __forceinline__ u16 to_out(float x) {
+    return OUT == OUT_BF16 ? f32_to_bf16(x) : f32_to_f16(x);
+}
+
+// Eight output elements as one 16-byte store.
+template <int OUT>
+__device__ __forceinline__ void store8(u16* p, const float v[8]) {
+    uint4 o;
+    o.x = (u32)to_out<OUT>(v[0]) | ((u32)to_out<OUT>(v[1]) << 16);
+    o.y = (u32)to_out<OUT>(v[2]) | ((u32)to_out<OUT>(v[3]) << 16);
+    o.z = (u32)to_out<OUT>(v[4]) | ((u32)to_out<OUT>(v[5]) << 16);
+    o.w = (u32)to_out<OUT>(v[6]) | ((u32)to_out<OUT>(v[7]) << 16);
+    st_u4(p, o);
+}
+
+// Output element offset of (row, element 0) of a page, or -1 when the row is
+// not written (outside [t_lo, t_hi), or a paged slot < 0). A slot past the
+// cache is reported through `status` and skipped.
+__device__ __forceinline__ i64 row_dst(const PageDesc& d, u32 row, u64* status) {
+    u32 p = udiv(row, d.tokens, d.m_tokens);
+    u32 t = row - p * d.tokens;
+    if (t < d.t_lo || t >= d.t_hi) return -1;
+    if (d.slots == 0) {
+        return (i64)p * (i64)d.stride + ((i64)t + (i64)d.tok_off) * (i64)d.head_dim;
+    }
+    u32 b = udiv(p, d.heads, d.m_heads);
+    u32 h = p - b * d.heads;
+    const i64* slots = reinterpret_cast<const i64*>(d.slots);
+    i64 slot = slots[(i64)b * (i64)d.stride + (i64)d.tok_off + (i64)t];
+    if (slot < 0) return -1;
+    if ((u64)slot >= d.limit) {
+        atomicMin(status, (u64)row);
+        return -1;
+    }
+    return (slot * (i64)d.heads + (i64)h) * (i64)d.head_dim;
+}
+
+// Walsh-Hadamard butterflies on W consecutive elements held by one thread
+// (strides 1, 2, 4, ... while below h and W), then on strides W..h/2 across
+// lanes with xor shuffles. The stage order is the normative one
+// (format/codecs/bdr.md): strides 1, 2, 4, ... in increasing order. The
+// thread whose lane bit is clear holds the lower index and computes a + b;
+// its partner computes a - b with a = the lower value. Every lane of the
+// warp must call this (h is uniform over a launch).
+template <int W>
+__device__ __forceinline__ void wht_stage(float v[W], int s) {
+#pragma unroll
+    for (int i = 0; i < W; i++) {
+        if (!(i & s)) {
+            float a = v[i], b = v[i + s];
+            v[i] = __fadd_rn(a, b);
+            v[i + s] = __fsub_rn(a, b);
+        }
+    }
+}
+
+template <int W>
+__device__ __forceinline__ void wht(float v[W], u32 h) {
+    if (h >= (u32)W) {  // the common case: every in-register stage, no branches
+#pragma unroll
+        for (int s = 1; s < W; s <<= 1) wht_stage<W>(v, s);
+    } else {
+#pragma unroll
+        for (int s = 1; s < W; s <<= 1) {
+            if ((u32)s < h) wht_stage<W>(v, s);
+        }
+    }
+    // Across lanes: o + v * sign with sign = +1 (lower) or -1 (upper) as
+    // one fused multiply-add. The product is exact, so the single rounding
+    // gives exactly the a + b / a - b of the normative butterfly (the CPU's
+    // AVX2 path does the same).
+    u32 lane = threadIdx.x & 31u;
+    for (u32 m = 1; (u32)W * m < h; m <<= 1) {
+        float sign = (lane & m) ? -1.0f : 1.0f;
+#pragma unroll
+        for (int i = 0; i < W; i++) {
+            float o = __shfl_xor_sync(FULL_MASK, v[i], m);
+            v[i] = __fmaf_rn(v[i], sign, o);
+        }
+    }
+}
+
+// Butterflies over a segment of n values in shared memory (strides 1..h/2
+// within aligned blocks of h), for block-wide (fallback) kernels. Callers
+// __syncthreads() before; this ends with one.
+__device__ __forceinline__ void wht_shared(float* buf, u32 n, u32 h) {
+    for (u32 s = 1; s < h; s <<= 1) {
+        for (u32 p = threadIdx.x; p < n / 2; p += blockDim.x) {
+            u32 i = (p / s) * 2u * s + (p % s);
+            float a = buf[i], b = buf[i + s];
+            buf[i] = __fadd_rn(a, b);
+            buf[i + s] = __fsub_rn(a, b);
+        }
+        __syncthreads();
+    }
+}
+
+// Code `i` (bits wide, LSB-first) of a packed stream, any alignment.
+__device__ __forceinline__ u32 get_code(const u8* p, u64 i, u32 bits) {
+    u64 bit = i * (u64)bits;
+    u64 byte = bit >> 3;
+    u32 sh = (u32)(bit & 7u);
+    u32 v = p[byte];
+    if (sh + bits > 8u) v |= ((u32)p[byte + 1]) << 8;
+    return (v >> sh) & ((1u << bits) - 1u);
+}

@@ -1,0 +1,333 @@
+//! GPU decode and encode of kvpack pages (cargo feature `cuda`).
+//!
+//! On a decode node the cache must become the serving engine's bf16 (or
+//! fp16) KV on the GPU; on a prefill node it must be compressed on the GPU
+//! before it is sent. This module does both with CUDA kernels at the memory
+//! roofline, for the codecs `raw`, `int{b}` and `bdr{h}`:
+//!
+//! * **Decode** ([`Gpu::plan_decode`]): page bodies in device memory
+//!   ([`GpuPages`]) to bf16/fp16 in two layouts ([`Dst`]): contiguous
+//!   `[planes, tokens, head_dim]` per tensor (planes = batch x kv_heads,
+//!   batch folded into heads), or the vLLM paged layout
+//!   `[num_blocks, block_size, kv_heads, head_dim]` through a slot mapping
+//!   (token -> slot). Many pages go in one launch through a descriptor
+//!   table ([`spec::PageDesc`]); results equal the CPU decoder's bit for bit
+//!   (same IEEE operations in the same order, no fused multiply-add except
+//!   where the product is exact, the Walsh-Hadamard stages in the normative
+//!   order). The one exception: an `int`/`bdr` output that is NaN (only
+//!   possible from a non-finite scale or zero point) is the canonical NaN,
+//!   where the CPU keeps the payload.
+//! * **Encode** ([`Gpu::plan_encode`]): a contiguous bf16/fp16/f32 tensor
+//!   on the device to `int{b}` / `bdr{h}` page bodies whose sections are
+//!   the CPU encoder's bit for bit ([`EncodePlan::sections`]).
+//! * **File to GPU** ([`FileDecoder`]): pages read from an mmap'd file,
+//!   checked (CRC), staged in pinned host memory, copied to the device and
+//!   decoded there, with the CPU staging, the host-to-device copy and the
+//!   kernels of consecutive chunks overlapped (double-buffered staging,
+//!   two streams, events). zstd-compressed pages are decompressed on the
+//!   CPU while staging; the kernels only see uncompressed bodies.
+//!
+//! [`Device`] runs the same operations on the CPU (the reference codecs)
+//! or on CUDA and returns host results, so one test body checks both.
+//!
+//! Measured throughput against the device-to-device copy ceiling, and what
+//! limits each kernel: `tests/benches/gpu.md`.
+//!
+//! # Building and running
+//! `cargo build --features cuda`. The CUDA driver and NVRTC are loaded at
+//! run time (cudarc's dynamic loading): building needs no CUDA toolkit, and
+//! a binary built with the feature runs on machines without a GPU, where
+//! [`Gpu::new`] returns [`Error::Unsupported`] naming what is missing.
+//! Without the feature the same API exists and every constructor returns
+//! `Error::Unsupported("built without CUDA ...")`.
+//!
+//! Kernels are CUDA C sources in `src/gpu/kernels/*.cu` (embedded with
+//! `include_str!`, listed in [`sources`]), compiled by NVRTC on first use
+//! for the device's compute capability with `--fmad=false`, and cached per
+//! device for the life of the process.
+//!
+//! # Adding a codec's kernels
+//! 1. Write `src/gpu/kernels/<codec>.cu` with `extern "C" __global__`
+//!    kernels named `decode_<codec>_..._{bf16,f16}` (and `encode_...`),
+//!    taking `(const PageDesc*, const uint2* work, <params>, u64* status)`;
+//!    one work item per thread block, `(descriptor index, first unit)`.
+//!    Use the helpers of `common.cuh` (`row_dst` handles both layouts,
+//!    `store8`, `wht8`, conversions).
+//! 2. Add it to [`sources::ALL`].
+//! 3. Teach [`spec::KernelCodec::of`] the codec id and parameter block, and
+//!    [`spec::decode_kernel`] / [`spec::page_sections`] its kernel name,
+//!    grid and section offsets (extra codebooks go in the page body or a
+//!    small side buffer passed as a parameter).
+//! 4. Extend `tests/gpu.rs` (its bodies run on CPU and CUDA) and
+//!    `tests/benches/gpu.rs`.
+//!
+//! The container, [`FileDecoder`] and the plans need no change.
+
+pub mod host;
+pub mod sources;
+pub mod spec;
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::{
+    DecodePlan, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages, compile_all,
+};
+
+#[cfg(not(feature = "cuda"))]
+mod stub;
+#[cfg(not(feature = "cuda"))]
+pub use stub::{DecodePlan, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages};
+
+pub use spec::OutType;
+
+use crate::cache::Tensor;
+use crate::codec::Codec;
+use crate::decode::Archive;
+use crate::error::{Error, Result};
+use crate::format::Section;
+use crate::plan::PlannedPage;
+
+/// The message of every GPU entry point in a build without the `cuda`
+/// feature.
+pub const NO_CUDA: &str = "built without CUDA: rebuild kvpack with `--features cuda`";
+
+/// What [`Gpu::info`] reports about a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuInfo {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// Marketing name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub name: String,
+    /// Compute capability `(major, minor)`, e.g. `(9, 0)`.
+    pub compute_capability: (i32, i32),
+    /// Streaming multiprocessors.
+    pub multiprocessors: u32,
+    /// Device memory, bytes.
+    pub memory_bytes: u64,
+    /// L2 cache, bytes.
+    pub l2_bytes: u64,
+}
+
+/// Where the decoded rows of one tensor go on the device (16-bit elements,
+/// bf16 or fp16 bit patterns).
+#[derive(Debug, Clone, Copy)]
+pub enum Dst<'a> {
+    /// `[planes, tokens, head_dim]` (planes = batch x kv_heads): tensor
+    /// token `t` of plane `p` goes to row `p * tokens + (t - first_token)`.
+    /// Pages partly outside `[first_token, first_token + tokens)` are
+    /// clipped.
+    Contiguous {
+        /// Output buffer, at least `planes * tokens * head_dim` elements.
+        buf: &'a GpuBuffer<u16>,
+        /// First tensor token the buffer holds.
+        first_token: u32,
+        /// Tokens per plane the buffer holds.
+        tokens: u32,
+    },
+    /// vLLM's paged layout `[num_blocks, block_size, kv_heads, head_dim]`
+    /// (one of K or V of one layer): token `t` of batch item `b` goes to
+    /// slot `slots[b * slot_stride + t]` (block `slot / block_size`, offset
+    /// `slot % block_size`); a negative slot is skipped; a slot past the
+    /// cache is an error reported by [`DecodePlan::finish`].
+    Paged {
+        /// The cache, `num_blocks * block_size * kv_heads * head_dim`
+        /// elements.
+        cache: &'a GpuBuffer<u16>,
+        /// The slot mapping (vLLM's `slot_mapping`, i64).
+        slots: &'a GpuBuffer<i64>,
+        /// Entries between batch items (the tensor's token count for a
+        /// `[batch, tokens]` mapping).
+        slot_stride: u32,
+    },
+}
+
+/// One tensor of a decode: its index in the file's tensor table and where
+/// its rows go.
+#[derive(Debug, Clone, Copy)]
+pub struct Target<'a> {
+    /// Tensor index (position in the file's tensor table).
+    pub tensor: u32,
+    /// Destination.
+    pub dst: Dst<'a>,
+}
+
+/// Counters of one [`FileDecoder::decode`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StreamStats {
+    /// Pages decoded.
+    pub pages: u64,
+    /// Chunks (host-to-device copies).
+    pub chunks: u64,
+    /// Page frame bytes read from the file.
+    pub file_bytes: u64,
+    /// Bytes copied host to device (page bodies and descriptors).
+    pub uploaded_bytes: u64,
+    /// Output bytes written on the device.
+    pub output_bytes: u64,
+    /// Wall time from the call to the last kernel's completion, seconds.
+    pub seconds: f64,
+}
+
+/// A host-side destination layout for [`Device::decode_tensor`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostLayout {
+    /// `[planes, tokens, head_dim]` holding tensor tokens
+    /// `[first_token, first_token + tokens)`.
+    Contiguous {
+        /// First tensor token.
+        first_token: u32,
+        /// Tokens per plane.
+        tokens: u32,
+    },
+    /// `[num_slots, kv_heads, head_dim]` (= `[num_blocks, block_size, ...]`
+    /// flattened): token `t` of batch item `b` goes to slot
+    /// `slots[b * tokens + t]` (`tokens` = the tensor's token count),
+    /// skipped when negative.
+    Paged {
+        /// `num_blocks * block_size`.
+        num_slots: u32,
+        /// The slot mapping, `batch * tokens` entries.
+        slots: Vec<i64>,
+    },
+}
+
+/// Bit pattern every element of a [`Device::decode_tensor`] output holds
+/// before decoding (a quiet NaN in bf16 and fp16), so unwritten elements
+/// are visible.
+pub const POISON: u16 = 0x7fc1;
+
+/// Where [`Device`] operations run.
+#[derive(Debug, Clone)]
+pub enum Device {
+    /// The CPU reference codecs.
+    Cpu,
+    /// A CUDA device.
+    Cuda(Gpu),
+}
+
+impl Device {
+    /// CUDA device `ordinal`.
+    ///
+    /// # Errors
+    /// As [`Gpu::new`] ([`Error::Unsupported`] without the feature, driver,
+    /// NVRTC or device).
+    pub fn cuda(ordinal: usize) -> Result<Device> {
+        Gpu::new(ordinal).map(Device::Cuda)
+    }
+
+    /// `cpu` or the GPU's name.
+    pub fn name(&self) -> String {
+        match self {
+            Device::Cpu => "cpu".into(),
+            Device::Cuda(g) => format!("cuda:{} ({})", g.info().ordinal, g.info().name),
+        }
+    }
+
+    /// Decodes every page of tensor `tensor` overlapping `layout` into a
+    /// host vector of bf16/fp16 bit patterns laid out as `layout` says
+    /// (elements no page writes keep [`POISON`]).
+    ///
+    /// # Errors
+    /// [`Error::Format`] for a corrupted page; [`Error::Parameter`] for a
+    /// bad layout; [`Error::Unsupported`] for a codec without GPU kernels
+    /// (CUDA only); [`Error::Io`] for a CUDA failure.
+    pub fn decode_tensor(
+        &self,
+        archive: &Archive<'_>,
+        tensor: usize,
+        out: OutType,
+        layout: &HostLayout,
+    ) -> Result<Vec<u16>> {
+        let info = archive
+            .tensors()
+            .get(tensor)
+            .cloned()
+            .ok_or_else(|| Error::param(format!("no tensor {tensor}")))?;
+        let len = host::layout_len(&info, layout)?;
+        match self {
+            Device::Cpu => host::decode_tensor(archive, tensor, out, layout),
+            Device::Cuda(gpu) => {
+                let (lo, hi) = host::token_range(&info, layout);
+                let pages = archive.reader().pages_overlapping(tensor, lo, hi);
+                let gp = GpuPages::upload(gpu, archive, &pages)?;
+                let buf = gpu.upload(&vec![POISON; len])?;
+                let slots;
+                let dst = match layout {
+                    HostLayout::Contiguous {
+                        first_token,
+                        tokens,
+                    } => Dst::Contiguous {
+                        buf: &buf,
+                        first_token: *first_token,
+                        tokens: *tokens,
+                    },
+                    HostLayout::Paged { slots: s, .. } => {
+                        slots = gpu.upload(s)?;
+                        Dst::Paged {
+                            cache: &buf,
+                            slots: &slots,
+                            slot_stride: info.tokens,
+                        }
+                    }
+                };
+                let plan = gpu.plan_decode(
+                    &gp,
+                    &[Target {
+                        tensor: tensor as u32,
+                        dst,
+                    }],
+                    out,
+                )?;
+                plan.launch()?;
+                plan.finish()?;
+                buf.to_vec()
+            }
+        }
+    }
+
+    /// Encodes the planned pages of `tensor` with `codec` (`int{b}` or
+    /// `bdr{h}` on CUDA; any codec on the CPU), returning each page's
+    /// sections as the CPU encoder does.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for values the codec cannot represent (NaN,
+    /// inf), naming the page; [`Error::Unsupported`] for a codec without a
+    /// GPU encoder (CUDA only); [`Error::Io`] for a CUDA failure.
+    pub fn encode_tensor(
+        &self,
+        tensor: &Tensor,
+        codec: &dyn Codec,
+        pages: &[PlannedPage],
+    ) -> Result<Vec<Vec<Section>>> {
+        match self {
+            Device::Cpu => host::encode_tensor(tensor, codec, pages),
+            Device::Cuda(gpu) => {
+                let plan = match &tensor.data {
+                    crate::cache::TensorData::Bf16(v) => {
+                        let src = gpu.upload::<u16>(bytemuck::cast_slice(v))?;
+                        let plan = gpu.plan_encode(&src, &tensor.info, codec, pages)?;
+                        plan.launch()?;
+                        plan.finish()?;
+                        plan.sections()?
+                    }
+                    crate::cache::TensorData::F16(v) => {
+                        let src = gpu.upload::<u16>(bytemuck::cast_slice(v))?;
+                        let plan = gpu.plan_encode(&src, &tensor.info, codec, pages)?;
+                        plan.launch()?;
+                        plan.finish()?;
+                        plan.sections()?
+                    }
+                    crate::cache::TensorData::F32(v) => {
+                        let src = gpu.upload::<f32>(v)?;
+                        let plan = gpu.plan_encode(&src, &tensor.info, codec, pages)?;
+                        plan.launch()?;
+                        plan.finish()?;
+                        plan.sections()?
+                    }
+                };
+                Ok(plan)
+            }
+        }
+    }
+}

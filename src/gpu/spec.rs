@@ -1,0 +1,1033 @@
+//! Host-side description of GPU work, shared by the CUDA backend and the
+//! CPU-only tests: which kernel handles a page, the page descriptors the
+//! kernels read (`PageDesc` / `EncDesc`, mirrored in `kernels/common.cuh`),
+//! the work lists (one entry per thread block), and the canonical body
+//! layout of an encoded page.
+//!
+//! Nothing here touches a device; it is all plain data, so it is tested on
+//! machines without CUDA.
+
+use bytemuck::{Pod, Zeroable};
+
+use crate::cache::{DType, TensorInfo};
+use crate::codec::{self, Codec, expect_section};
+use crate::error::{Error, Result};
+use crate::format::{ElemType, PageView, SectionKind};
+
+/// Threads per block of the unit kernels (`BLOCK` in `common.cuh`).
+pub const BLOCK: u32 = 256;
+/// Units of 8 elements one thread of a unit kernel handles.
+pub const UNITS_PER_THREAD: u32 = 4;
+/// Units of 32 elements one thread of a decode kernel handles.
+pub const DEC_UNITS_W32: u32 = 2;
+/// Units of 32 elements one thread of an encode kernel handles.
+pub const ENC_UNITS_W32: u32 = 1;
+/// Units one block of an 8-element unit kernel handles.
+pub const UNITS_PER_BLOCK: u32 = BLOCK * UNITS_PER_THREAD;
+
+/// The multiplier kernels use to divide by `d` (`udiv` in `common.cuh`):
+/// `ceil(2^32 / d)`, or 0 for `d <= 1` (the quotient is the dividend).
+pub fn magic(d: u32) -> u32 {
+    if d <= 1 {
+        0
+    } else {
+        ((1u64 << 32).div_ceil(u64::from(d))) as u32
+    }
+}
+
+/// `n / d` the way the kernels compute it from [`magic`] (for tests).
+pub fn udiv(n: u32, d: u32, m: u32) -> u32 {
+    if m == 0 {
+        return n;
+    }
+    let mut q = ((u64::from(n) * u64::from(m)) >> 32) as u32;
+    if u64::from(q) * u64::from(d) > u64::from(n) {
+        q -= 1;
+    }
+    q
+}
+
+static NARROW: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes plans built from now on use the 8-element unit kernels wherever
+/// they apply instead of the 32-element ones (a benchmark knob that
+/// isolates the cost of each layout; results are identical). Default off.
+pub fn prefer_narrow_kernels(on: bool) {
+    NARROW.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn narrow() -> bool {
+    NARROW.load(std::sync::atomic::Ordering::Relaxed)
+}
+/// Threads per block of the segment (fallback) kernels.
+pub const SEG_BLOCK: u32 = 128;
+/// Largest segment (elements held in shared memory) of the fallback kernels,
+/// and so the largest head_dim the `int`/`bdr` kernels accept.
+pub const SEG_MAX: u32 = 1024;
+/// Largest rotation block handled in registers and warp shuffles.
+pub const MAX_SHUFFLE_BLOCK: u32 = 256;
+
+/// What a GPU kernel needs to know about a page's codec, derived from the
+/// codec table entry (`Codec::id` and `Codec::params`) and the tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelCodec {
+    /// `raw`: one RAW section at the tensor's dtype.
+    Raw {
+        /// Source element type.
+        src: DType,
+    },
+    /// `int{b}` or `bdr{h}`: SCALE, ZERO, INDEX sections.
+    Affine {
+        /// Bits per code, 1..=8.
+        bits: u8,
+        /// Rotation block applied to this tensor (`None` for `int{b}` and
+        /// for V under `bdr{h}:k`).
+        block: Option<u32>,
+    },
+}
+
+impl KernelCodec {
+    /// The kernel family for pages of `tensor` encoded by `codec`.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a codec that has no GPU kernels yet.
+    pub fn of(codec: &dyn Codec, tensor: &TensorInfo) -> Result<KernelCodec> {
+        let p = codec.params();
+        match codec.id() {
+            codec::raw::ID => Ok(KernelCodec::Raw { src: tensor.dtype }),
+            codec::affine::INT_ID if p.len() == 4 => Ok(KernelCodec::Affine {
+                bits: p[0],
+                block: None,
+            }),
+            codec::affine::BDR_ID if p.len() == 8 => {
+                let h = u32::from(u16::from_le_bytes([p[0], p[1]]));
+                let keys_only = p[3] & 1 == 1;
+                let rotated = !(keys_only && tensor.kind == crate::cache::Kind::Value);
+                if rotated && !tensor.head_dim.is_multiple_of(h) {
+                    return Err(Error::param(format!(
+                        "{}: head_dim {} is not a multiple of the bdr block {h}",
+                        tensor.describe(),
+                        tensor.head_dim
+                    )));
+                }
+                Ok(KernelCodec::Affine {
+                    bits: p[2],
+                    block: rotated.then_some(h),
+                })
+            }
+            _ => Err(Error::Unsupported(format!(
+                "no GPU kernels for codec {} (id {}) yet; decode it on the CPU",
+                codec.name(),
+                codec.id()
+            ))),
+        }
+    }
+
+    /// `h` as passed to the kernels: the block size, 0 without rotation.
+    pub fn h(&self) -> u32 {
+        match self {
+            KernelCodec::Affine { block: Some(h), .. } => *h,
+            _ => 0,
+        }
+    }
+
+    /// `c_h`, the f32 nearest to `1/sqrt(h)` (1 without rotation).
+    pub fn c(&self) -> f32 {
+        match self {
+            KernelCodec::Affine { block: Some(h), .. } => {
+                crate::kernels::wht::inv_sqrt(*h as usize)
+            }
+            _ => 1.0,
+        }
+    }
+}
+
+/// Element type of a GPU decode output: bf16 or f16 (the serving engines'
+/// KV types). Stored as `u16` bit patterns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OutType {
+    /// bfloat16.
+    Bf16,
+    /// IEEE binary16.
+    F16,
+}
+
+impl OutType {
+    /// Suffix of kernel names (`bf16`, `f16`).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            OutType::Bf16 => "bf16",
+            OutType::F16 => "f16",
+        }
+    }
+
+    /// The matching [`DType`].
+    pub fn dtype(self) -> DType {
+        match self {
+            OutType::Bf16 => DType::Bf16,
+            OutType::F16 => DType::F16,
+        }
+    }
+
+    /// The output type for a [`DType`].
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for f32 (GPU decode writes 16-bit elements).
+    pub fn from_dtype(d: DType) -> Result<OutType> {
+        match d {
+            DType::Bf16 => Ok(OutType::Bf16),
+            DType::F16 => Ok(OutType::F16),
+            DType::F32 => Err(Error::param("GPU decode writes bf16 or fp16, not fp32")),
+        }
+    }
+}
+
+/// Kernel-name suffix of a source element type.
+pub fn src_suffix(d: DType) -> &'static str {
+    match d {
+        DType::Bf16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "f32",
+    }
+}
+
+/// Which kernel runs a group of pages, and how its work is cut.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KernelChoice {
+    /// Source module (`raw`, `affine`).
+    pub source: &'static str,
+    /// Kernel function name.
+    pub name: String,
+    /// How work items are counted (see [`Grid`]).
+    pub grid: Grid,
+}
+
+/// How a kernel's work is cut into thread blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Grid {
+    /// [`BLOCK`] threads; units of `w` (8 or 32) consecutive elements of a
+    /// row, `per_thread` units per thread ([`UNITS_PER_THREAD`] for w = 8,
+    /// [`DEC_UNITS_W32`] / [`ENC_UNITS_W32`] for w = 32).
+    Units {
+        /// Elements per unit.
+        w: u32,
+        /// Units per thread.
+        per_thread: u32,
+    },
+    /// [`BLOCK`] threads, [`UNITS_PER_BLOCK`] single elements per block.
+    Elements,
+    /// [`SEG_BLOCK`] threads, one segment of `seg` elements per block.
+    Segments {
+        /// Elements per segment (a divisor of head_dim).
+        seg: u32,
+    },
+    /// [`SEG_BLOCK`] threads, one row per block.
+    Rows,
+}
+
+impl Grid {
+    /// Threads per block.
+    pub fn threads(self) -> u32 {
+        match self {
+            Grid::Units { .. } | Grid::Elements => BLOCK,
+            Grid::Segments { .. } | Grid::Rows => SEG_BLOCK,
+        }
+    }
+
+    /// Work items (thread blocks) for a page of `rows` rows of `head_dim`,
+    /// as `(page, first unit / element / segment / row)`, appended to `out`.
+    pub fn push_items(self, page: u32, rows: u32, head_dim: u32, out: &mut Vec<[u32; 2]>) {
+        let (n, per) = match self {
+            Grid::Units { w, per_thread } => (
+                rows as u64 * (head_dim / w) as u64,
+                u64::from(BLOCK * per_thread),
+            ),
+            Grid::Elements => (rows as u64 * head_dim as u64, UNITS_PER_BLOCK as u64),
+            Grid::Segments { seg } => (rows as u64 * (head_dim / seg) as u64, 1),
+            Grid::Rows => (rows as u64, 1),
+        };
+        let mut i = 0;
+        while i < n {
+            out.push([page, i as u32]);
+            i += per;
+        }
+    }
+}
+
+/// The 8-element unit grid.
+const W8: Grid = Grid::Units {
+    w: 8,
+    per_thread: UNITS_PER_THREAD,
+};
+
+impl Grid {
+    /// Elements per unit of a unit kernel (0 for the others).
+    pub fn unit(self) -> u32 {
+        match self {
+            Grid::Units { w, .. } => w,
+            _ => 0,
+        }
+    }
+}
+
+/// The decode kernel for pages of one codec, head_dim and output type.
+///
+/// # Errors
+/// [`Error::Unsupported`] for `int`/`bdr` pages with head_dim above
+/// [`SEG_MAX`].
+pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<KernelChoice> {
+    let o = out.suffix();
+    match kc {
+        KernelCodec::Raw { src } => Ok(if head_dim.is_multiple_of(8) {
+            KernelChoice {
+                source: "raw",
+                name: format!("decode_raw_{}_{o}", src_suffix(src)),
+                grid: W8,
+            }
+        } else {
+            KernelChoice {
+                source: "raw",
+                name: format!("decode_raw_any_{o}"),
+                grid: Grid::Elements,
+            }
+        }),
+        KernelCodec::Affine { bits, block } => {
+            if head_dim > SEG_MAX {
+                return Err(Error::Unsupported(format!(
+                    "GPU int/bdr kernels handle head_dim up to {SEG_MAX}, not {head_dim}"
+                )));
+            }
+            let h = block.unwrap_or(0);
+            let w8 = head_dim.is_multiple_of(8) && h <= MAX_SHUFFLE_BLOCK;
+            let w32 = head_dim.is_multiple_of(32) && (head_dim / 32).is_power_of_two();
+            if w32 && !(w8 && narrow()) {
+                // A block spanning the whole row (bdr{head_dim}) has its own
+                // kernel with every butterfly stage unconditional.
+                let kind = if h == head_dim { "rowrot_" } else { "" };
+                Ok(KernelChoice {
+                    source: "affine",
+                    name: format!("decode_affine_{kind}b{bits}_{o}"),
+                    grid: Grid::Units {
+                        w: 32,
+                        per_thread: DEC_UNITS_W32,
+                    },
+                })
+            } else if w8 {
+                Ok(KernelChoice {
+                    source: "affine",
+                    name: format!("decode_affine_w8_b{bits}_{o}"),
+                    grid: W8,
+                })
+            } else {
+                let seg = if h > 1 { h } else { head_dim };
+                Ok(KernelChoice {
+                    source: "affine",
+                    name: format!("decode_affine_any_{o}"),
+                    grid: Grid::Segments { seg },
+                })
+            }
+        }
+    }
+}
+
+/// The encode kernel for `int`/`bdr` pages of a tensor.
+///
+/// # Errors
+/// [`Error::Unsupported`] for `raw` (a copy; use the CPU) or head_dim above
+/// [`SEG_MAX`].
+pub fn encode_kernel(kc: KernelCodec, head_dim: u32, src: DType) -> Result<KernelChoice> {
+    let KernelCodec::Affine { bits, block } = kc else {
+        return Err(Error::Unsupported(
+            "GPU encode covers int and bdr; raw pages are a plain copy".into(),
+        ));
+    };
+    if head_dim > SEG_MAX {
+        return Err(Error::Unsupported(format!(
+            "GPU int/bdr kernels handle head_dim up to {SEG_MAX}, not {head_dim}"
+        )));
+    }
+    let h = block.unwrap_or(0);
+    let s = src_suffix(src);
+    let fits = |w: u32| {
+        let upr = head_dim / w;
+        head_dim.is_multiple_of(w) && upr.is_power_of_two() && upr <= 32
+    };
+    let w8 = fits(8) && h <= MAX_SHUFFLE_BLOCK;
+    if fits(32) && !(w8 && narrow()) {
+        Ok(KernelChoice {
+            source: "affine",
+            name: format!("encode_affine_b{bits}_{s}"),
+            grid: Grid::Units {
+                w: 32,
+                per_thread: ENC_UNITS_W32,
+            },
+        })
+    } else if w8 {
+        Ok(KernelChoice {
+            source: "affine",
+            name: format!("encode_affine_w8_b{bits}_{s}"),
+            grid: W8,
+        })
+    } else {
+        Ok(KernelChoice {
+            source: "affine",
+            name: format!("encode_affine_any_{s}"),
+            grid: Grid::Rows,
+        })
+    }
+}
+
+/// Every kernel name a launcher can ask for (for the source check test).
+pub fn all_kernel_names() -> Vec<(&'static str, String)> {
+    let mut v = vec![("copy", "copy_u128".to_string())];
+    for out in [OutType::Bf16, OutType::F16] {
+        for src in [DType::Bf16, DType::F16, DType::F32] {
+            for d in [64, 6] {
+                let k = decode_kernel(KernelCodec::Raw { src }, d, out).expect("raw");
+                v.push((k.source, k.name));
+            }
+        }
+        for bits in 1..=8 {
+            for (d, h) in [
+                (128, None),
+                (128, Some(128)),
+                (128, Some(512)),
+                (6, None),
+                (40, Some(8)),
+            ] {
+                let kc = KernelCodec::Affine { bits, block: h };
+                let k = decode_kernel(kc, d, out).expect("affine");
+                v.push((k.source, k.name));
+            }
+        }
+    }
+    for src in [DType::Bf16, DType::F16, DType::F32] {
+        for bits in 1..=8 {
+            for d in [128, 96, 16] {
+                let kc = KernelCodec::Affine { bits, block: None };
+                let k = encode_kernel(kc, d, src).expect("affine");
+                v.push((k.source, k.name));
+            }
+        }
+    }
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// One page to decode, as the kernels read it (`struct PageDesc` in
+/// `kernels/common.cuh`, 96 bytes). Device addresses are absolute.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
+pub struct PageDesc {
+    /// Device address of the page body (uncompressed).
+    pub body: u64,
+    /// Output base: contiguous = address of element (plane 0, output token
+    /// 0); paged = address of the cache.
+    pub dst: u64,
+    /// Paged: address of `slot_mapping[batch 0, tensor token 0]` (i64
+    /// entries); 0 for the contiguous layout.
+    pub slots: u64,
+    /// Contiguous: elements between planes; paged: slot-mapping entries
+    /// between batch items.
+    pub stride: u64,
+    /// Paged: slots in the cache (`num_blocks * block_size`).
+    pub limit: u64,
+    /// Rows (`planes * tokens`).
+    pub rows: u32,
+    /// Tokens in the page.
+    pub tokens: u32,
+    /// KV heads per batch item.
+    pub heads: u32,
+    /// Elements per row.
+    pub head_dim: u32,
+    /// Body offset of the SCALE (affine) or RAW (raw) section.
+    pub sec0: u32,
+    /// Body offset of the ZERO section.
+    pub sec1: u32,
+    /// Body offset of the INDEX section.
+    pub sec2: u32,
+    /// Contiguous: page `token_start` minus the output's first token; paged:
+    /// page `token_start`.
+    pub tok_off: i32,
+    /// First page-relative token to write.
+    pub t_lo: u32,
+    /// One past the last page-relative token to write.
+    pub t_hi: u32,
+    /// [`magic`] of `tokens`.
+    pub m_tokens: u32,
+    /// [`magic`] of `heads`.
+    pub m_heads: u32,
+    /// Units per row of the launched unit kernel (`head_dim / w`; 0 for
+    /// other kernels).
+    pub upr: u32,
+    /// [`magic`] of `upr`.
+    pub m_upr: u32,
+}
+
+/// One page to encode (`struct EncDesc` in `kernels/common.cuh`, 64 bytes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
+pub struct EncDesc {
+    /// Device address of source element (plane 0, page token 0).
+    pub src: u64,
+    /// Device address of the output page body.
+    pub body: u64,
+    /// Source elements between planes.
+    pub stride: u64,
+    /// Rows (`planes * tokens`).
+    pub rows: u32,
+    /// Tokens in the page.
+    pub tokens: u32,
+    /// Elements per row.
+    pub head_dim: u32,
+    /// Body offset of the SCALE section.
+    pub sec_scale: u32,
+    /// Body offset of the ZERO section.
+    pub sec_zero: u32,
+    /// Body offset of the INDEX section.
+    pub sec_index: u32,
+    /// Page number (reported with a non-finite row).
+    pub page: u32,
+    /// [`magic`] of `tokens`.
+    pub m_tokens: u32,
+    /// Units per row of the launched unit kernel (`head_dim / w`).
+    pub upr: u32,
+    /// [`magic`] of `upr`.
+    pub m_upr: u32,
+}
+
+/// Section offsets of a validated page body, for a [`PageDesc`].
+///
+/// # Errors
+/// [`Error::Format`] naming the page when its sections do not match the
+/// codec's spec (the same checks as the CPU decoder).
+pub fn page_sections(
+    kc: KernelCodec,
+    page: &PageView<'_>,
+    tensor: &TensorInfo,
+) -> Result<[u32; 3]> {
+    let rows = tensor.planes() * page.header.meta.tokens as usize;
+    let d = tensor.head_dim as usize;
+    let offset = |kind: SectionKind| {
+        page.sections()
+            .iter()
+            .find(|s| s.kind == kind && s.stream == 0)
+            .map(|s| s.offset)
+            .expect("section checked by expect_section")
+    };
+    match kc {
+        KernelCodec::Raw { src } => {
+            expect_section(
+                page,
+                SectionKind::Raw,
+                0,
+                ElemType::from_dtype(src),
+                rows * d,
+            )?;
+            Ok([offset(SectionKind::Raw), 0, 0])
+        }
+        KernelCodec::Affine { bits, .. } => {
+            expect_section(page, SectionKind::Scale, 0, ElemType::F32, rows)?;
+            expect_section(page, SectionKind::Zero, 0, ElemType::F32, rows)?;
+            expect_section(
+                page,
+                SectionKind::Index,
+                0,
+                ElemType::Packed(bits),
+                rows * d,
+            )?;
+            Ok([
+                offset(SectionKind::Scale),
+                offset(SectionKind::Zero),
+                offset(SectionKind::Index),
+            ])
+        }
+    }
+}
+
+/// Where one tensor's decoded rows go, as plain device addresses (built by
+/// the backend from a [`super::Dst`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DstSpec {
+    /// `[planes, tokens, head_dim]`: output token `t - first_token` of
+    /// plane `p` at element `(p * tokens + t - first_token) * head_dim`.
+    Contiguous {
+        /// Device address of element 0.
+        ptr: u64,
+        /// Elements in the buffer.
+        len: u64,
+        /// First tensor token held by the buffer.
+        first_token: u32,
+        /// Tokens the buffer holds per plane.
+        tokens: u32,
+    },
+    /// vLLM `[num_blocks, block_size, kv_heads, head_dim]`: token `t` of
+    /// batch item `b` goes to slot `slots[b * slot_stride + t]` (skipped
+    /// when negative).
+    Paged {
+        /// Device address of the cache.
+        ptr: u64,
+        /// Elements in the cache.
+        len: u64,
+        /// Device address of the i64 slot mapping.
+        slots: u64,
+        /// Entries in the slot mapping.
+        slots_len: u64,
+        /// Slot-mapping entries between batch items.
+        slot_stride: u32,
+    },
+}
+
+/// What a descriptor needs to know about a page besides its body address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageGeom {
+    /// Kernel family of the page's codec.
+    pub kc: KernelCodec,
+    /// First token.
+    pub token_start: u32,
+    /// Tokens in the page.
+    pub tokens: u32,
+    /// Batch size of the tensor.
+    pub batch: u32,
+    /// KV heads of the tensor.
+    pub heads: u32,
+    /// Elements per row.
+    pub head_dim: u32,
+    /// Section offsets ([`page_sections`]).
+    pub sections: [u32; 3],
+}
+
+impl PageGeom {
+    /// Rows of the page (`batch * heads * tokens`).
+    pub fn rows(&self) -> u64 {
+        u64::from(self.batch) * u64::from(self.heads) * u64::from(self.tokens)
+    }
+}
+
+/// The descriptor of page `g` (body at device address `body`) writing into
+/// `dst` with a kernel of `unit` elements per unit (0 for non-unit
+/// kernels), with the number of rows it writes; `None` when the page holds
+/// no token of a contiguous destination's range.
+///
+/// # Errors
+/// [`Error::Parameter`] when the destination is too small for the tensor
+/// (contiguous), its length is not a whole number of slots, or the slot
+/// mapping is too short (paged).
+pub fn page_desc(
+    g: &PageGeom,
+    body: u64,
+    dst: &DstSpec,
+    unit: u32,
+) -> Result<Option<(PageDesc, u64)>> {
+    let rows = g.rows();
+    let rows32 = u32::try_from(rows).map_err(|_| Error::param("page over 2^32 rows"))?;
+    let planes = u64::from(g.batch) * u64::from(g.heads);
+    let d = u64::from(g.head_dim);
+    let mut desc = PageDesc {
+        body,
+        rows: rows32,
+        tokens: g.tokens,
+        heads: g.heads,
+        head_dim: g.head_dim,
+        sec0: g.sections[0],
+        sec1: g.sections[1],
+        sec2: g.sections[2],
+        t_hi: g.tokens,
+        m_tokens: magic(g.tokens),
+        m_heads: magic(g.heads),
+        upr: g.head_dim.checked_div(unit).unwrap_or(0),
+        m_upr: magic(g.head_dim.checked_div(unit).unwrap_or(0)),
+        ..PageDesc::zeroed()
+    };
+    match *dst {
+        DstSpec::Contiguous {
+            ptr,
+            len,
+            first_token,
+            tokens,
+        } => {
+            if planes * u64::from(tokens) * d > len {
+                return Err(Error::param(format!(
+                    "contiguous output holds {len} elements, {planes} planes x {tokens} tokens x {d} need more"
+                )));
+            }
+            let lo = first_token.max(g.token_start);
+            let hi = (u64::from(first_token) + u64::from(tokens))
+                .min(u64::from(g.token_start) + u64::from(g.tokens)) as u32;
+            if lo >= hi {
+                return Ok(None);
+            }
+            desc.dst = ptr;
+            desc.stride = u64::from(tokens) * d;
+            desc.tok_off = (i64::from(g.token_start) - i64::from(first_token)) as i32;
+            desc.t_lo = lo - g.token_start;
+            desc.t_hi = hi - g.token_start;
+            Ok(Some((desc, planes * u64::from(hi - lo))))
+        }
+        DstSpec::Paged {
+            ptr,
+            len,
+            slots,
+            slots_len,
+            slot_stride,
+        } => {
+            let per_slot = u64::from(g.heads) * d;
+            if !len.is_multiple_of(per_slot) {
+                return Err(Error::param(format!(
+                    "paged cache of {len} elements is not a whole number of slots of {per_slot}"
+                )));
+            }
+            let need = u64::from(g.batch - 1) * u64::from(slot_stride)
+                + u64::from(g.token_start)
+                + u64::from(g.tokens);
+            if need > slots_len {
+                return Err(Error::param(format!(
+                    "slot mapping has {slots_len} entries, token {} of batch item {} needs {need}",
+                    g.token_start + g.tokens - 1,
+                    g.batch - 1
+                )));
+            }
+            desc.dst = ptr;
+            desc.slots = slots;
+            desc.stride = u64::from(slot_stride);
+            desc.limit = len / per_slot;
+            desc.tok_off = g.token_start as i32;
+            Ok(Some((desc, rows)))
+        }
+    }
+}
+
+/// Canonical body layout of an `int`/`bdr` page (format/SPEC.md 6.2):
+/// section table, then SCALE, ZERO and INDEX, each 64-aligned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AffineBody {
+    /// Rows (`planes * tokens`).
+    pub rows: u32,
+    /// Elements per row.
+    pub head_dim: u32,
+    /// Bits per code.
+    pub bits: u8,
+    /// Offsets of SCALE, ZERO and INDEX from the body start.
+    pub offsets: [u32; 3],
+    /// Byte lengths of SCALE, ZERO and INDEX.
+    pub lens: [u32; 3],
+    /// Total body length (a multiple of 64).
+    pub body_len: u32,
+}
+
+impl AffineBody {
+    /// The layout for `rows` rows of `head_dim` codes of `bits` bits.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for a page over 2^32 codes.
+    pub fn new(rows: u32, head_dim: u32, bits: u8) -> Result<AffineBody> {
+        let codes = u64::from(rows) * u64::from(head_dim);
+        let index_len = (codes * u64::from(bits)).div_ceil(8);
+        if codes > u64::from(u32::MAX) || index_len > u64::from(u32::MAX) - 256 {
+            return Err(Error::param("page over 2^32 elements"));
+        }
+        let a = |x: u64| x.next_multiple_of(64);
+        let scale = a(16 * 3);
+        let zero = a(scale + 4 * u64::from(rows));
+        let index = a(zero + 4 * u64::from(rows));
+        let end = a(index + index_len);
+        let fits = u32::try_from(end).map_err(|_| Error::param("page body over 4 GiB"))?;
+        Ok(AffineBody {
+            rows,
+            head_dim,
+            bits,
+            offsets: [scale as u32, zero as u32, index as u32],
+            lens: [4 * rows, 4 * rows, index_len as u32],
+            body_len: fits,
+        })
+    }
+
+    /// The body with its section table filled in and every section zeroed:
+    /// the kernels write the sections into this template.
+    pub fn template(&self) -> Vec<u8> {
+        let mut b = vec![0u8; self.body_len as usize];
+        let kinds = [
+            (SectionKind::Scale, ElemType::F32, self.rows),
+            (SectionKind::Zero, ElemType::F32, self.rows),
+            (
+                SectionKind::Index,
+                ElemType::Packed(self.bits),
+                self.rows * self.head_dim,
+            ),
+        ];
+        for (i, (kind, elem, count)) in kinds.into_iter().enumerate() {
+            let (code, bits) = elem.code_bits();
+            let e = &mut b[16 * i..16 * (i + 1)];
+            e[0] = kind.code();
+            e[1] = 0;
+            e[2] = code;
+            e[3] = bits;
+            e[4..8].copy_from_slice(&count.to_le_bytes());
+            e[8..12].copy_from_slice(&self.offsets[i].to_le_bytes());
+            e[12..16].copy_from_slice(&self.lens[i].to_le_bytes());
+        }
+        b
+    }
+
+    /// The three sections of an encoded body, as the CPU encoder returns
+    /// them (SCALE, ZERO, INDEX).
+    ///
+    /// # Panics
+    /// If `body` is shorter than [`AffineBody::body_len`].
+    pub fn sections(&self, body: &[u8]) -> Vec<crate::format::Section> {
+        let s = |i: usize| {
+            let o = self.offsets[i] as usize;
+            body[o..o + self.lens[i] as usize].to_vec()
+        };
+        vec![
+            crate::format::Section {
+                kind: SectionKind::Scale,
+                stream: 0,
+                elem: ElemType::F32,
+                count: self.rows,
+                data: s(0),
+            },
+            crate::format::Section {
+                kind: SectionKind::Zero,
+                stream: 0,
+                elem: ElemType::F32,
+                count: self.rows,
+                data: s(1),
+            },
+            crate::format::Section {
+                kind: SectionKind::Index,
+                stream: 0,
+                elem: ElemType::Packed(self.bits),
+                count: self.rows * self.head_dim,
+                data: s(2),
+            },
+        ]
+    }
+}
+
+/// Length of the canonical body (format/SPEC.md 6.2) of a page of `rows`
+/// rows of `head_dim` for a kernel codec: what the CPU encoders write, used
+/// to size staging for zstd pages before they are decompressed.
+pub fn canonical_body_len(kc: KernelCodec, rows: u64, head_dim: u64) -> u64 {
+    let a = |x: u64| x.next_multiple_of(64);
+    match kc {
+        KernelCodec::Raw { src } => 64 + a(rows * head_dim * src.size() as u64),
+        KernelCodec::Affine { bits, .. } => {
+            let index = (rows * head_dim * u64::from(bits)).div_ceil(8);
+            64 + 2 * a(4 * rows) + a(index)
+        }
+    }
+}
+
+/// Bytes a decode kernel moves for one page: `(read, written)` with read =
+/// the page's section bytes (codes, scales, zero points or raw elements)
+/// and written = the output elements (2 bytes each) of the rows written.
+pub fn decode_bytes(kc: KernelCodec, rows: u64, head_dim: u64, rows_written: u64) -> (u64, u64) {
+    let read = match kc {
+        KernelCodec::Raw { src } => rows * head_dim * src.size() as u64,
+        KernelCodec::Affine { bits, .. } => {
+            8 * rows + (rows * head_dim * u64::from(bits)).div_ceil(8)
+        }
+    };
+    (read, rows_written * head_dim * 2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::{PageFrame, PageMeta};
+
+    #[test]
+    fn struct_sizes_match_cuda() {
+        assert_eq!(std::mem::size_of::<PageDesc>(), 96);
+        assert_eq!(std::mem::size_of::<EncDesc>(), 64);
+        // The CUDA side must declare the same constants.
+        let c = super::super::sources::COMMON;
+        for (name, v) in [
+            ("BLOCK", BLOCK),
+            ("UNITS_PER_THREAD", UNITS_PER_THREAD),
+            ("DEC_UNITS_W32", DEC_UNITS_W32),
+            ("ENC_UNITS_W32", ENC_UNITS_W32),
+            ("SEG_BLOCK", SEG_BLOCK),
+            ("SEG_MAX", SEG_MAX),
+        ] {
+            assert!(c.contains(&format!("#define {name} {v}\n")), "{name}");
+        }
+    }
+
+    #[test]
+    fn affine_template_is_the_canonical_body() {
+        for (rows, d, bits) in [(10u32, 128u32, 4u8), (7, 6, 3), (1, 1, 1), (33, 96, 8)] {
+            let l = AffineBody::new(rows, d, bits).unwrap();
+            let n = (rows * d) as usize;
+            let sections = vec![
+                crate::format::Section::f32s(SectionKind::Scale, 0, &vec![0.0; rows as usize]),
+                crate::format::Section::f32s(SectionKind::Zero, 0, &vec![0.0; rows as usize]),
+                crate::format::Section::packed(
+                    SectionKind::Index,
+                    0,
+                    bits,
+                    n as u32,
+                    vec![0; crate::kernels::bitpack::packed_len(n, bits as u32)],
+                ),
+            ];
+            let meta = PageMeta {
+                tensor: 0,
+                token_start: 0,
+                tokens: 1,
+                codec: 0,
+            };
+            let frame = PageFrame::encode(meta, &sections, None, 64).unwrap();
+            let body = &frame.bytes[64..64 + frame.header.body_len as usize];
+            assert_eq!(l.template(), body, "rows {rows} d {d} bits {bits}");
+            assert_eq!(l.sections(body), sections);
+        }
+    }
+
+    #[test]
+    fn grid_items_cover_the_page() {
+        let mut v = Vec::new();
+        W8.push_items(3, 100, 128, &mut v);
+        // 100 rows x 16 units = 1600 units -> 2 blocks of 1024.
+        assert_eq!(v, [[3, 0], [3, 1024]]);
+        v.clear();
+        Grid::Units {
+            w: 32,
+            per_thread: 1,
+        }
+        .push_items(0, 100, 128, &mut v);
+        // 100 rows x 4 units = 400 units -> 2 blocks of 256.
+        assert_eq!(v, [[0, 0], [0, 256]]);
+        v.clear();
+        Grid::Segments { seg: 16 }.push_items(0, 2, 48, &mut v);
+        assert_eq!(v.len(), 6);
+        v.clear();
+        Grid::Rows.push_items(1, 3, 48, &mut v);
+        assert_eq!(v, [[1, 0], [1, 1], [1, 2]]);
+    }
+
+    #[test]
+    fn descriptors_clip_to_the_destination() {
+        let g = PageGeom {
+            kc: KernelCodec::Raw { src: DType::Bf16 },
+            token_start: 256,
+            tokens: 256,
+            batch: 1,
+            heads: 2,
+            head_dim: 64,
+            sections: [64, 0, 0],
+        };
+        let dst = DstSpec::Contiguous {
+            ptr: 0x1000,
+            len: 2 * 100 * 64,
+            first_token: 400,
+            tokens: 100,
+        };
+        let (d, rows) = page_desc(&g, 0x2000, &dst, 8).unwrap().unwrap();
+        assert_eq!((d.upr, d.m_upr, d.m_tokens), (8, magic(8), magic(256)));
+        // Page tokens 256..512, output tokens 400..500: page rows 144..244.
+        assert_eq!((d.t_lo, d.t_hi, d.tok_off, rows), (144, 244, -144, 2 * 100));
+        assert_eq!(d.stride, 100 * 64);
+        let before = DstSpec::Contiguous {
+            ptr: 0x1000,
+            len: 2 * 100 * 64,
+            first_token: 0,
+            tokens: 100,
+        };
+        assert!(page_desc(&g, 0x2000, &before, 8).unwrap().is_none());
+        let paged = DstSpec::Paged {
+            ptr: 0x1000,
+            len: 16 * 2 * 64,
+            slots: 0x3000,
+            slots_len: 500,
+            slot_stride: 512,
+        };
+        assert!(page_desc(&g, 0x2000, &paged, 8).is_err());
+    }
+
+    #[test]
+    fn magic_division_is_exact() {
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let ds = [
+            1u32,
+            2,
+            3,
+            5,
+            6,
+            7,
+            12,
+            16,
+            31,
+            96,
+            511,
+            520,
+            1000,
+            65535,
+            1 << 20,
+            0x7fff_ffff,
+        ];
+        for &d in &ds {
+            let m = magic(d);
+            for n in [0u32, 1, d - 1, d, d + 1, u32::MAX - 1, u32::MAX] {
+                assert_eq!(udiv(n, d, m), n / d, "{n} / {d}");
+            }
+            for _ in 0..20000 {
+                let n = next() as u32;
+                assert_eq!(udiv(n, d, m), n / d, "{n} / {d}");
+            }
+        }
+        for _ in 0..20000 {
+            let d = (next() as u32 >> (next() % 32)).max(1);
+            let n = next() as u32;
+            assert_eq!(udiv(n, d, magic(d)), n / d, "{n} / {d}");
+        }
+    }
+
+    #[test]
+    fn kernel_choice() {
+        let bdr = |h| KernelCodec::Affine {
+            bits: 4,
+            block: Some(h),
+        };
+        assert_eq!(
+            decode_kernel(bdr(128), 128, OutType::Bf16).unwrap().name,
+            "decode_affine_rowrot_b4_bf16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(64), 128, OutType::Bf16).unwrap().name,
+            "decode_affine_b4_bf16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(512), 512, OutType::F16).unwrap().grid,
+            Grid::Units {
+                w: 32,
+                per_thread: DEC_UNITS_W32
+            }
+        );
+        assert_eq!(decode_kernel(bdr(512), 1024 + 512, OutType::F16).ok(), None);
+        assert_eq!(
+            decode_kernel(bdr(16), 48, OutType::F16).unwrap().name,
+            "decode_affine_w8_b4_f16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(32), 96, OutType::F16).unwrap().name,
+            "decode_affine_w8_b4_f16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(2), 6, OutType::F16).unwrap().grid,
+            Grid::Segments { seg: 2 }
+        );
+        assert_eq!(
+            encode_kernel(bdr(16), 96, DType::Bf16).unwrap().name,
+            "encode_affine_any_bf16"
+        );
+        assert!(decode_kernel(bdr(2048), 2048, OutType::Bf16).is_err());
+    }
+}

@@ -1,0 +1,642 @@
+//! GPU decode and encode against the CPU codecs. Every test body runs on
+//! the CPU backend and, when kvpack is built with `--features cuda` and a
+//! GPU is present, on CUDA too (otherwise it says why CUDA was skipped).
+//!
+//! Decode: every element within 1 bf16/fp16 ulp of the CPU decoder (the
+//! kernels aim for, and the tests report, bit-exact results), unwritten
+//! elements left untouched, in the contiguous and the vLLM paged layouts.
+//! Encode: the scales, zero points and codes of every page identical to the
+//! CPU encoder's, byte for byte.
+
+mod common;
+
+use common::{LayerSpec, Rng, compress_bytes, synthetic};
+use half::{bf16, f16};
+use kvpack::cache::{DType, Kind, KvCache, TensorData};
+use kvpack::decode::{Archive, Selection};
+use kvpack::gpu::{Device, Gpu, HostLayout, OutType, POISON};
+use kvpack::plan::{Layout, plan};
+
+/// The CPU backend, plus CUDA device 0 when available.
+fn devices() -> Vec<Device> {
+    let mut v = vec![Device::Cpu];
+    match Device::cuda(0) {
+        Ok(d) => v.push(d),
+        Err(e) => eprintln!("skipping CUDA: {e}"),
+    }
+    v
+}
+
+/// The CPU decoder's output for `tensor`, arranged as `layout`: the oracle.
+fn oracle(archive: &Archive<'_>, tensor: usize, out: OutType, layout: &HostLayout) -> Vec<u16> {
+    let info = archive.tensors()[tensor].clone();
+    let sel = Selection {
+        layers: Some(info.layer..info.layer + 1),
+        tokens: None,
+        kind: Some(info.kind),
+    };
+    let c = archive.decode(&sel, Some(out.dtype()), None).unwrap();
+    let bits: Vec<u16> = match &c.tensors[0].data {
+        TensorData::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
+        TensorData::F16(v) => v.iter().map(|x| x.to_bits()).collect(),
+        TensorData::F32(_) => unreachable!(),
+    };
+    let d = info.head_dim as usize;
+    let t_all = info.tokens as usize;
+    match layout {
+        HostLayout::Contiguous {
+            first_token,
+            tokens,
+        } => {
+            let (f, n) = (*first_token as usize, *tokens as usize);
+            let mut o = vec![POISON; info.planes() * n * d];
+            for p in 0..info.planes() {
+                for t in f..(f + n).min(t_all) {
+                    let src = (p * t_all + t) * d;
+                    let dst = (p * n + t - f) * d;
+                    o[dst..dst + d].copy_from_slice(&bits[src..src + d]);
+                }
+            }
+            o
+        }
+        HostLayout::Paged { num_slots, slots } => {
+            let heads = info.heads as usize;
+            let mut o = vec![POISON; *num_slots as usize * heads * d];
+            for p in 0..info.planes() {
+                let (b, h) = (p / heads, p % heads);
+                for t in 0..t_all {
+                    let s = slots[b * t_all + t];
+                    if s < 0 {
+                        continue;
+                    }
+                    let dst = (s as usize * heads + h) * d;
+                    let src = (p * t_all + t) * d;
+                    o[dst..dst + d].copy_from_slice(&bits[src..src + d]);
+                }
+            }
+            o
+        }
+    }
+}
+
+/// Order-preserving integer image of a bf16/fp16 bit pattern (for ulp
+/// distances).
+fn ordered(x: u16) -> i32 {
+    if x & 0x8000 != 0 {
+        -((x & 0x7fff) as i32)
+    } else {
+        x as i32
+    }
+}
+
+/// Asserts every element within 1 ulp; returns the count not bit-identical.
+fn assert_close(got: &[u16], want: &[u16], what: &str) -> usize {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut inexact = 0;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if g == w {
+            continue;
+        }
+        inexact += 1;
+        let ulps = (ordered(g) - ordered(w)).abs();
+        assert!(
+            ulps <= 1 && g != POISON && w != POISON,
+            "{what}: element {i}: got 0x{g:04x}, CPU 0x{w:04x} ({ulps} ulp)"
+        );
+    }
+    inexact
+}
+
+/// A random slot mapping for `n` tokens into `num_slots` slots (a
+/// permutation, every 13th token unmapped with -1).
+fn slot_mapping(rng: &mut Rng, n: usize, num_slots: u32) -> Vec<i64> {
+    let mut perm: Vec<i64> = (0..i64::from(num_slots)).collect();
+    for i in (1..perm.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        perm.swap(i, j);
+    }
+    perm.truncate(n);
+    for (i, s) in perm.iter_mut().enumerate() {
+        if i % 13 == 5 {
+            *s = -1;
+        }
+    }
+    perm
+}
+
+/// Decodes every tensor of a compressed cache on `dev` in the contiguous
+/// layout (whole and a clipped token range) and the paged layout, bf16 and
+/// fp16, against the CPU oracle. Returns (elements compared, inexact).
+fn check_decode(dev: &Device, file: &[u8], seed: u64, what: &str) -> (usize, usize) {
+    let archive = Archive::open(file).unwrap();
+    let mut rng = Rng(seed | 1);
+    let (mut n, mut inexact) = (0, 0);
+    for (t, info) in archive.tensors().iter().enumerate() {
+        let tokens = info.tokens;
+        let lo = (rng.next_u64() % u64::from(tokens)) as u32;
+        let len = 1 + (rng.next_u64() % u64::from(tokens - lo)) as u32;
+        let slots = 16 * u64::from(tokens * info.batch).div_ceil(16) as u32 + 16;
+        let layouts = [
+            HostLayout::Contiguous {
+                first_token: 0,
+                tokens,
+            },
+            HostLayout::Contiguous {
+                first_token: lo,
+                tokens: len,
+            },
+            HostLayout::Paged {
+                num_slots: slots,
+                slots: slot_mapping(&mut rng, (tokens * info.batch) as usize, slots),
+            },
+        ];
+        for out in [OutType::Bf16, OutType::F16] {
+            for layout in &layouts {
+                let want = oracle(&archive, t, out, layout);
+                let got = dev
+                    .decode_tensor(&archive, t, out, layout)
+                    .unwrap_or_else(|e| panic!("{what} {} {layout:?}: {e}", dev.name()));
+                let label = format!(
+                    "{what} on {}: tensor {t} ({}) {out:?} {layout:?}",
+                    dev.name(),
+                    info.describe()
+                );
+                inexact += assert_close(&got, &want, &label);
+                n += got.len();
+            }
+        }
+    }
+    (n, inexact)
+}
+
+struct Case {
+    codec: &'static str,
+    spec: LayerSpec,
+    dtype: DType,
+    layout: Layout,
+    zstd: bool,
+}
+
+fn spec(batch: u32, heads: u32, tokens: u32, head_dim: u32) -> LayerSpec {
+    LayerSpec {
+        batch,
+        heads,
+        tokens,
+        head_dim,
+    }
+}
+
+fn layout(page_tokens: u32, sink: u32, recent: u32) -> Layout {
+    Layout {
+        page_tokens,
+        sink,
+        recent,
+    }
+}
+
+/// Shapes that cover every kernel: head_dim a multiple of 8 (unit kernels)
+/// or not (fallbacks), rotation blocks in registers/shuffles (<= 256) or
+/// shared memory (512), token counts that are no multiple of any page,
+/// batch > 1, sink/recent raw pages, zstd pages, bf16/fp16/f32 sources.
+fn cases() -> Vec<Case> {
+    let c = |codec, spec, dtype, layout, zstd| Case {
+        codec,
+        spec,
+        dtype,
+        layout,
+        zstd,
+    };
+    vec![
+        c(
+            "raw",
+            spec(1, 3, 257, 64),
+            DType::Bf16,
+            layout(64, 0, 0),
+            false,
+        ),
+        c(
+            "raw",
+            spec(2, 2, 100, 24),
+            DType::F16,
+            layout(32, 0, 0),
+            true,
+        ),
+        c(
+            "raw",
+            spec(1, 2, 33, 6),
+            DType::F32,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "int4",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 4, 5),
+            false,
+        ),
+        c(
+            "int4",
+            spec(2, 1, 77, 6),
+            DType::Bf16,
+            layout(32, 0, 0),
+            false,
+        ),
+        c(
+            "int3",
+            spec(1, 2, 129, 96),
+            DType::F16,
+            layout(64, 0, 3),
+            true,
+        ),
+        c(
+            "int8",
+            spec(1, 2, 65, 256),
+            DType::F32,
+            layout(64, 0, 0),
+            false,
+        ),
+        c(
+            "int1",
+            spec(1, 1, 40, 40),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "int2",
+            spec(3, 2, 19, 80),
+            DType::Bf16,
+            layout(8, 2, 0),
+            false,
+        ),
+        c(
+            "bdr128",
+            spec(1, 8, 1000, 128),
+            DType::Bf16,
+            layout(256, 0, 0),
+            false,
+        ),
+        c(
+            "bdr128",
+            spec(2, 2, 257, 256),
+            DType::F16,
+            layout(64, 4, 7),
+            true,
+        ),
+        c(
+            "bdr64:k",
+            spec(1, 2, 130, 64),
+            DType::Bf16,
+            layout(64, 0, 0),
+            false,
+        ),
+        c(
+            "bdr16",
+            spec(1, 2, 50, 48),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "bdr32:b3",
+            spec(1, 3, 70, 96),
+            DType::Bf16,
+            layout(32, 0, 0),
+            false,
+        ),
+        c(
+            "bdr256",
+            spec(1, 1, 300, 256),
+            DType::Bf16,
+            layout(256, 0, 0),
+            false,
+        ),
+        c(
+            "bdr512",
+            spec(1, 1, 20, 512),
+            DType::Bf16,
+            layout(8, 0, 0),
+            false,
+        ),
+        c("bdr2", spec(1, 1, 9, 6), DType::F32, layout(4, 0, 0), false),
+        c(
+            "bdr8:b8",
+            spec(1, 2, 31, 8),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "bdr1024:b2",
+            spec(1, 1, 5, 1024),
+            DType::Bf16,
+            layout(8, 0, 0),
+            false,
+        ),
+        c(
+            "bdr4",
+            spec(1, 2, 37, 64),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "bdr16:b5",
+            spec(1, 2, 45, 128),
+            DType::F16,
+            layout(32, 0, 0),
+            false,
+        ),
+        c(
+            "bdr32",
+            spec(2, 1, 23, 32),
+            DType::Bf16,
+            layout(8, 0, 0),
+            false,
+        ),
+        c(
+            "int6",
+            spec(1, 3, 50, 512),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+    ]
+}
+
+#[test]
+fn decode_random_shapes_matches_cpu() {
+    for dev in devices() {
+        let (mut n, mut inexact) = (0, 0);
+        for (i, c) in cases().iter().enumerate() {
+            let cache = synthetic(&[c.spec, c.spec], c.dtype, 7 + i as u64);
+            let file = compress_bytes(&cache, c.codec, c.layout, c.zstd.then_some(1));
+            let (a, b) = check_decode(&dev, &file, 100 + i as u64, c.codec);
+            n += a;
+            inexact += b;
+        }
+        println!(
+            "decode on {}: {n} elements within 1 ulp of the CPU, {inexact} not bit-identical",
+            dev.name()
+        );
+    }
+}
+
+#[test]
+fn decode_fixture_matches_cpu() {
+    let cache = common::fixture().cache;
+    for dev in devices() {
+        for codec in ["bdr128", "bdr256", "int4", "raw"] {
+            let l = layout(256, 4, 16);
+            let file = compress_bytes(&cache, codec, l, None);
+            let (n, inexact) = check_decode(&dev, &file, 9, codec);
+            println!(
+                "fixture {codec} decode on {}: {n} elements, {inexact} not bit-identical",
+                dev.name()
+            );
+        }
+    }
+}
+
+/// Encodes every tensor of `cache` page by page on `dev` and on the CPU and
+/// compares the sections byte for byte.
+fn check_encode(dev: &Device, cache: &KvCache, codec: &str, l: Layout) -> usize {
+    let c = kvpack::codec::parse(codec).unwrap();
+    let infos: Vec<_> = cache.tensors.iter().map(|t| t.info.clone()).collect();
+    let pages = plan(&infos, &vec![0; infos.len()], l).unwrap();
+    let mut compared = 0;
+    for (ti, t) in cache.tensors.iter().enumerate() {
+        let mine: Vec<_> = pages
+            .iter()
+            .filter(|p| p.tensor == ti as u32 && !p.raw)
+            .copied()
+            .collect();
+        let want = kvpack::gpu::host::encode_tensor(t, c.as_ref(), &mine).unwrap();
+        let got = dev
+            .encode_tensor(t, c.as_ref(), &mine)
+            .unwrap_or_else(|e| panic!("{codec} on {}: {e}", dev.name()));
+        assert_eq!(got.len(), want.len());
+        for (pi, (g, w)) in got.iter().zip(&want).enumerate() {
+            for (gs, ws) in g.iter().zip(w) {
+                if gs != ws {
+                    let diff = gs.data.iter().zip(&ws.data).filter(|(a, b)| a != b).count();
+                    panic!(
+                        "{codec} on {}: tensor {ti} page {pi} section {:?}: {diff} of {} bytes differ",
+                        dev.name(),
+                        ws.kind,
+                        ws.data.len()
+                    );
+                }
+                compared += gs.data.len();
+            }
+            assert_eq!(g.len(), w.len());
+        }
+    }
+    compared
+}
+
+#[test]
+fn encode_random_shapes_matches_cpu_bitwise() {
+    for dev in devices() {
+        let mut bytes = 0;
+        for (i, c) in cases().iter().enumerate() {
+            if c.codec == "raw" {
+                continue;
+            }
+            let cache = synthetic(&[c.spec], c.dtype, 31 + i as u64);
+            bytes += check_encode(&dev, &cache, c.codec, c.layout);
+        }
+        println!(
+            "encode on {}: {bytes} section bytes identical to the CPU",
+            dev.name()
+        );
+    }
+}
+
+#[test]
+fn encode_fixture_matches_cpu_bitwise() {
+    let cache = common::fixture().cache;
+    for dev in devices() {
+        for codec in ["bdr128", "bdr256", "int4", "int2", "bdr64:k"] {
+            let n = check_encode(&dev, &cache, codec, layout(256, 0, 0));
+            println!(
+                "fixture {codec} encode on {}: {n} bytes identical",
+                dev.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn encode_rejects_non_finite_rows() {
+    let mut cache = synthetic(&[spec(1, 2, 40, 64)], DType::Bf16, 5);
+    if let TensorData::Bf16(v) = &mut cache.tensors[1].data {
+        v[(40 + 17) * 64 + 3] = bf16::NAN; // plane 1, token 17
+    }
+    let t = &cache.tensors[1];
+    let pages = plan(std::slice::from_ref(&t.info), &[0], layout(16, 0, 0)).unwrap();
+    for dev in devices() {
+        for codec in ["int4", "bdr64"] {
+            let c = kvpack::codec::parse(codec).unwrap();
+            let e = dev.encode_tensor(t, c.as_ref(), &pages).unwrap_err();
+            let m = e.to_string();
+            assert!(
+                m.contains("plane 1 token 17"),
+                "{} {codec}: {m}",
+                dev.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn fp16_source_with_subnormals_and_extremes() {
+    // Values near fp16 limits and subnormals exercise the conversions.
+    let mut cache = synthetic(&[spec(1, 1, 64, 64)], DType::F16, 3);
+    for t in &mut cache.tensors {
+        if let TensorData::F16(v) = &mut t.data {
+            for (i, x) in v.iter_mut().enumerate() {
+                *x = match i % 7 {
+                    0 => f16::from_f32(6.0e-8),
+                    1 => f16::from_f32(-65504.0),
+                    2 => f16::from_f32(1.0e-5),
+                    _ => *x,
+                };
+            }
+        }
+    }
+    for dev in devices() {
+        for codec in ["raw", "int4", "bdr64"] {
+            let file = compress_bytes(&cache, codec, layout(32, 0, 0), None);
+            check_decode(&dev, &file, 1, codec);
+            if codec != "raw" {
+                check_encode(&dev, &cache, codec, layout(32, 0, 0));
+            }
+        }
+    }
+}
+
+#[test]
+fn no_gpu_is_an_error_not_a_crash() {
+    match Gpu::new(0) {
+        Ok(g) => {
+            assert!(Gpu::device_count() > 0);
+            println!("CUDA device: {:?}", g.info());
+        }
+        Err(kvpack::Error::Unsupported(m)) => {
+            println!("no CUDA: {m}");
+            if !cfg!(feature = "cuda") {
+                assert_eq!(m, kvpack::gpu::NO_CUDA);
+            }
+        }
+        Err(e) => panic!("unexpected error kind: {e}"),
+    }
+}
+
+#[test]
+fn every_launched_kernel_is_defined_in_the_sources() {
+    let defined: Vec<(String, String)> = kvpack::gpu::sources::ALL
+        .iter()
+        .flat_map(|s| {
+            s.kernel_names()
+                .into_iter()
+                .map(|n| (s.name.to_string(), n))
+        })
+        .collect();
+    for (src, name) in kvpack::gpu::spec::all_kernel_names() {
+        assert!(
+            defined.iter().any(|(s, n)| s == src && *n == name),
+            "kernel {name} is not defined in {src}.cu"
+        );
+    }
+}
+
+/// Compiles every source with NVRTC (needs only libnvrtc, no GPU). With
+/// `KVPACK_PTX_DIR=dir` the PTX is written there (for `ptxas -v`).
+#[cfg(feature = "cuda")]
+#[test]
+fn kernel_sources_compile_with_nvrtc() {
+    match kvpack::gpu::compile_all((9, 0)) {
+        Ok(ptx) => {
+            for (name, text) in ptx {
+                assert!(text.contains(".entry"), "{name}");
+                println!("{name}.cu: {} bytes of PTX", text.len());
+                if let Some(dir) = std::env::var_os("KVPACK_PTX_DIR") {
+                    let p = std::path::Path::new(&dir).join(format!("{name}.ptx"));
+                    std::fs::write(p, text).unwrap();
+                }
+            }
+        }
+        Err(kvpack::Error::Unsupported(m)) => println!("skipping NVRTC compile: {m}"),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// The file-to-GPU path: a zstd + raw-window bdr128 file decoded through
+/// small staging chunks (many chunks, both buffers reused) equals the CPU.
+#[test]
+fn file_decoder_matches_cpu() {
+    let cache = common::fixture().cache;
+    let l = layout(64, 4, 16);
+    let file = compress_bytes(&cache, "bdr128", l, Some(1));
+    let archive = Archive::open(&file).unwrap();
+    for dev in devices() {
+        let Device::Cuda(gpu) = &dev else {
+            println!("file decoder: CPU path is Archive::decode (the oracle itself)");
+            continue;
+        };
+        let mut fd = kvpack::gpu::FileDecoder::new(gpu, 1 << 20).unwrap();
+        let infos = archive.tensors();
+        let bufs: Vec<_> = infos
+            .iter()
+            .map(|i| gpu.upload(&vec![POISON; i.elements() as usize]).unwrap())
+            .collect();
+        let targets: Vec<_> = infos
+            .iter()
+            .enumerate()
+            .map(|(t, i)| kvpack::gpu::Target {
+                tensor: t as u32,
+                dst: kvpack::gpu::Dst::Contiguous {
+                    buf: &bufs[t],
+                    first_token: 0,
+                    tokens: i.tokens,
+                },
+            })
+            .collect();
+        for round in 0..2 {
+            let stats = fd.decode(&archive, &targets, OutType::Bf16).unwrap();
+            assert!(stats.chunks >= 2, "{stats:?}");
+            for (t, i) in infos.iter().enumerate() {
+                let want = oracle(
+                    &archive,
+                    t,
+                    OutType::Bf16,
+                    &HostLayout::Contiguous {
+                        first_token: 0,
+                        tokens: i.tokens,
+                    },
+                );
+                let got = bufs[t].to_vec().unwrap();
+                assert_close(
+                    &got,
+                    &want,
+                    &format!("file decoder round {round} tensor {t}"),
+                );
+            }
+            println!("file decoder round {round}: {stats:?}");
+        }
+    }
+}
+
+#[test]
+fn keys_only_bdr_leaves_values_unrotated() {
+    // bdr64:k: K pages rotated, V pages plain int4; both decode right.
+    let cache = synthetic(&[spec(1, 2, 64, 64)], DType::Bf16, 11);
+    let file = compress_bytes(&cache, "bdr64:k", layout(32, 0, 0), None);
+    let archive = Archive::open(&file).unwrap();
+    assert_eq!(archive.tensors()[1].kind, Kind::Value);
+    for dev in devices() {
+        check_decode(&dev, &file, 3, "bdr64:k");
+    }
+}
