@@ -16,7 +16,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! Modules: [`format`] (the container, no codec math), [`codec`] (the
+//! Modules: [`format`](mod@format) (the container, no codec math), [`codec`] (the
 //! [`codec::Codec`] trait, the registry and one module per codec),
 //! [`kernels`] (shared math), [`compress`] / [`decode`] (whole-cache
 //! pipelines on all threads), [`stream_decode`] / [`transport`] (the

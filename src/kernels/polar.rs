@@ -89,7 +89,7 @@ fn dot(x: f32, y: f32, u: [f32; 2]) -> f32 {
 }
 
 /// The nearest-direction rule of format/codecs/polar.md by exhaustive
-/// search: the index `k` maximizing [`dot`]`(x, y, dirs[k])`, ties to the
+/// search: the index `k` maximizing `dot``(x, y, dirs[k])`, ties to the
 /// smallest `k` (so `(0, 0)` maps to 0).
 ///
 /// # Panics

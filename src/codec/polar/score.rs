@@ -205,7 +205,7 @@ impl<'a> PolarKeys<'a> {
 
     /// The baseline: dequantize each key of `plane` (as
     /// [`PolarKeys::dequantize_row`]) and take its dot product with `q`
-    /// (f32, [`LANES`] accumulators over channels).
+    /// (f32, `LANES` accumulators over channels).
     ///
     /// # Panics
     /// As [`PolarKeys::scores`].
