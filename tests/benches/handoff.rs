@@ -254,16 +254,17 @@ fn main() {
             .unwrap()
         });
         let ar = Archive::open(&bytes).unwrap();
-        let t = Instant::now();
         let dec_pool = rayon::ThreadPoolBuilder::new()
             .num_threads(o.recv_threads)
             .build()
             .unwrap();
-        drop(dec_pool.install(|| {
+        let t = Instant::now();
+        let out = dec_pool.install(|| {
             ar.decode(&Selection::default(), Some(DType::Bf16), None)
                 .unwrap()
-        }));
+        });
         let dec = t.elapsed().as_secs_f64();
+        drop(out);
         drop(ar);
         drop(bytes);
         let enc_gbs = src as f64 / enc / 1e9;
