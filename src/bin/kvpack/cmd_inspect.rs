@@ -393,9 +393,11 @@ pub fn codecs(a: CodecsArgs) -> Result<u8> {
         output::print_json(&json!({"families": fams, "examples": rows}), false);
         return Ok(crate::EXIT_OK);
     }
-    println!("codec families:");
-    for f in FAMILIES {
-        println!("  [{}] {:<44} {}", f.id, f.syntax, f.summary);
+    println!("codec families (id: name syntax, then what it is):");
+    let mut fams: Vec<_> = FAMILIES.iter().collect();
+    fams.sort_by_key(|f| f.id);
+    for f in fams {
+        println!("  {:>2}: {}\n      {}", f.id, f.syntax, f.summary);
     }
     println!(
         "\nbits/element (codec payload, mean of K and V; sink/recent windows, per-page scales and the container add more):"
