@@ -63,21 +63,29 @@
 //!
 //! The container, [`FileDecoder`] and the plans need no change.
 
+pub mod body;
+pub mod codecs;
+pub mod encplan;
 pub mod host;
+pub mod side;
 pub mod sources;
 pub mod spec;
 
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+pub mod emu;
+#[cfg(feature = "cuda")]
 pub use cuda::{
     DecodePlan, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages, compile_all,
 };
+#[cfg(feature = "cuda")]
+pub use emu::Emulator;
 
 #[cfg(not(feature = "cuda"))]
 mod stub;
 #[cfg(not(feature = "cuda"))]
-pub use stub::{DecodePlan, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages};
+pub use stub::{DecodePlan, Emulator, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages};
 
 pub use spec::OutType;
 
@@ -204,6 +212,9 @@ pub enum Device {
     Cpu,
     /// A CUDA device.
     Cuda(Gpu),
+    /// The CUDA kernels run on the CPU by the SIMT emulator ([`Emulator`];
+    /// a development aid for machines without a GPU).
+    Emulated(Emulator),
 }
 
 impl Device {
@@ -221,7 +232,16 @@ impl Device {
         match self {
             Device::Cpu => "cpu".into(),
             Device::Cuda(g) => format!("cuda:{} ({})", g.info().ordinal, g.info().name),
+            Device::Emulated(_) => "emulated kernels".into(),
         }
+    }
+
+    /// The SIMT emulator ([`Emulator::new`]).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] without the `cuda` feature or without g++.
+    pub fn emulated() -> Result<Device> {
+        Emulator::new().map(Device::Emulated)
     }
 
     /// Decodes every page of tensor `tensor` overlapping `layout` into a
@@ -247,6 +267,7 @@ impl Device {
         let len = host::layout_len(&info, layout)?;
         match self {
             Device::Cpu => host::decode_tensor(archive, tensor, out, layout),
+            Device::Emulated(e) => e.decode_tensor(archive, tensor, out, layout),
             Device::Cuda(gpu) => {
                 let (lo, hi) = host::token_range(&info, layout);
                 let pages = archive.reader().pages_overlapping(tensor, lo, hi);
@@ -302,6 +323,7 @@ impl Device {
     ) -> Result<Vec<Vec<Section>>> {
         match self {
             Device::Cpu => host::encode_tensor(tensor, codec, pages),
+            Device::Emulated(e) => e.encode_tensor(tensor, codec, pages),
             Device::Cuda(gpu) => {
                 let plan = match &tensor.data {
                     crate::cache::TensorData::Bf16(v) => {
