@@ -934,54 +934,64 @@ fn kernel_sources_compile_with_nvrtc() {
 /// small staging chunks (many chunks, both buffers reused) equals the CPU.
 #[test]
 fn file_decoder_matches_cpu() {
+    // bdr128 (phase 1) and VQ / group codecs whose kernels need side tables
+    // (codebooks, signs, factors) uploaded once per file.
     let cache = common::fixture().cache;
     let l = layout(64, 4, 16);
-    let file = compress_bytes(&cache, "bdr128", l, Some(1));
-    let archive = Archive::open(&file).unwrap();
-    for dev in devices() {
-        let Device::Cuda(gpu) = &dev else {
-            println!("file decoder: CPU path is Archive::decode (the oracle itself)");
-            continue;
-        };
-        let mut fd = kvpack::gpu::FileDecoder::new(gpu, 1 << 20).unwrap();
-        let infos = archive.tensors();
-        let bufs: Vec<_> = infos
-            .iter()
-            .map(|i| gpu.upload(&vec![POISON; i.elements() as usize]).unwrap())
-            .collect();
-        let targets: Vec<_> = infos
-            .iter()
-            .enumerate()
-            .map(|(t, i)| kvpack::gpu::Target {
-                tensor: t as u32,
-                dst: kvpack::gpu::Dst::Contiguous {
-                    buf: &bufs[t],
-                    first_token: 0,
-                    tokens: i.tokens,
-                },
-            })
-            .collect();
-        for round in 0..2 {
-            let stats = fd.decode(&archive, &targets, OutType::Bf16).unwrap();
-            assert!(stats.chunks >= 2, "{stats:?}");
-            for (t, i) in infos.iter().enumerate() {
-                let want = oracle(
-                    &archive,
-                    t,
-                    OutType::Bf16,
-                    &HostLayout::Contiguous {
+    for codec in [
+        "bdr128",
+        "hqmq:s96r4+med3",
+        "octopus:b3+qjl",
+        "innerq:k2v2",
+        "polar:m4n4",
+    ] {
+        let file = compress_bytes(&cache, codec, l, Some(1));
+        let archive = Archive::open(&file).unwrap();
+        for dev in devices() {
+            let Device::Cuda(gpu) = &dev else {
+                println!("file decoder: CPU path is Archive::decode (the oracle itself)");
+                continue;
+            };
+            let mut fd = kvpack::gpu::FileDecoder::new(gpu, 1 << 20).unwrap();
+            let infos = archive.tensors();
+            let bufs: Vec<_> = infos
+                .iter()
+                .map(|i| gpu.upload(&vec![POISON; i.elements() as usize]).unwrap())
+                .collect();
+            let targets: Vec<_> = infos
+                .iter()
+                .enumerate()
+                .map(|(t, i)| kvpack::gpu::Target {
+                    tensor: t as u32,
+                    dst: kvpack::gpu::Dst::Contiguous {
+                        buf: &bufs[t],
                         first_token: 0,
                         tokens: i.tokens,
                     },
-                );
-                let got = bufs[t].to_vec().unwrap();
-                assert_close(
-                    &got,
-                    &want,
-                    &format!("file decoder round {round} tensor {t}"),
-                );
+                })
+                .collect();
+            for round in 0..2 {
+                let stats = fd.decode(&archive, &targets, OutType::Bf16).unwrap();
+                assert!(stats.chunks >= 2, "{stats:?}");
+                for (t, i) in infos.iter().enumerate() {
+                    let want = oracle(
+                        &archive,
+                        t,
+                        OutType::Bf16,
+                        &HostLayout::Contiguous {
+                            first_token: 0,
+                            tokens: i.tokens,
+                        },
+                    );
+                    let got = bufs[t].to_vec().unwrap();
+                    assert_close(
+                        &got,
+                        &want,
+                        &format!("{codec} file decoder round {round} tensor {t}"),
+                    );
+                }
+                println!("{codec} file decoder round {round}: {stats:?}");
             }
-            println!("file decoder round {round}: {stats:?}");
         }
     }
 }

@@ -27,9 +27,9 @@ use super::spec::{
 
 /// Units (8 channels) per thread of the fast kivi / innerq kernels
 /// (`KIVI_U`, `INNERQ_U`).
-pub const GROUP_UNITS: u32 = 2;
+pub const GROUP_UNITS: u32 = 4;
 /// Units (8 pairs) per thread of the fast polar kernels (`POLAR_U`).
-pub const POLAR_UNITS: u32 = 2;
+pub const POLAR_UNITS: u32 = 4;
 /// Chunks per hqmq decode sub-block (`HQ_NPOS`): head_dim / 4 may not
 /// exceed it.
 pub const HQ_NPOS: u32 = 2048;

@@ -133,6 +133,7 @@ static inline unsigned long long __umul64hi(unsigned long long a, unsigned long 
     return (unsigned long long)(((unsigned __int128)a * b) >> 64);
 }
 static inline int __popc(unsigned x) { return __builtin_popcount(x); }
+static inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
 static inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 // Vector loads and stores must be naturally aligned on the GPU (a fault
 // there); the emulator checks it.

@@ -236,9 +236,14 @@ __device__ __forceinline__ void store8(u16* p, const float v[8]) {
 // Output element offset of (row, element 0) of a page, or -1 when the row is
 // not written (outside [t_lo, t_hi), or a paged slot < 0). A slot past the
 // cache is reported through `status` and skipped.
+__device__ __forceinline__ i64 row_dst_pt(const PageDesc& d, u32 row, u32 p, u32 t, u64* status);
 __device__ __forceinline__ i64 row_dst(const PageDesc& d, u32 row, u64* status) {
     u32 p = udiv(row, d.tokens, d.m_tokens);
-    u32 t = row - p * d.tokens;
+    return row_dst_pt(d, row, p, row - p * d.tokens, status);
+}
+
+// row_dst for a row whose plane p and page token t are known.
+__device__ __forceinline__ i64 row_dst_pt(const PageDesc& d, u32 row, u32 p, u32 t, u64* status) {
     if (t < d.t_lo || t >= d.t_hi) return -1;
     if (d.slots == 0) {
         return (i64)p * (i64)d.stride + ((i64)t + (i64)d.tok_off) * (i64)d.head_dim;
@@ -496,3 +501,33 @@ __device__ __forceinline__ void content_error(u64* status, u32 desc) {
 #else
 #define DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(emu_dyn_smem())
 #endif
+
+// Walking the units u = base + k * BLOCK (k = 0, 1, ...) of a unit kernel:
+// row, unit in row j, plane p and page token t. When the units per row
+// are a power of two <= BLOCK, j is the same for every k and the row
+// advances by BLOCK / upr (`drow`), so no division is needed after the
+// first unit; otherwise (drow == 0) every unit is divided out again.
+struct RowWalk {
+    u32 row, j, p, t;
+};
+__device__ __forceinline__ void walk_init(const PageDesc& d, u32 u, RowWalk& r) {
+    r.row = udiv(u, d.upr, d.m_upr);
+    r.j = u - r.row * d.upr;
+    r.p = udiv(r.row, d.tokens, d.m_tokens);
+    r.t = r.row - r.p * d.tokens;
+}
+__device__ __forceinline__ u32 walk_step(u32 upr) {
+    return (upr & (upr - 1u)) == 0u && upr <= (u32)BLOCK ? (u32)BLOCK >> (__ffs(upr) - 1) : 0u;
+}
+__device__ __forceinline__ void walk_next(const PageDesc& d, u32 u, u32 drow, RowWalk& r) {
+    if (drow == 0u) {
+        walk_init(d, u, r);
+        return;
+    }
+    r.row += drow;
+    r.t += drow;
+    while (r.t >= d.tokens) {
+        r.t -= d.tokens;
+        r.p++;
+    }
+}

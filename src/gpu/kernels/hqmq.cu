@@ -21,10 +21,12 @@
 // one plane (one codebook); the block copies the codebook to shared memory
 // (`s`; `g` reads it through L1), then walks sub-blocks of up to HQ_ROWS
 // rows (at most HQ_NPOS chunks): (1) outlier flags of the sub-block and the
-// outliers before it, (2) the digit groups covering its inliers, split into
-// shared memory (O = 3, 9 at compile time, else at run time), and each
-// row's step and destination, (3) one chunk per thread and step, 8-byte
-// stores, a warp writing 32 consecutive chunks.
+// outliers before it, (2) the digit groups covering its inliers, one group
+// per thread: digits (O = 3, 9 at compile time, else at run time) and the
+// group's low codes (a bit stream) combined into full symbols in shared
+// memory, and each row's step and destination, (3) one chunk per thread
+// and step (a symbol, a codebook entry, 8-byte stores; a warp writes 32
+// consecutive chunks).
 // Digit groups >= O^G, non-zero padding digits and scales that are not
 // finite or negative are content errors (status word 1).
 
@@ -41,20 +43,40 @@ __device__ __forceinline__ u32 hq_block_sum(u32 v, u32* red) {
     return s;
 }
 
+// The G base-O digits of group value n into dg[0..G) (least significant
+// first). O = 3 and 9 (OT) split n once into two values below 2^32 (O^10 =
+// 3^20 = 3486784401), so every digit is a 32-bit division by a constant;
+// other O (OT = 0) divide 64-bit values.
 template <int OT>
-__device__ __forceinline__ u32 hq_digit(u64& n, u32 o) {
-    u64 base = OT ? (u64)OT : (u64)o;
-    u64 q = n / base;
-    u32 r = (u32)(n - q * base);
-    n = q;
-    return r;
+__device__ __forceinline__ void hq_digits(u64 n, u32 o, u32 G, u32* dg) {
+    if (OT == 3 || OT == 9) {
+        const u64 P = 3486784401ull;
+        const u32 K = OT == 9 ? 10u : 20u;
+        u64 a = n / P;
+        u32 lo = (u32)(n - a * P), hi = (u32)a;
+        for (u32 t = 0; t < G; t++) {
+            if (t < K) {
+                dg[t] = lo % (u32)OT;
+                lo /= (u32)OT;
+            } else {
+                dg[t] = hi % (u32)OT;
+                hi /= (u32)OT;
+            }
+        }
+    } else {
+        for (u32 t = 0; t < G; t++) {
+            u64 q = n / o;
+            dg[t] = (u32)(n - q * o);
+            n = q;
+        }
+    }
 }
 
 template <int OT, bool SMEM, int OUT>
 __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
                                             const uint2* __restrict__ work, u64* status) {
     DYN_SHARED(float4, cb_s);
-    __shared__ u32 digits[HQ_NPOS + 128];
+    __shared__ u32 sym[HQ_NPOS + 128];
     __shared__ float steps[HQ_ROWS];
     __shared__ i64 dsto[HQ_ROWS];
     __shared__ u32 obits[HQ_NPOS / 32];
@@ -82,7 +104,7 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
     const float4* cb = SMEM ? cb_s : cb_g;
     const u8* body = reinterpret_cast<const u8*>(d.body);
     const u8* scales = body + d.sec0;
-    const u8* idx0 = body + d.sec1;
+    const u32* idx0 = reinterpret_cast<const u32*>(body + d.sec1);
     const u8* idx1 = body + d.sec2;
     const bool has_out = d.sec3 != 0;
     const u8* tab = body + d.sec3;
@@ -95,6 +117,11 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
     }
     const u32* opos = reinterpret_cast<const u32*>(tab + 12);
     const u32 nr_max = min((u32)HQ_ROWS, (u32)HQ_NPOS / nc);
+    // Chunk i of a sub-block is row i / nc, chunk i % nc; with nc dividing
+    // BLOCK a thread keeps its chunk and advances BLOCK / nc rows per step.
+    const bool fixed = (nc & (nc - 1u)) == 0u && nc <= (u32)BLOCK;
+    const u32 dr = fixed ? (u32)BLOCK / nc : 0u;
+    const u32 qmask = (1u << b) - 1u, lmask = (1u << E) - 1u;
     u16* dst = reinterpret_cast<u16*>(d.dst);
     for (u32 ra = w.y; ra < r_end; ra += nr_max) {
         const u32 nr = min(nr_max, r_end - ra);
@@ -135,7 +162,8 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
             __syncthreads();
             nout = s_total;
         }
-        // (2) Digit groups of inliers [k0, k1); steps and destinations.
+        // (2) The symbols of inliers [k0, k1) (whole digit groups), each
+        // row's step and destination.
         const u32 k0 = (u32)u0 - o0, k1 = k0 + npos - nout;
         const u32 gf = k0 / G;
         const u32 ng = k1 > k0 ? (k1 - 1u) / G - gf + 1u : 0u;
@@ -143,12 +171,26 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
             u32 g = gf + gi;
             u64 n = get_bits64(idx1, (u64)g * W, W);
             if (limit != 0 && n >= limit) content_error(status, w.x);
-            u32* dg = digits + gi * G;
-            bool last = g == (n_in - 1u) / G;
-            for (u32 t = 0; t < G; t++) {
-                u32 h = hq_digit<OT>(n, O);
-                dg[t] = h;
-                if (last && g * G + t >= n_in && h != 0) content_error(status, w.x);
+            u32* sg = sym + gi * G;
+            hq_digits<OT>(n, O, G, sg);
+            // Low codes of the group's inliers, read as a bit stream.
+            u32 kend = min(g * G + G, n_in);
+            for (u32 t = g * G + G; t > kend; t--) {
+                if (sg[t - 1u - g * G] != 0) content_error(status, w.x);  // padding digit
+            }
+            u64 bit = (u64)g * G * E;
+            const u32* wp = idx0 + (bit >> 5);
+            u32 have = 32u - ((u32)bit & 31u);
+            u64 buf = kend > g * G ? (u64)(__ldg(wp) >> ((u32)bit & 31u)) : 0ull;
+            for (u32 k = g * G; k < kend; k++) {
+                if (have < E) {
+                    buf |= (u64)__ldg(++wp) << have;
+                    have += 32u;
+                }
+                u32 t = k - g * G;
+                sg[t] = (sg[t] << E) | ((u32)buf & lmask);
+                buf >>= E;
+                have -= E;
             }
         }
         for (u32 rl = tid; rl < nr; rl += BLOCK) {
@@ -159,34 +201,53 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
         }
         __syncthreads();
         // (3) One chunk per thread and step.
-        const u32 qmask = (1u << b) - 1u;
-        for (u32 i = tid; i < npos; i += BLOCK) {
-            u32 rl = udiv(i, nc, d.m_upr);
-            u32 c = i - rl * nc;
-            i64 o = dsto[rl];
-            float x0, x1, x2, x3;
-            u32 wb = has_out ? obits[i >> 5] : 0u;
-            u32 lower = wb & ((1u << (i & 31u)) - 1u);
-            u32 before = has_out ? opre[i >> 5] + __popc(lower) : 0u;
-            if ((wb >> (i & 31u)) & 1u) {
-                const u8* vp = tab + vals_off + 8u * (o0 + before);
-                u32 lo = (u32)vp[0] | ((u32)vp[1] << 8) | ((u32)vp[2] << 16) | ((u32)vp[3] << 24);
-                u32 hi = (u32)vp[4] | ((u32)vp[5] << 8) | ((u32)vp[6] << 16) | ((u32)vp[7] << 24);
-                x0 = f16_to_f32((u16)(lo & 0xffffu));
-                x1 = f16_to_f32((u16)(lo >> 16));
-                x2 = f16_to_f32((u16)(hi & 0xffffu));
-                x3 = f16_to_f32((u16)(hi >> 16));
-            } else {
-                u32 k = k0 + i - before;
-                u32 v = (digits[k - gf * G] << E) | get_bits(idx0, (u64)k * E, E);
+        const u32 sbase = k0 - gf * G;  // symbol of inlier k at sym[k - gf * G]
+        u32 rl = fixed ? tid / nc : 0u, c = fixed ? tid - rl * nc : 0u;
+        if (!has_out) {
+            for (u32 i = tid; i < npos; i += BLOCK) {
+                if (!fixed) {
+                    rl = udiv(i, nc, d.m_upr);
+                    c = i - rl * nc;
+                }
+                u32 v = sym[sbase + i];
                 float rh = __fmul_rn(code_f32(v & qmask), steps[rl]);
                 float4 cw = cb[v >> b];
-                x0 = __fmul_rn(rh, cw.x);
-                x1 = __fmul_rn(rh, cw.y);
-                x2 = __fmul_rn(rh, cw.z);
-                x3 = __fmul_rn(rh, cw.w);
+                i64 o = dsto[rl];
+                if (o >= 0)
+                    st_u2(dst + o + 4u * c, make_uint2(pack2<OUT>(__fmul_rn(rh, cw.x), __fmul_rn(rh, cw.y)),
+                                                       pack2<OUT>(__fmul_rn(rh, cw.z), __fmul_rn(rh, cw.w))));
+                rl += dr;
             }
-            if (o >= 0) st_u2(dst + o + 4u * c, make_uint2(pack2<OUT>(x0, x1), pack2<OUT>(x2, x3)));
+        } else {
+            for (u32 i = tid; i < npos; i += BLOCK) {
+                if (!fixed) {
+                    rl = udiv(i, nc, d.m_upr);
+                    c = i - rl * nc;
+                }
+                float x0, x1, x2, x3;
+                u32 wb = obits[i >> 5];
+                u32 before = opre[i >> 5] + __popc(wb & ((1u << (i & 31u)) - 1u));
+                if ((wb >> (i & 31u)) & 1u) {
+                    const u8* vp = tab + vals_off + 8u * (o0 + before);
+                    u32 lo = (u32)vp[0] | ((u32)vp[1] << 8) | ((u32)vp[2] << 16) | ((u32)vp[3] << 24);
+                    u32 hi = (u32)vp[4] | ((u32)vp[5] << 8) | ((u32)vp[6] << 16) | ((u32)vp[7] << 24);
+                    x0 = f16_to_f32((u16)(lo & 0xffffu));
+                    x1 = f16_to_f32((u16)(lo >> 16));
+                    x2 = f16_to_f32((u16)(hi & 0xffffu));
+                    x3 = f16_to_f32((u16)(hi >> 16));
+                } else {
+                    u32 v = sym[sbase + i - before];
+                    float rh = __fmul_rn(code_f32(v & qmask), steps[rl]);
+                    float4 cw = cb[v >> b];
+                    x0 = __fmul_rn(rh, cw.x);
+                    x1 = __fmul_rn(rh, cw.y);
+                    x2 = __fmul_rn(rh, cw.z);
+                    x3 = __fmul_rn(rh, cw.w);
+                }
+                i64 o = dsto[rl];
+                if (o >= 0) st_u2(dst + o + 4u * c, make_uint2(pack2<OUT>(x0, x1), pack2<OUT>(x2, x3)));
+                rl += dr;
+            }
         }
         __syncthreads();
     }

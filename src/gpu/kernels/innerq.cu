@@ -22,7 +22,7 @@
 // (8 scales in one 16-byte load, 8 slots in two when W = 1, 8 flags in one
 // byte). Fallback `decode_innerq_any_{out}`: one element per unit.
 
-#define INNERQ_U 2
+#define INNERQ_U 4
 
 // Group mode: true = symmetric.
 __device__ __forceinline__ bool innerq_sym(u32 mode, const u8* aux, u64 g) {
@@ -30,10 +30,16 @@ __device__ __forceinline__ bool innerq_sym(u32 mode, const u8* aux, u64 g) {
     return mode == 1u;
 }
 
-// One element: asymmetric (v + z) or symmetric (sign bit of `sign`).
-__device__ __forceinline__ float innerq_value(u32 q, float s, bool sym, u32 zbits, u32 sign) {
-    float v = __fmul_rn(code_f32(q), s);
-    return sym ? __uint_as_float(__float_as_uint(v) ^ (sign << 31)) : __fadd_rn(v, __uint_as_float(zbits));
+// One element: asymmetric (q * s + z: the product of a code below 2^8 and
+// an f16 scale is exact, so one fused multiply-add rounds as the normative
+// sum) or symmetric (q * s with the sign flipped when `sign` is set).
+__device__ __forceinline__ float innerq_value(float q, float s, bool sym, u32 zbits, u32 sign) {
+    return sym ? __uint_as_float(__float_as_uint(__fmul_rn(q, s)) ^ (sign << 31))
+               : __fmaf_rn(q, s, __uint_as_float(zbits));
+}
+
+__device__ __forceinline__ float innerq_code(u64 codes, int i, int b, u32 mask) {
+    return __fsub_rn(__uint_as_float(and_or((u32)(codes >> (b * i)), mask, 0x4b000000u)), 8388608.0f);
 }
 
 template <int B, int OUT>
@@ -41,7 +47,7 @@ __device__ __forceinline__ void innerq_decode_k(const PageDesc* __restrict__ des
                                                 const uint2* __restrict__ work, u64* status) {
     const uint2 w = work[blockIdx.x];
     const PageDesc d = descs[w.x];
-    const u32 D = d.head_dim, upr = d.upr, nunits = d.rows * upr;
+    const u32 D = d.head_dim, nunits = d.rows * d.upr;
     const u32 G = d.p0, mG = d.p1, mode = d.p2 & 0xffu, W = d.p2 >> 16;
     const bool norm = (d.p2 >> 8) & 1u;
     const u32 gpr = udiv(D, G, mG);
@@ -51,53 +57,56 @@ __device__ __forceinline__ void innerq_decode_k(const PageDesc* __restrict__ des
     const u8* aux = body + d.sec3;
     const float* fac = reinterpret_cast<const float*>(d.side);
     u16* dst = reinterpret_cast<u16*>(d.dst);
+    const u32 drow = walk_step(d.upr);
+    RowWalk r;
+    walk_init(d, w.y + threadIdx.x, r);
     u64 codes[INNERQ_U];
-    float s[INNERQ_U], f[INNERQ_U][8];
-    u32 zb[INNERQ_U], sw[INNERQ_U];
+    float s[INNERQ_U];
+    u32 zb[INNERQ_U], sw[INNERQ_U], head[INNERQ_U], cz[INNERQ_U];
     bool sym[INNERQ_U];
     u16* out[INNERQ_U];
 #pragma unroll
     for (int k = 0; k < INNERQ_U; k++) {
         u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
+        if (k > 0) walk_next(d, u, drow, r);
         codes[k] = 0;
         s[k] = 0.f;
         zb[k] = 0;
         sw[k] = 0;
         sym[k] = false;
+        head[k] = 0;
+        cz[k] = 0;
         out[k] = nullptr;
-#pragma unroll
-        for (int i = 0; i < 8; i++) f[k][i] = 1.f;
         if (u < nunits) {
-            u32 row = udiv(u, upr, d.m_upr);
-            u32 c0 = 8u * (u - row * upr);
+            u32 c0 = 8u * r.j;
+            cz[k] = c0;
             u32 gi = udiv(c0, G, mG);
             u32 e0 = c0 - gi * G;
-            u64 g = (u64)row * gpr + gi;
-            codes[k] = load_le<B>(index + (((u64)row * D + c0) >> 3) * B);
+            u64 g = (u64)r.row * gpr + gi;
+            codes[k] = load_le<B>(index + (((u64)r.row * D + c0) >> 3) * B);
             s[k] = ld_f16(body + d.sec0, g);
             sym[k] = innerq_sym(mode, aux, g);
             zb[k] = __ldg(slots + g * W);
             sw[k] = __ldg(slots + g * W + (e0 >> 5)) >> (e0 & 31u);
-            if (norm) {
-                u32 p = udiv(row, d.tokens, d.m_tokens);
-                u32 h = p - udiv(p, d.heads, d.m_heads) * d.heads;
-                const float4* fp = reinterpret_cast<const float4*>(fac + (u64)h * D + c0);
-                float4 a = __ldg(fp), b = __ldg(fp + 1);
-                f[k][0] = a.x; f[k][1] = a.y; f[k][2] = a.z; f[k][3] = a.w;
-                f[k][4] = b.x; f[k][5] = b.y; f[k][6] = b.z; f[k][7] = b.w;
-            }
-            i64 o = row_dst(d, row, status);
+            if (norm) head[k] = r.p - udiv(r.p, d.heads, d.m_heads) * d.heads;
+            i64 o = row_dst_pt(d, r.row, r.p, r.t, status);
             if (o >= 0) out[k] = dst + o + c0;
         }
     }
+    const u32 mask = (1u << B) - 1u;
 #pragma unroll
     for (int k = 0; k < INNERQ_U; k++) {
         float x[8];
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            u32 q = (u32)(codes[k] >> (B * i)) & ((1u << B) - 1u);
-            x[i] = innerq_value(q, s[k], sym[k], zb[k], (sw[k] >> i) & 1u);
-            if (norm) x[i] = __fmul_rn(x[i], f[k][i]);
+        for (int i = 0; i < 8; i++)
+            x[i] = innerq_value(innerq_code(codes[k], i, B, mask), s[k], sym[k], zb[k], (sw[k] >> i) & 1u);
+        if (norm) {
+            // Factors of the unit's 8 channels (L1-resident: heads x D f32).
+            const float4* fp = reinterpret_cast<const float4*>(fac + (u64)head[k] * D + cz[k]);
+            float4 a = __ldg(fp), b = __ldg(fp + 1);
+            float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) x[i] = __fmul_rn(x[i], f[i]);
         }
         if (out[k] != nullptr) st_out8<OUT>(out[k], x);
     }
@@ -108,7 +117,7 @@ __device__ __forceinline__ void innerq_decode_v(const PageDesc* __restrict__ des
                                                 const uint2* __restrict__ work, u64* status) {
     const uint2 w = work[blockIdx.x];
     const PageDesc d = descs[w.x];
-    const u32 D = d.head_dim, upr = d.upr, nunits = d.rows * upr;
+    const u32 D = d.head_dim, nunits = d.rows * d.upr;
     const u32 G = d.p0, mG = d.p1, mode = d.p2 & 0xffu, W = d.p2 >> 16;
     const u32 J = udiv(d.tokens + G - 1u, G, mG);
     const u8* body = reinterpret_cast<const u8*>(d.body);
@@ -116,59 +125,64 @@ __device__ __forceinline__ void innerq_decode_v(const PageDesc* __restrict__ des
     const u8* index = body + d.sec2;
     const u8* aux = body + d.sec3;
     u16* dst = reinterpret_cast<u16*>(d.dst);
-    u64 codes[INNERQ_U];
+    const u32 drow = walk_step(d.upr);
+    RowWalk r;
+    walk_init(d, w.y + threadIdx.x, r);
+    u64 codes[INNERQ_U], g0s[INNERQ_U];
     uint4 sc[INNERQ_U];
-    u32 zb[INNERQ_U][8], sw[INNERQ_U][8], flags[INNERQ_U], eb[INNERQ_U];
+    u32 flags[INNERQ_U], es[INNERQ_U];
     u16* out[INNERQ_U];
 #pragma unroll
     for (int k = 0; k < INNERQ_U; k++) {
         u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
+        if (k > 0) walk_next(d, u, drow, r);
         codes[k] = 0;
+        g0s[k] = 0;
         sc[k] = make_uint4(0, 0, 0, 0);
         flags[k] = mode == 1u ? 0xffu : 0u;
-        eb[k] = 0;
+        es[k] = 0;
         out[k] = nullptr;
-#pragma unroll
-        for (int i = 0; i < 8; i++) zb[k][i] = sw[k][i] = 0;
         if (u < nunits) {
-            u32 row = udiv(u, upr, d.m_upr);
-            u32 c0 = 8u * (u - row * upr);
-            u32 p = udiv(row, d.tokens, d.m_tokens);
-            u32 t = row - p * d.tokens;
-            u32 j = udiv(t, G, mG);
-            u32 e = t - j * G;
-            u64 g0 = ((u64)p * J + j) * D + c0;  // a multiple of 8
-            codes[k] = load_le<B>(index + (((u64)row * D + c0) >> 3) * B);
+            u32 c0 = 8u * r.j;
+            u32 j = udiv(r.t, G, mG);
+            es[k] = r.t - j * G;
+            u64 g0 = ((u64)r.p * J + j) * D + c0;  // a multiple of 8
+            g0s[k] = g0;
+            codes[k] = load_le<B>(index + (((u64)r.row * D + c0) >> 3) * B);
             sc[k] = __ldg(reinterpret_cast<const uint4*>(body + d.sec0 + 2 * g0));
             if (mode == 2u) flags[k] = __ldg(aux + (g0 >> 3));
-            eb[k] = e & 31u;
-            if (W == 1u) {
-                const uint4* sp = reinterpret_cast<const uint4*>(slots + g0);
-                uint4 a = __ldg(sp), b = __ldg(sp + 1);
-                zb[k][0] = a.x; zb[k][1] = a.y; zb[k][2] = a.z; zb[k][3] = a.w;
-                zb[k][4] = b.x; zb[k][5] = b.y; zb[k][6] = b.z; zb[k][7] = b.w;
-#pragma unroll
-                for (int i = 0; i < 8; i++) sw[k][i] = zb[k][i];
-            } else {
-#pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    zb[k][i] = __ldg(slots + (g0 + i) * W);
-                    sw[k][i] = __ldg(slots + (g0 + i) * W + (e >> 5));
-                }
-            }
-            i64 o = row_dst(d, row, status);
+            i64 o = row_dst_pt(d, r.row, r.p, r.t, status);
             if (o >= 0) out[k] = dst + o + c0;
         }
     }
+    const u32 mask = (1u << B) - 1u;
 #pragma unroll
     for (int k = 0; k < INNERQ_U; k++) {
-        u32 sw4[4] = {sc[k].x, sc[k].y, sc[k].z, sc[k].w};
+        // The slots of the unit's 8 groups (each shared by up to G rows:
+        // L1/L2 hits): zero points, or sign words of element e.
+        u32 zb[8], sw[8];
+        const u32 eb = es[k] & 31u;
+        if (W == 1u) {
+            const uint4* p = reinterpret_cast<const uint4*>(slots + g0s[k]);
+            uint4 a = __ldg(p), b = __ldg(p + 1);
+            zb[0] = a.x; zb[1] = a.y; zb[2] = a.z; zb[3] = a.w;
+            zb[4] = b.x; zb[5] = b.y; zb[6] = b.z; zb[7] = b.w;
+#pragma unroll
+            for (int i = 0; i < 8; i++) sw[i] = zb[i];
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                zb[i] = __ldg(slots + (g0s[k] + i) * W);
+                sw[i] = __ldg(slots + (g0s[k] + i) * W + (es[k] >> 5));
+            }
+        }
+        u32 s4[4] = {sc[k].x, sc[k].y, sc[k].z, sc[k].w};
         float x[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            u32 q = (u32)(codes[k] >> (B * i)) & ((1u << B) - 1u);
-            float s = f16_to_f32((u16)(sw4[i >> 1] >> (16 * (i & 1))));
-            x[i] = innerq_value(q, s, (flags[k] >> i) & 1u, zb[k][i], (sw[k][i] >> eb[k]) & 1u);
+            float s = f16_to_f32((u16)(s4[i >> 1] >> (16 * (i & 1))));
+            x[i] = innerq_value(innerq_code(codes[k], i, B, mask), s, (flags[k] >> i) & 1u, zb[i],
+                                (sw[i] >> eb) & 1u);
         }
         if (out[k] != nullptr) st_out8<OUT>(out[k], x);
     }
@@ -247,7 +261,7 @@ __device__ __forceinline__ void innerq_decode_any(const PageDesc* __restrict__ d
         u32 q = get_bits(body + d.sec2, (u64)e * bits, bits);
         bool sym = innerq_sym(mode, body + d.sec3, g);
         u32 sign = (__ldg(slots + g * W + (el >> 5)) >> (el & 31u)) & 1u;
-        float x = innerq_value(q, ld_f16(body + d.sec0, g), sym, __ldg(slots + g * W), sign);
+        float x = innerq_value(code_f32(q), ld_f16(body + d.sec0, g), sym, __ldg(slots + g * W), sign);
         if (norm) {
             u32 h = p - udiv(p, d.heads, d.m_heads) * d.heads;
             x = __fmul_rn(x, __ldg(fac + (u64)h * D + c));

@@ -4,7 +4,9 @@
 // tokens of one channel, g = (p*J + t/G)*D + c with J = ceil(T/G)) or along
 // channels (V: G channels of one row, g = r*(D/G) + c/G).
 //
-// Decode, binary32, no fused multiply-add: x = (f32(q) * S_g) + Z_g.
+// Decode, binary32: x = (f32(q) * S_g) + Z_g. The product of a code below
+// 2^8 and an f16 scale is exact in binary32, so the kernels evaluate it as
+// one fused multiply-add, which rounds exactly as the normative sum.
 //
 // Descriptor: sec0 = SCALE (f16), sec1 = ZERO (f16), sec2 = INDEX;
 // p0 = G, p1 = udiv magic of G, p2 = bits, p3 = 1 for channel groups.
@@ -13,10 +15,11 @@
 // 0): a unit is 8 consecutive channels of a row (B bytes of codes, one
 // 16-byte store); token groups read the 8 scales and 8 zero points of the
 // unit as two 16-byte loads, channel groups one of each. KIVI_U units per
-// thread, every load issued before any arithmetic.
+// thread (BLOCK apart, rows walked without divisions: RowWalk), every load
+// issued before any arithmetic.
 // Fallback `decode_kivi_any_{out}`: one element per unit, any shape.
 
-#define KIVI_U 2
+#define KIVI_U 4
 
 template <int B, bool TOK, int OUT>
 __device__ __forceinline__ void kivi_decode(const PageDesc* __restrict__ descs,
@@ -27,7 +30,7 @@ __device__ __forceinline__ void kivi_decode(const PageDesc* __restrict__ descs,
     u16* out[KIVI_U];
     {
         const PageDesc d = descs[w.x];
-        const u32 D = d.head_dim, upr = d.upr, nunits = d.rows * upr;
+        const u32 D = d.head_dim, nunits = d.rows * d.upr;
         const u32 G = d.p0, mG = d.p1;
         const u32 J = udiv(d.tokens + G - 1u, G, mG);
         const u8* body = reinterpret_cast<const u8*>(d.body);
@@ -35,26 +38,32 @@ __device__ __forceinline__ void kivi_decode(const PageDesc* __restrict__ descs,
         const u8* zeros = body + d.sec1;
         const u8* index = body + d.sec2;
         u16* dst = reinterpret_cast<u16*>(d.dst);
+        const u32 drow = walk_step(d.upr);
+        RowWalk r;
+        walk_init(d, w.y + threadIdx.x, r);
+        u32 gi = udiv(8u * r.j, G, mG);  // channel groups: the unit's group in its row
+        const u32 gpr = udiv(D, G, mG);
 #pragma unroll
         for (int k = 0; k < KIVI_U; k++) {
             u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
+            if (k > 0) {
+                walk_next(d, u, drow, r);
+                if (drow == 0u) gi = udiv(8u * r.j, G, mG);
+            }
             codes[k] = 0;
             sc[k] = make_uint4(0, 0, 0, 0);
             zp[k] = make_uint4(0, 0, 0, 0);
             out[k] = nullptr;
             if (u < nunits) {
-                u32 row = udiv(u, upr, d.m_upr);
-                u32 c0 = 8u * (u - row * upr);
-                u64 e0 = (u64)row * D + c0;  // a multiple of 8
+                u32 c0 = 8u * r.j;
+                u64 e0 = (u64)r.row * D + c0;  // a multiple of 8
                 codes[k] = load_le<B>(index + (e0 >> 3) * B);
                 if (TOK) {
-                    u32 p = udiv(row, d.tokens, d.m_tokens);
-                    u32 t = row - p * d.tokens;
-                    u64 g0 = ((u64)p * J + udiv(t, G, mG)) * D + c0;
+                    u64 g0 = ((u64)r.p * J + udiv(r.t, G, mG)) * D + c0;
                     sc[k] = __ldg(reinterpret_cast<const uint4*>(scales + 2 * g0));
                     zp[k] = __ldg(reinterpret_cast<const uint4*>(zeros + 2 * g0));
                 } else {
-                    u64 g = (u64)row * udiv(D, G, mG) + udiv(c0, G, mG);
+                    u64 g = (u64)r.row * gpr + gi;
                     u32 s = __ldg(reinterpret_cast<const u16*>(scales) + g);
                     u32 z = __ldg(reinterpret_cast<const u16*>(zeros) + g);
                     s |= s << 16;
@@ -62,11 +71,12 @@ __device__ __forceinline__ void kivi_decode(const PageDesc* __restrict__ descs,
                     sc[k] = make_uint4(s, s, s, s);
                     zp[k] = make_uint4(z, z, z, z);
                 }
-                i64 o = row_dst(d, row, status);
+                i64 o = row_dst_pt(d, r.row, r.p, r.t, status);
                 if (o >= 0) out[k] = dst + o + c0;
             }
         }
     }
+    u32 mask = (1u << B) - 1u, two23 = 0x4b000000u;
 #pragma unroll
     for (int k = 0; k < KIVI_U; k++) {
         u32 sw[4] = {sc[k].x, sc[k].y, sc[k].z, sc[k].w};
@@ -74,10 +84,12 @@ __device__ __forceinline__ void kivi_decode(const PageDesc* __restrict__ descs,
         float x[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            u32 q = (u32)(codes[k] >> (B * i)) & ((1u << B) - 1u);
+            float q = __fsub_rn(__uint_as_float(and_or((u32)(codes[k] >> (B * i)), mask, two23)), 8388608.0f);
             float s = f16_to_f32((u16)(sw[i >> 1] >> (16 * (i & 1))));
             float z = f16_to_f32((u16)(zw[i >> 1] >> (16 * (i & 1))));
-            x[i] = __fadd_rn(__fmul_rn(code_f32(q), s), z);
+            // q * s is exact (an 8-bit integer times an f16), so the fused
+            // multiply-add rounds exactly like (q * s) + z.
+            x[i] = __fmaf_rn(q, s, z);
         }
         if (out[k] != nullptr) st_out8<OUT>(out[k], x);
     }

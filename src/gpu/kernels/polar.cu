@@ -13,12 +13,13 @@
 //
 // Fast `decode_polar_{half|adj}_c{C}_{out}` (D % 16 == 0, C <= 8; C = 0
 // means C is read from p1): a unit is 8 consecutive pairs of a row (C bytes
-// of codes, 32 bytes of scales); POLAR_U units per thread, loads first. Half
+// of codes, 32 bytes of scales); POLAR_U units per thread (BLOCK apart,
+// rows walked without divisions), code loads first. Half
 // pairing writes 8 x at j and 8 y at j + D/2 (two 16-byte stores), adjacent
 // 16 interleaved values (two 16-byte stores).
 // Fallback `decode_polar_any_{out}` (any even D, C <= 16): one pair per unit.
 
-#define POLAR_U 2
+#define POLAR_U 4
 
 // The 2^m directions into shared memory (every thread of the block calls).
 __device__ __forceinline__ void polar_load_dirs(float2* dirs, const PageDesc& d) {
@@ -37,26 +38,27 @@ __device__ __forceinline__ void polar_decode(const PageDesc* __restrict__ descs,
     const u32 cbits = C ? (u32)C : d.p1;
     const u32 m = d.p0;
     const u32 pairs = d.head_dim >> 1;
-    const u32 upr = d.upr;  // head_dim / 16
-    const u32 nunits = d.rows * upr;
+    const u32 nunits = d.rows * d.upr;  // units of 8 pairs
     const u8* body = reinterpret_cast<const u8*>(d.body);
     const float* scales = reinterpret_cast<const float*>(body + d.sec0);
     const u8* index = body + d.sec1;
     u16* dst = reinterpret_cast<u16*>(d.dst);
+    const u32 drow = walk_step(d.upr);
+    RowWalk r;
+    walk_init(d, w.y + threadIdx.x, r);
     u64 codes[POLAR_U];
-    float s[POLAR_U][8];
+    const float* sp[POLAR_U];
     u16* out[POLAR_U];
 #pragma unroll
     for (int k = 0; k < POLAR_U; k++) {
         u32 u = w.y + (u32)k * BLOCK + threadIdx.x;
+        if (k > 0) walk_next(d, u, drow, r);
         codes[k] = 0;
         out[k] = nullptr;
-#pragma unroll
-        for (int i = 0; i < 8; i++) s[k][i] = 0.f;
+        sp[k] = scales;
         if (u < nunits) {
-            u32 row = udiv(u, upr, d.m_upr);
-            u32 j0 = 8u * (u - row * upr);
-            u64 first = (u64)row * pairs + j0;  // a multiple of 8
+            u32 j0 = 8u * r.j;
+            u64 first = (u64)r.row * pairs + j0;  // a multiple of 8
             const u8* p = index + (first >> 3) * cbits;
             if (C == 8) codes[k] = load_le<8>(p);
             else if (C == 6) codes[k] = load_le<6>(p);
@@ -66,12 +68,8 @@ __device__ __forceinline__ void polar_decode(const PageDesc* __restrict__ descs,
                 for (u32 b = 0; b < cbits; b++) v |= (u64)__ldg(p + b) << (8 * b);
                 codes[k] = v;
             }
-            u32 pl = udiv(row, d.tokens, d.m_tokens);
-            const float4* sp = reinterpret_cast<const float4*>(scales + (u64)pl * pairs + j0);
-            float4 a = __ldg(sp), b = __ldg(sp + 1);
-            s[k][0] = a.x; s[k][1] = a.y; s[k][2] = a.z; s[k][3] = a.w;
-            s[k][4] = b.x; s[k][5] = b.y; s[k][6] = b.z; s[k][7] = b.w;
-            i64 o = row_dst(d, row, status);
+            sp[k] = scales + (u64)r.p * pairs + j0;
+            i64 o = row_dst_pt(d, r.row, r.p, r.t, status);
             if (o >= 0) out[k] = dst + o + (ADJ ? 2u * j0 : j0);
         }
     }
@@ -79,11 +77,16 @@ __device__ __forceinline__ void polar_decode(const PageDesc* __restrict__ descs,
     const u64 cmask = (1ull << cbits) - 1ull;
 #pragma unroll
     for (int k = 0; k < POLAR_U; k++) {
+        // Radius scales of the unit's 8 pairs (shared by the plane's tokens:
+        // L1/L2 hits).
+        float4 a = __ldg(reinterpret_cast<const float4*>(sp[k]));
+        float4 b = __ldg(reinterpret_cast<const float4*>(sp[k]) + 1);
+        float s[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
         float x[8], y[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             u32 c = (u32)((codes[k] >> (cbits * i)) & cmask);
-            float t = __fmul_rn(code_f32(c >> m), s[k][i]);
+            float t = __fmul_rn(code_f32(c >> m), s[i]);
             float2 u = dirs[c & amask];
             x[i] = __fmul_rn(t, u.x);
             y[i] = __fmul_rn(t, u.y);
