@@ -647,6 +647,36 @@ fn decode_vq_and_group_codecs_match_cpu() {
     }
 }
 
+/// The hqmq kernels that copy the joint codebook to shared memory (a
+/// benchmark knob; the default reads it through L1), including a codebook
+/// above the default 48 KiB shared-memory limit (S = 192: 72 KiB).
+#[test]
+fn decode_hqmq_shared_codebook_matches_cpu() {
+    let cases = [
+        ("hqmq:s96r4+med3", spec(1, 2, 300, 128), layout(128, 0, 0)),
+        ("hqmq:s192r4", spec(1, 2, 100, 64), layout(64, 0, 0)),
+    ];
+    let files: Vec<Vec<u8>> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (codec, s, l))| {
+            let cache = synthetic(&[*s], DType::Bf16, 91 + i as u64);
+            compress_bytes(&cache, codec, *l, None)
+        })
+        .collect();
+    kvpack::gpu::codecs::prefer_shared_hqmq_codebook(true);
+    for dev in devices() {
+        for ((codec, _, _), file) in cases.iter().zip(&files) {
+            let (n, inexact) = check_decode(&dev, file, 7, codec);
+            println!(
+                "{codec} (shared codebook) on {}: {n} elements, {inexact} not bit-identical",
+                dev.name()
+            );
+        }
+    }
+    kvpack::gpu::codecs::prefer_shared_hqmq_codebook(false);
+}
+
 #[test]
 fn decode_random_shapes_matches_cpu() {
     for dev in devices() {

@@ -7,7 +7,7 @@
 //! |---|---|
 //! | polar | the `2^m` directions `(cos, sin)` of the parameter block, f32 pairs |
 //! | innerq K with normalization | the layer's factors, f32 `[heads][head_dim]` |
-//! | octopus | float4 `n(a, b) = (x, y, r, 0)` at `a * 2^b_dir + b`, the `2^b_norm` norm centroids, then at [`super::codecs::sphere_sign_offset`] per kv head the `D` rotation sign bits and, with QJL, the `D` bits of `s'` (1 = negative, LSB-first) |
+//! | octopus | float4 `n(a, b) = (x, y, r, 0)` at `a * 2^b_dir + b`, the `2^b_norm` norm centroids, then at [`super::codecs::sphere_sign_offset`] per kv head the `D` rotation sign bits and, with QJL, the `D` bits of `s'` (1 = negative, LSB-first); when `2 b_dir + b_norm <= 10`, then (16-aligned) the products `n(a, b)_k * C_rho[jn]` as float4 at `((a + b 2^b_dir) 2^b_norm) + jn` |
 //! | turbo | the `2^b` coordinate centroids, then the signs as for octopus |
 //! | hqmq decode | u64 `O^G` (0 when it is `2^64`), 8 zero bytes, then per kv head the `24 S` joint codewords (float4) |
 //! | hqmq encode | per kv head the `S` secondaries then the `24 S` joint codewords (float4) |
@@ -22,7 +22,7 @@ use crate::codec::sphere::{self, PURPOSE_QJL, PURPOSE_ROTATION};
 use crate::error::{Error, Result};
 use crate::kernels::radix::Groups;
 
-use super::codecs::sphere_sign_offset;
+use super::codecs::{octopus_product_table, sphere_sign_offset};
 use super::spec::KernelCodec;
 
 fn put_f32s(out: &mut Vec<u8>, v: &[f32]) {
@@ -163,8 +163,8 @@ fn sphere_table(
         ))
     })?;
     let mut out = Vec::new();
-    if let Some(c) = dirs {
-        let tables = DirTables::new(a, c);
+    let dirs_table = dirs.map(|c| DirTables::new(a, c));
+    if let Some(tables) = &dirs_table {
         for x in 0..1usize << a {
             for y in 0..1usize << a {
                 let n = tables.dir(x, y);
@@ -181,6 +181,19 @@ fn sphere_table(
         if qjl {
             let s2 = sphere::signs_for(opts.seed, t.layer, head, t.kind, PURPOSE_QJL, d);
             out.extend_from_slice(&sign_bits(&s2));
+        }
+    }
+    if octopus && octopus_product_table(a, b) {
+        // Products n(x, y)_k * C_rho[jn] (the decoder's f32 products), at
+        // ((x | y << b_dir) << b_norm) | jn.
+        out.resize(out.len().next_multiple_of(16), 0);
+        let dirs = dirs_table.expect("octopus");
+        for pair in 0..1usize << (2 * a) {
+            let (x, y) = (pair & ((1 << a) - 1), pair >> a);
+            let n = dirs.dir(x, y);
+            for &rho in &book {
+                put_f32s(&mut out, &[n[0] * rho, n[1] * rho, n[2] * rho, 0.0]);
+            }
         }
     }
     Ok(out)

@@ -30,16 +30,21 @@ __device__ __forceinline__ bool innerq_sym(u32 mode, const u8* aux, u64 g) {
     return mode == 1u;
 }
 
-// One element: asymmetric (q * s + z: the product of a code below 2^8 and
-// an f16 scale is exact, so one fused multiply-add rounds as the normative
-// sum) or symmetric (q * s with the sign flipped when `sign` is set).
+// One element: asymmetric (q * s + z) or symmetric (q * s, the sign
+// flipped when `sign` is set), as one fused multiply-add: the product of a
+// code below 2^8 and an f16 scale is exact in binary32, so fma(q, s, z)
+// rounds exactly as (q * s) + z; a symmetric element is fma(q, +-s, -0),
+// exactly +-(q * s) including the sign of a zero (-0 + -0 = -0, +0 + -0 = +0).
 __device__ __forceinline__ float innerq_value(float q, float s, bool sym, u32 zbits, u32 sign) {
-    return sym ? __uint_as_float(__float_as_uint(__fmul_rn(q, s)) ^ (sign << 31))
-               : __fmaf_rn(q, s, __uint_as_float(zbits));
+    float sv = __uint_as_float(__float_as_uint(s) ^ ((sym ? sign : 0u) << 31));
+    return __fmaf_rn(q, sv, __uint_as_float(sym ? 0x80000000u : zbits));
 }
 
+// Code i of a unit's 8 codes of b bits, as an exact f32.
 __device__ __forceinline__ float innerq_code(u64 codes, int i, int b, u32 mask) {
-    return __fsub_rn(__uint_as_float(and_or((u32)(codes >> (b * i)), mask, 0x4b000000u)), 8388608.0f);
+    u32 lo = (u32)codes, hi = (u32)(codes >> 32);
+    u32 cw = b * (i + 1) <= 32 ? lo >> (b * i) : b * i >= 32 ? hi >> (b * i - 32) : (u32)(codes >> (b * i));
+    return __fsub_rn(__uint_as_float(and_or(cw, mask, 0x4b000000u)), 8388608.0f);
 }
 
 template <int B, int OUT>
@@ -189,38 +194,38 @@ __device__ __forceinline__ void innerq_decode_v(const PageDesc* __restrict__ des
 }
 
 #define INNERQ_ARGS const PageDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b1_bf16(INNERQ_ARGS) { innerq_decode_k<1, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b2_bf16(INNERQ_ARGS) { innerq_decode_k<2, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b3_bf16(INNERQ_ARGS) { innerq_decode_k<3, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b4_bf16(INNERQ_ARGS) { innerq_decode_k<4, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b5_bf16(INNERQ_ARGS) { innerq_decode_k<5, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b6_bf16(INNERQ_ARGS) { innerq_decode_k<6, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b7_bf16(INNERQ_ARGS) { innerq_decode_k<7, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b8_bf16(INNERQ_ARGS) { innerq_decode_k<8, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b1_bf16(INNERQ_ARGS) { innerq_decode_v<1, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b2_bf16(INNERQ_ARGS) { innerq_decode_v<2, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b3_bf16(INNERQ_ARGS) { innerq_decode_v<3, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b4_bf16(INNERQ_ARGS) { innerq_decode_v<4, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b5_bf16(INNERQ_ARGS) { innerq_decode_v<5, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b6_bf16(INNERQ_ARGS) { innerq_decode_v<6, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b7_bf16(INNERQ_ARGS) { innerq_decode_v<7, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b8_bf16(INNERQ_ARGS) { innerq_decode_v<8, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b1_f16(INNERQ_ARGS) { innerq_decode_k<1, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b2_f16(INNERQ_ARGS) { innerq_decode_k<2, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b3_f16(INNERQ_ARGS) { innerq_decode_k<3, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b4_f16(INNERQ_ARGS) { innerq_decode_k<4, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b5_f16(INNERQ_ARGS) { innerq_decode_k<5, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b6_f16(INNERQ_ARGS) { innerq_decode_k<6, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b7_f16(INNERQ_ARGS) { innerq_decode_k<7, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_k_b8_f16(INNERQ_ARGS) { innerq_decode_k<8, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b1_f16(INNERQ_ARGS) { innerq_decode_v<1, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b2_f16(INNERQ_ARGS) { innerq_decode_v<2, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b3_f16(INNERQ_ARGS) { innerq_decode_v<3, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b4_f16(INNERQ_ARGS) { innerq_decode_v<4, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b5_f16(INNERQ_ARGS) { innerq_decode_v<5, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b6_f16(INNERQ_ARGS) { innerq_decode_v<6, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b7_f16(INNERQ_ARGS) { innerq_decode_v<7, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_innerq_v_b8_f16(INNERQ_ARGS) { innerq_decode_v<8, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b1_bf16(INNERQ_ARGS) { innerq_decode_k<1, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b2_bf16(INNERQ_ARGS) { innerq_decode_k<2, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b3_bf16(INNERQ_ARGS) { innerq_decode_k<3, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b4_bf16(INNERQ_ARGS) { innerq_decode_k<4, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b5_bf16(INNERQ_ARGS) { innerq_decode_k<5, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b6_bf16(INNERQ_ARGS) { innerq_decode_k<6, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b7_bf16(INNERQ_ARGS) { innerq_decode_k<7, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b8_bf16(INNERQ_ARGS) { innerq_decode_k<8, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b1_bf16(INNERQ_ARGS) { innerq_decode_v<1, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b2_bf16(INNERQ_ARGS) { innerq_decode_v<2, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b3_bf16(INNERQ_ARGS) { innerq_decode_v<3, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b4_bf16(INNERQ_ARGS) { innerq_decode_v<4, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b5_bf16(INNERQ_ARGS) { innerq_decode_v<5, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b6_bf16(INNERQ_ARGS) { innerq_decode_v<6, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b7_bf16(INNERQ_ARGS) { innerq_decode_v<7, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b8_bf16(INNERQ_ARGS) { innerq_decode_v<8, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b1_f16(INNERQ_ARGS) { innerq_decode_k<1, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b2_f16(INNERQ_ARGS) { innerq_decode_k<2, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b3_f16(INNERQ_ARGS) { innerq_decode_k<3, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b4_f16(INNERQ_ARGS) { innerq_decode_k<4, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b5_f16(INNERQ_ARGS) { innerq_decode_k<5, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b6_f16(INNERQ_ARGS) { innerq_decode_k<6, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b7_f16(INNERQ_ARGS) { innerq_decode_k<7, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_k_b8_f16(INNERQ_ARGS) { innerq_decode_k<8, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b1_f16(INNERQ_ARGS) { innerq_decode_v<1, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b2_f16(INNERQ_ARGS) { innerq_decode_v<2, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b3_f16(INNERQ_ARGS) { innerq_decode_v<3, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b4_f16(INNERQ_ARGS) { innerq_decode_v<4, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b5_f16(INNERQ_ARGS) { innerq_decode_v<5, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b6_f16(INNERQ_ARGS) { innerq_decode_v<6, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b7_f16(INNERQ_ARGS) { innerq_decode_v<7, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_v_b8_f16(INNERQ_ARGS) { innerq_decode_v<8, OUT_F16>(descs, work, status); }
 
 // Fallback: one element per unit (Grid::Units with w = 1), any head_dim.
 template <int OUT>

@@ -81,10 +81,12 @@ __device__ __forceinline__ void kivi_decode(const PageDesc* __restrict__ descs,
     for (int k = 0; k < KIVI_U; k++) {
         u32 sw[4] = {sc[k].x, sc[k].y, sc[k].z, sc[k].w};
         u32 zw[4] = {zp[k].x, zp[k].y, zp[k].z, zp[k].w};
+        const u32 lo = (u32)codes[k], hi = (u32)(codes[k] >> 32);
         float x[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            float q = __fsub_rn(__uint_as_float(and_or((u32)(codes[k] >> (B * i)), mask, two23)), 8388608.0f);
+            u32 cw = B * (i + 1) <= 32 ? lo >> (B * i) : B * i >= 32 ? hi >> (B * i - 32) : (u32)(codes[k] >> (B * i));
+            float q = __fsub_rn(__uint_as_float(and_or(cw, mask, two23)), 8388608.0f);
             float s = f16_to_f32((u16)(sw[i >> 1] >> (16 * (i & 1))));
             float z = f16_to_f32((u16)(zw[i >> 1] >> (16 * (i & 1))));
             // q * s is exact (an 8-bit integer times an f16), so the fused
@@ -96,38 +98,38 @@ __device__ __forceinline__ void kivi_decode(const PageDesc* __restrict__ descs,
 }
 
 #define KIVI_ARGS const PageDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b1_bf16(KIVI_ARGS) { kivi_decode<1, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b2_bf16(KIVI_ARGS) { kivi_decode<2, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b3_bf16(KIVI_ARGS) { kivi_decode<3, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b4_bf16(KIVI_ARGS) { kivi_decode<4, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b5_bf16(KIVI_ARGS) { kivi_decode<5, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b6_bf16(KIVI_ARGS) { kivi_decode<6, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b7_bf16(KIVI_ARGS) { kivi_decode<7, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b8_bf16(KIVI_ARGS) { kivi_decode<8, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b1_bf16(KIVI_ARGS) { kivi_decode<1, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b2_bf16(KIVI_ARGS) { kivi_decode<2, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b3_bf16(KIVI_ARGS) { kivi_decode<3, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b4_bf16(KIVI_ARGS) { kivi_decode<4, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b5_bf16(KIVI_ARGS) { kivi_decode<5, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b6_bf16(KIVI_ARGS) { kivi_decode<6, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b7_bf16(KIVI_ARGS) { kivi_decode<7, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b8_bf16(KIVI_ARGS) { kivi_decode<8, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b1_f16(KIVI_ARGS) { kivi_decode<1, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b2_f16(KIVI_ARGS) { kivi_decode<2, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b3_f16(KIVI_ARGS) { kivi_decode<3, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b4_f16(KIVI_ARGS) { kivi_decode<4, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b5_f16(KIVI_ARGS) { kivi_decode<5, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b6_f16(KIVI_ARGS) { kivi_decode<6, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b7_f16(KIVI_ARGS) { kivi_decode<7, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_tok_b8_f16(KIVI_ARGS) { kivi_decode<8, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b1_f16(KIVI_ARGS) { kivi_decode<1, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b2_f16(KIVI_ARGS) { kivi_decode<2, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b3_f16(KIVI_ARGS) { kivi_decode<3, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b4_f16(KIVI_ARGS) { kivi_decode<4, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b5_f16(KIVI_ARGS) { kivi_decode<5, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b6_f16(KIVI_ARGS) { kivi_decode<6, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b7_f16(KIVI_ARGS) { kivi_decode<7, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_kivi_ch_b8_f16(KIVI_ARGS) { kivi_decode<8, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b1_bf16(KIVI_ARGS) { kivi_decode<1, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b2_bf16(KIVI_ARGS) { kivi_decode<2, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b3_bf16(KIVI_ARGS) { kivi_decode<3, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b4_bf16(KIVI_ARGS) { kivi_decode<4, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b5_bf16(KIVI_ARGS) { kivi_decode<5, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b6_bf16(KIVI_ARGS) { kivi_decode<6, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b7_bf16(KIVI_ARGS) { kivi_decode<7, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b8_bf16(KIVI_ARGS) { kivi_decode<8, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b1_bf16(KIVI_ARGS) { kivi_decode<1, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b2_bf16(KIVI_ARGS) { kivi_decode<2, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b3_bf16(KIVI_ARGS) { kivi_decode<3, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b4_bf16(KIVI_ARGS) { kivi_decode<4, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b5_bf16(KIVI_ARGS) { kivi_decode<5, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b6_bf16(KIVI_ARGS) { kivi_decode<6, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b7_bf16(KIVI_ARGS) { kivi_decode<7, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b8_bf16(KIVI_ARGS) { kivi_decode<8, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b1_f16(KIVI_ARGS) { kivi_decode<1, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b2_f16(KIVI_ARGS) { kivi_decode<2, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b3_f16(KIVI_ARGS) { kivi_decode<3, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b4_f16(KIVI_ARGS) { kivi_decode<4, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b5_f16(KIVI_ARGS) { kivi_decode<5, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b6_f16(KIVI_ARGS) { kivi_decode<6, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b7_f16(KIVI_ARGS) { kivi_decode<7, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tok_b8_f16(KIVI_ARGS) { kivi_decode<8, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b1_f16(KIVI_ARGS) { kivi_decode<1, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b2_f16(KIVI_ARGS) { kivi_decode<2, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b3_f16(KIVI_ARGS) { kivi_decode<3, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b4_f16(KIVI_ARGS) { kivi_decode<4, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b5_f16(KIVI_ARGS) { kivi_decode<5, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b6_f16(KIVI_ARGS) { kivi_decode<6, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b7_f16(KIVI_ARGS) { kivi_decode<7, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b8_f16(KIVI_ARGS) { kivi_decode<8, false, OUT_F16>(descs, work, status); }
 
 // Fallback: one element per unit (Grid::Units with w = 1), any head_dim,
 // any G, bits from p2, axis from p3.

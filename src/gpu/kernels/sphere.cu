@@ -26,9 +26,13 @@
 // of two <= 32): the interleaved 32-element layout of the bdr kernels (a
 // thread holds chunks m = 0..3 of 8 elements at 8 * (j + lpr * m)), all
 // butterflies of the row in registers and xor shuffles. Turbo looks codes
-// up in a shared-memory table; octopus first decodes the block's triplets
-// into shared memory (one triplet per thread and step), then every thread
-// reads its 32 elements back. Fallback `decode_sphere_any_{out}` (any D
+// up in a shared-memory table; octopus (`octt`, 2 b_dir + b_norm <= 10)
+// looks each triplet up in the side table's products n(a, b) * C_rho[jn]
+// (float4 at ((a | b << b_dir) << b_norm) | jn, computed on the host with
+// the decoder's f32 products) copied to shared memory, every chunk decoding
+// the 4 triplets covering its 8 elements; larger octopus splits (`oct`)
+// first decode the block's triplets into shared memory (one triplet per
+// thread and step), then every thread reads its 32 elements back. Fallback `decode_sphere_any_{out}` (any D
 // <= 4096): one row per block, everything in shared memory.
 
 #define SQRT_HALF_PI_BITS 0x3FA06C99u
@@ -43,20 +47,33 @@ __device__ __forceinline__ float flip_if(float v, u32 bit) {
     return __uint_as_float(__float_as_uint(v) ^ (bit << 31));
 }
 
-template <bool OCT, bool QJL, int OUT>
+// Byte offset of the octopus product table in the side table: after the
+// sign bits of every kv head, 16-aligned (codecs::sphere_product_offset).
+__device__ __forceinline__ u32 sphere_product_offset(const PageDesc& d, bool qjl) {
+    u32 signs = d.heads * (qjl ? 2u : 1u) * (d.head_dim >> 3);
+    return (d.p2 + signs + 15u) & ~15u;
+}
+
+// OCT: 0 turbo, 1 octopus through shared-memory staging, 2 octopus through
+// the product table n(a, b) * C_rho[jn] (2 b_dir + b_norm <= 10): every
+// chunk decodes the (up to 4) triplets covering its 8 elements directly.
+template <int OCT, bool QJL, int OUT>
 __device__ __forceinline__ void sphere_decode(const PageDesc* __restrict__ descs,
                                               const uint2* __restrict__ work, u64* status) {
-    __shared__ __align__(16) float4 sdir[256];
+    __shared__ __align__(16) float4 sdir[OCT == 2 ? 1024 : 256];
     __shared__ float slut[64];
-    __shared__ __align__(16) float ubuf[OCT ? SPHERE_UBUF : 4];
+    __shared__ __align__(16) float ubuf[OCT == 1 ? SPHERE_UBUF : 4];
     const uint2 w = work[blockIdx.x];
     const PageDesc d = descs[w.x];
     const u32 D = d.head_dim, lpr = d.upr, nunits = d.rows * lpr;
     const u32 ba = d.p0, bn = d.p1 & 0xffu;
     const u8* side = reinterpret_cast<const u8*>(d.side);
     const float4* gdir = reinterpret_cast<const float4*>(side);
-    const bool dir_in_smem = OCT && ba <= 4u;
-    if (OCT) {
+    const bool dir_in_smem = OCT == 1 && ba <= 4u;
+    if (OCT == 2) {
+        const float4* prod = reinterpret_cast<const float4*>(side + sphere_product_offset(d, QJL));
+        for (u32 i = threadIdx.x; i < (1u << (2u * ba + bn)); i += blockDim.x) sdir[i] = prod[i];
+    } else if (OCT == 1) {
         const u32 nd = 1u << (2u * ba);
         if (dir_in_smem) {
             for (u32 i = threadIdx.x; i < nd; i += blockDim.x) sdir[i] = gdir[i];
@@ -71,7 +88,7 @@ __device__ __forceinline__ void sphere_decode(const PageDesc* __restrict__ descs
     const u8* body = reinterpret_cast<const u8*>(d.body);
     const u32 row0 = w.y / lpr;  // w.y is a multiple of BLOCK, lpr divides BLOCK
     const u32 stride = D + 4u;   // shared row stride (floats): conflict-free 16-byte reads
-    if (OCT) {
+    if (OCT == 1) {
         // Phase A: the block's triplets into shared memory.
         const u32 T = (D + 2u) / 3u;
         const u32 mT = (u32)((0x100000000ull + T - 1u) / T);
@@ -117,7 +134,27 @@ __device__ __forceinline__ void sphere_decode(const PageDesc* __restrict__ descs
                 qs[m] = sphere_bits8(signs + (D >> 3), n0);
                 sig[m] = sphere_bits8(body + d.sec4, row * D + n0);
             }
-            if (OCT) {
+            if (OCT == 2) {
+                // Triplets t0 .. t0 + 3 cover elements n0 .. n0 + 7 (from
+                // offset o = n0 - 3 t0); those past the row are never used.
+                const u32 T = (D + 2u) / 3u;
+                const u32 t0 = n0 / 3u, o = n0 - 3u * t0;
+                const u64 ci = (u64)row * T + t0;
+                const u64 dirs = get_bits64(body + d.sec1, ci * 2u * ba, 8u * ba);
+                const u32 norms = get_bits(body + d.sec2, ci * bn, 4u * bn);
+                float w[12];
+#pragma unroll
+                for (int t = 0; t < 4; t++) {
+                    u32 pair = (u32)(dirs >> (2u * ba * t)) & ((1u << (2u * ba)) - 1u);
+                    u32 jn = (norms >> (bn * t)) & ((1u << bn) - 1u);
+                    float4 nv = sdir[(pair << bn) | jn];
+                    w[3 * t] = nv.x;
+                    w[3 * t + 1] = nv.y;
+                    w[3 * t + 2] = nv.z;
+                }
+#pragma unroll
+                for (int e = 0; e < 8; e++) v[m][e] = o == 0u ? w[e] : (o == 1u ? w[e + 1] : w[e + 2]);
+            } else if (OCT == 1) {
                 const float4* up = reinterpret_cast<const float4*>(ubuf + (row - row0) * stride + n0);
                 float4 a = up[0], b = up[1];
                 v[m][0] = a.x; v[m][1] = a.y; v[m][2] = a.z; v[m][3] = a.w;
@@ -172,14 +209,18 @@ __device__ __forceinline__ void sphere_decode(const PageDesc* __restrict__ descs
 }
 
 #define SPHERE_ARGS const PageDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_bf16(SPHERE_ARGS) { sphere_decode<false, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_qjl_bf16(SPHERE_ARGS) { sphere_decode<false, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_bf16(SPHERE_ARGS) { sphere_decode<true, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_qjl_bf16(SPHERE_ARGS) { sphere_decode<true, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_f16(SPHERE_ARGS) { sphere_decode<false, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_qjl_f16(SPHERE_ARGS) { sphere_decode<false, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_f16(SPHERE_ARGS) { sphere_decode<true, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_qjl_f16(SPHERE_ARGS) { sphere_decode<true, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_bf16(SPHERE_ARGS) { sphere_decode<0, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_qjl_bf16(SPHERE_ARGS) { sphere_decode<0, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_bf16(SPHERE_ARGS) { sphere_decode<1, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_qjl_bf16(SPHERE_ARGS) { sphere_decode<1, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_octt_bf16(SPHERE_ARGS) { sphere_decode<2, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_octt_qjl_bf16(SPHERE_ARGS) { sphere_decode<2, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_f16(SPHERE_ARGS) { sphere_decode<0, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_qjl_f16(SPHERE_ARGS) { sphere_decode<0, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_f16(SPHERE_ARGS) { sphere_decode<1, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_qjl_f16(SPHERE_ARGS) { sphere_decode<1, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_octt_f16(SPHERE_ARGS) { sphere_decode<2, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_octt_qjl_f16(SPHERE_ARGS) { sphere_decode<2, true, OUT_F16>(descs, work, status); }
 
 // Fallback: one row per block of SEG_BLOCK threads (Grid::Rows), any power
 // of two D <= 4096, the butterflies in shared memory.
