@@ -21,7 +21,9 @@ use crate::format::{ElemType, PageView, SectionKind};
 use crate::kernels::bitpack;
 use crate::kernels::radix::Groups;
 
-use super::spec::{BLOCK, Grid, KernelChoice, KernelCodec, OutType, UNITS_PER_THREAD, magic};
+use super::spec::{
+    BLOCK, Grid, HQ_ITEM, KernelChoice, KernelCodec, OutType, UNITS_PER_THREAD, magic,
+};
 
 /// Units (8 channels) per thread of the fast kivi / innerq kernels
 /// (`KIVI_U`, `INNERQ_U`).
@@ -31,26 +33,18 @@ pub const POLAR_UNITS: u32 = 4;
 /// Chunks per hqmq decode sub-block (`HQ_NPOS`): head_dim / 4 may not
 /// exceed it.
 pub const HQ_NPOS: u32 = 2048;
-/// Most rows per hqmq decode work item (`HQ_ROWS`).
-pub const HQ_ROWS: u32 = 256;
 /// Largest joint codebook (bytes) the hqmq decode kernels keep in shared
 /// memory (`24 S` float4; S <= 256). Larger ones are read through L1.
 pub const HQ_SMEM_MAX: u32 = 24 * 256 * 16;
 
-static HQ_SHARED: AtomicBool = AtomicBool::new(false);
+static HQ_GLOBAL: AtomicBool = AtomicBool::new(false);
 
-/// Makes hqmq decode plans built from now on copy each block's joint
-/// codebook to shared memory (when it fits [`HQ_SMEM_MAX`]) instead of
-/// reading it through L1: a benchmark knob that isolates the cost of the
-/// copy. Results are identical. Default off.
-pub fn prefer_shared_hqmq_codebook(on: bool) {
-    HQ_SHARED.store(on, Ordering::Relaxed);
-}
-
-/// Rows per hqmq decode work item (one block, one shared-memory pass):
-/// `min(HQ_ROWS, HQ_NPOS / n_c)` (`nr_max` in `hqmq.cu`).
-pub fn hqmq_item_rows(head_dim: u32) -> u32 {
-    (HQ_NPOS / (head_dim / 4).max(1)).clamp(1, HQ_ROWS)
+/// Makes hqmq decode plans built from now on read the joint codebook
+/// through L1 instead of copying it to shared memory once per work item
+/// (`HQ_ITEM` rows): a benchmark knob that isolates the cost of the copy.
+/// Results are identical. Default off.
+pub fn prefer_global_hqmq_codebook(on: bool) {
+    HQ_GLOBAL.store(on, Ordering::Relaxed);
 }
 
 fn bad_params(codec: &dyn Codec) -> Error {
@@ -698,12 +692,12 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             }
             let ob = if matches!(base, 3 | 9) { base } else { 0 };
             let bytes = 24 * 16 * u64::from(s);
-            let smem = bytes <= u64::from(HQ_SMEM_MAX) && HQ_SHARED.load(Ordering::Relaxed);
+            let smem = bytes <= u64::from(HQ_SMEM_MAX) && !HQ_GLOBAL.load(Ordering::Relaxed);
             Ok(KernelChoice {
                 source: "hqmq",
                 name: format!("decode_hqmq_o{ob}_{}_{o}", if smem { "s" } else { "g" }),
                 grid: Grid::PlaneRows {
-                    tokens: hqmq_item_rows(head_dim),
+                    tokens: HQ_ITEM,
                     unit: 4,
                 },
                 shared: if smem { bytes as u32 } else { 0 },

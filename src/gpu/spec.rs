@@ -66,6 +66,9 @@ pub const SEG_BLOCK: u32 = 128;
 pub const SEG_MAX: u32 = 1024;
 /// Largest rotation block handled in registers and warp shuffles.
 pub const MAX_SHUFFLE_BLOCK: u32 = 256;
+/// Rows (tokens of one plane) per work item of the hqmq decode kernels
+/// (`HQ_ITEM` in `common.cuh`).
+pub const HQ_ITEM: u32 = 256;
 
 /// What a GPU kernel needs to know about a page's codec, derived from the
 /// codec table entry (`Codec::id` and `Codec::params`) and the tensor.
@@ -1004,6 +1007,7 @@ mod tests {
             ("ENC_UNITS_W32", ENC_UNITS_W32),
             ("SEG_BLOCK", SEG_BLOCK),
             ("SEG_MAX", SEG_MAX),
+            ("HQ_ITEM", HQ_ITEM),
         ] {
             assert!(c.contains(&format!("#define {name} {v}\n")), "{name}");
         }

@@ -713,20 +713,20 @@ fn main() {
         }
     }
     if vq_selected("hqmq:s96r4") {
-        // The joint codebook copied to shared memory per block instead of
-        // read through L1.
-        kvpack::gpu::codecs::prefer_shared_hqmq_codebook(true);
+        // The joint codebook read through L1 instead of copied to shared
+        // memory once per work item.
+        kvpack::gpu::codecs::prefer_global_hqmq_codebook(true);
         let file = compress_mem(&llama, "hqmq:s96r4", 256);
         bench_decode(
             &mut b,
             &file,
             &[0, 1],
             shape,
-            "hqmq:s96r4 smem cb",
+            "hqmq:s96r4 L1 cb",
             false,
             false,
         );
-        kvpack::gpu::codecs::prefer_shared_hqmq_codebook(false);
+        kvpack::gpu::codecs::prefer_global_hqmq_codebook(false);
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s96r4", "hqmq:s96r4");
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s24r3", "hqmq:s24r3");
     }

@@ -29,6 +29,8 @@ typedef long long i64;
 // Threads per block of the segment (fallback) kernels; largest segment.
 #define SEG_BLOCK 128
 #define SEG_MAX 1024
+// Rows (tokens of one plane) per work item of the hqmq decode kernels.
+#define HQ_ITEM 256
 
 // Output element types (template tags).
 #define OUT_BF16 0

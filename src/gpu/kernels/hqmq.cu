@@ -17,15 +17,16 @@
 // (0 without); p0 = S, p1 = b | E << 8 | G << 16 | W << 24, p2 = O,
 // p3 = inlier chunks of the page.
 //
-// `decode_hqmq_o{3|9|0}_{g|s}_{out}`: work item = up to
-// min(HQ_ROWS, HQ_NPOS / n_c) rows of one plane (one codebook, at most
-// HQ_NPOS chunks); the joint codebook is read through L1 (`g`) or first
-// copied to shared memory (`s`). (1) Outlier flags of the item and the
+// `decode_hqmq_o{3|9|0}_{s|g}_{out}`: work item = up to HQ_ITEM rows of
+// one plane (one codebook); the block copies the codebook to shared memory
+// (`s`; `g` reads it through L1), then walks sub-blocks of up to HQ_ROWS
+// rows (at most HQ_NPOS chunks): (1) outlier flags of the sub-block and the
 // outliers before it, (2) the digit groups covering its inliers, one group
-// per thread (O = 3, 9 at compile time, else at run time), into shared
+// per thread: digits (O = 3, 9 at compile time, else at run time) and the
+// group's low codes (a bit stream) combined into full symbols in shared
 // memory, and each row's step and destination, (3) one chunk per thread
-// and step (its digit, its E-bit low code, a codebook entry, an 8-byte
-// store; a warp writes 32 consecutive chunks).
+// and step (a symbol, a codebook entry, 8-byte stores; a warp writes 32
+// consecutive chunks).
 // Digit groups >= O^G, non-zero padding digits and scales that are not
 // finite or negative are content errors (status word 1).
 
@@ -93,8 +94,7 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
     const float L = (float)((1u << b) - 1u);
     const u32 plane = udiv(w.y, d.tokens, d.m_tokens);
     const u32 head = plane - udiv(plane, d.heads, d.m_heads) * d.heads;
-    const u32 nr_max = min((u32)HQ_ROWS, (u32)HQ_NPOS / nc);
-    const u32 r_end = min(w.y + nr_max, (plane + 1u) * d.tokens);
+    const u32 r_end = min(w.y + (u32)HQ_ITEM, (plane + 1u) * d.tokens);
     const u8* side = reinterpret_cast<const u8*>(d.side);
     const u64 limit = *reinterpret_cast<const u64*>(side);
     const float4* cb_g = reinterpret_cast<const float4*>(side + 16) + (u64)head * 24u * S;
@@ -104,7 +104,7 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
     const float4* cb = SMEM ? cb_s : cb_g;
     const u8* body = reinterpret_cast<const u8*>(d.body);
     const u8* scales = body + d.sec0;
-    const u8* idx0 = body + d.sec1;
+    const u32* idx0 = reinterpret_cast<const u32*>(body + d.sec1);
     const u8* idx1 = body + d.sec2;
     const bool has_out = d.sec3 != 0;
     const u8* tab = body + d.sec3;
@@ -116,11 +116,12 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
         vals_off = 12u + (enc == 0 ? 4u * n_out : (universe + 7u) / 8u);
     }
     const u32* opos = reinterpret_cast<const u32*>(tab + 12);
+    const u32 nr_max = min((u32)HQ_ROWS, (u32)HQ_NPOS / nc);
     // Chunk i of a sub-block is row i / nc, chunk i % nc; with nc dividing
     // BLOCK a thread keeps its chunk and advances BLOCK / nc rows per step.
     const bool fixed = (nc & (nc - 1u)) == 0u && nc <= (u32)BLOCK;
     const u32 dr = fixed ? (u32)BLOCK / nc : 0u;
-    const u32 qmask = (1u << b) - 1u;
+    const u32 qmask = (1u << b) - 1u, lmask = (1u << E) - 1u;
     u16* dst = reinterpret_cast<u16*>(d.dst);
     for (u32 ra = w.y; ra < r_end; ra += nr_max) {
         const u32 nr = min(nr_max, r_end - ra);
@@ -161,8 +162,8 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
             __syncthreads();
             nout = s_total;
         }
-        // (2) The digits of inliers [k0, k1) (whole groups, one per thread),
-        // each row's step and destination.
+        // (2) The symbols of inliers [k0, k1) (whole digit groups), each
+        // row's step and destination.
         const u32 k0 = (u32)u0 - o0, k1 = k0 + npos - nout;
         const u32 gf = k0 / G;
         const u32 ng = k1 > k0 ? (k1 - 1u) / G - gf + 1u : 0u;
@@ -172,12 +173,27 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
             if (limit != 0 && n >= limit) content_error(status, w.x);
             u32* sg = sym + gi * G;
             hq_digits<OT>(n, O, G, sg);
-            for (u32 t = g * G + G; t > n_in && t > g * G; t--) {
+            // Low codes of the group's inliers, read as a bit stream.
+            u32 kend = min(g * G + G, n_in);
+            for (u32 t = g * G + G; t > kend; t--) {
                 if (sg[t - 1u - g * G] != 0) content_error(status, w.x);  // padding digit
             }
+            u64 bit = (u64)g * G * E;
+            const u32* wp = idx0 + (bit >> 5);
+            u32 have = 32u - ((u32)bit & 31u);
+            u64 buf = kend > g * G ? (u64)(__ldg(wp) >> ((u32)bit & 31u)) : 0ull;
+            for (u32 k = g * G; k < kend; k++) {
+                if (have < E) {
+                    buf |= (u64)__ldg(++wp) << have;
+                    have += 32u;
+                }
+                u32 t = k - g * G;
+                sg[t] = (sg[t] << E) | ((u32)buf & lmask);
+                buf >>= E;
+                have -= E;
+            }
         }
-        // Rows on the last threads, digit groups on the first.
-        for (u32 rl = BLOCK - 1u - tid; rl < nr; rl += BLOCK) {
+        for (u32 rl = tid; rl < nr; rl += BLOCK) {
             u32 sb = __ldg(reinterpret_cast<const u16*>(scales) + ra + rl);
             if ((sb & 0x7c00u) == 0x7c00u || (sb & 0x8000u)) content_error(status, w.x);
             steps[rl] = __fdiv_rn(f16_to_f32((u16)sb), L);
@@ -185,17 +201,15 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
         }
         __syncthreads();
         // (3) One chunk per thread and step.
-        const u32 sbase = k0 - gf * G;  // digit of inlier k at sym[k - gf * G]
+        const u32 sbase = k0 - gf * G;  // symbol of inlier k at sym[k - gf * G]
         u32 rl = fixed ? tid / nc : 0u, c = fixed ? tid - rl * nc : 0u;
         if (!has_out) {
-#pragma unroll 4
             for (u32 i = tid; i < npos; i += BLOCK) {
                 if (!fixed) {
                     rl = udiv(i, nc, d.m_upr);
                     c = i - rl * nc;
                 }
-                u32 k = k0 + i;
-                u32 v = (sym[sbase + i] << E) | get_bits(idx0, (u64)k * E, E);
+                u32 v = sym[sbase + i];
                 float rh = __fmul_rn(code_f32(v & qmask), steps[rl]);
                 float4 cw = cb[v >> b];
                 i64 o = dsto[rl];
@@ -222,8 +236,7 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
                     x2 = f16_to_f32((u16)(hi & 0xffffu));
                     x3 = f16_to_f32((u16)(hi >> 16));
                 } else {
-                    u32 k = k0 + i - before;
-                    u32 v = (sym[sbase + i - before] << E) | get_bits(idx0, (u64)k * E, E);
+                    u32 v = sym[sbase + i - before];
                     float rh = __fmul_rn(code_f32(v & qmask), steps[rl]);
                     float4 cw = cb[v >> b];
                     x0 = __fmul_rn(rh, cw.x);

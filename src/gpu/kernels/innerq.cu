@@ -101,10 +101,17 @@ __device__ __forceinline__ void innerq_decode_k(const PageDesc* __restrict__ des
     const u32 mask = (1u << B) - 1u;
 #pragma unroll
     for (int k = 0; k < INNERQ_U; k++) {
+        // The unit's 8 elements share the group: its sign bits (0 for an
+        // asymmetric group) and its addend (-0 for a symmetric group, see
+        // innerq_value) are set once.
+        const u32 sg = sym[k] ? sw[k] : 0u, sbits = __float_as_uint(s[k]);
+        const float z = __uint_as_float(sym[k] ? 0x80000000u : zb[k]);
         float x[8];
 #pragma unroll
-        for (int i = 0; i < 8; i++)
-            x[i] = innerq_value(innerq_code(codes[k], i, B, mask), s[k], sym[k], zb[k], (sw[k] >> i) & 1u);
+        for (int i = 0; i < 8; i++) {
+            float sv = __uint_as_float(sbits ^ ((sg << (31 - i)) & 0x80000000u));
+            x[i] = __fmaf_rn(innerq_code(codes[k], i, B, mask), sv, z);
+        }
         if (norm) {
             // Factors of the unit's 8 channels (L1-resident: heads x D f32).
             const float4* fp = reinterpret_cast<const float4*>(fac + (u64)head[k] * D + cz[k]);

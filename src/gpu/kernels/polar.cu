@@ -47,7 +47,7 @@ __device__ __forceinline__ void polar_decode(const PageDesc* __restrict__ descs,
     RowWalk r;
     walk_init(d, w.y + threadIdx.x, r);
     u64 codes[POLAR_U];
-    float4 sa[POLAR_U], sb[POLAR_U];
+    const float* sp[POLAR_U];
     u16* out[POLAR_U];
 #pragma unroll
     for (int k = 0; k < POLAR_U; k++) {
@@ -55,7 +55,7 @@ __device__ __forceinline__ void polar_decode(const PageDesc* __restrict__ descs,
         if (k > 0) walk_next(d, u, drow, r);
         codes[k] = 0;
         out[k] = nullptr;
-        sa[k] = sb[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        sp[k] = scales;
         if (u < nunits) {
             u32 j0 = 8u * r.j;
             u64 first = (u64)r.row * pairs + j0;  // a multiple of 8
@@ -68,11 +68,7 @@ __device__ __forceinline__ void polar_decode(const PageDesc* __restrict__ descs,
                 for (u32 b = 0; b < cbits; b++) v |= (u64)__ldg(p + b) << (8 * b);
                 codes[k] = v;
             }
-            // Radius scales of the unit's 8 pairs (shared by the plane's
-            // tokens: mostly L1/L2 hits), issued with the codes.
-            const float4* sp = reinterpret_cast<const float4*>(scales + (u64)r.p * pairs + j0);
-            sa[k] = __ldg(sp);
-            sb[k] = __ldg(sp + 1);
+            sp[k] = scales + (u64)r.p * pairs + j0;
             i64 o = row_dst_pt(d, r.row, r.p, r.t, status);
             if (o >= 0) out[k] = dst + o + (ADJ ? 2u * j0 : j0);
         }
@@ -81,15 +77,15 @@ __device__ __forceinline__ void polar_decode(const PageDesc* __restrict__ descs,
     const u64 cmask = (1ull << cbits) - 1ull;
 #pragma unroll
     for (int k = 0; k < POLAR_U; k++) {
-        float s[8] = {sa[k].x, sa[k].y, sa[k].z, sa[k].w, sb[k].x, sb[k].y, sb[k].z, sb[k].w};
-        const u32 lo = (u32)codes[k], hi = (u32)(codes[k] >> 32);
+        // Radius scales of the unit's 8 pairs (shared by the plane's tokens:
+        // L1/L2 hits).
+        float4 a = __ldg(reinterpret_cast<const float4*>(sp[k]));
+        float4 b = __ldg(reinterpret_cast<const float4*>(sp[k]) + 1);
+        float s[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
         float x[8], y[8];
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            u32 c;
-            if (C != 0 && C * (i + 1) <= 32) c = (lo >> (C * i)) & (u32)cmask;
-            else if (C != 0 && C * i >= 32) c = (hi >> (C * i - 32)) & (u32)cmask;
-            else c = (u32)((codes[k] >> (cbits * i)) & cmask);
+            u32 c = (u32)((codes[k] >> (cbits * i)) & cmask);
             float t = __fmul_rn(code_f32(c >> m), s[i]);
             float2 u = dirs[c & amask];
             x[i] = __fmul_rn(t, u.x);
@@ -110,22 +106,22 @@ __device__ __forceinline__ void polar_decode(const PageDesc* __restrict__ descs,
 }
 
 #define POLAR_ARGS const PageDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_half_c4_bf16(POLAR_ARGS) { polar_decode<4, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_half_c6_bf16(POLAR_ARGS) { polar_decode<6, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_half_c8_bf16(POLAR_ARGS) { polar_decode<8, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_half_c0_bf16(POLAR_ARGS) { polar_decode<0, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_adj_c4_bf16(POLAR_ARGS) { polar_decode<4, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_adj_c6_bf16(POLAR_ARGS) { polar_decode<6, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_adj_c8_bf16(POLAR_ARGS) { polar_decode<8, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_adj_c0_bf16(POLAR_ARGS) { polar_decode<0, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_half_c4_f16(POLAR_ARGS) { polar_decode<4, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_half_c6_f16(POLAR_ARGS) { polar_decode<6, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_half_c8_f16(POLAR_ARGS) { polar_decode<8, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_half_c0_f16(POLAR_ARGS) { polar_decode<0, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_adj_c4_f16(POLAR_ARGS) { polar_decode<4, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_adj_c6_f16(POLAR_ARGS) { polar_decode<6, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_adj_c8_f16(POLAR_ARGS) { polar_decode<8, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_polar_adj_c0_f16(POLAR_ARGS) { polar_decode<0, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_half_c4_bf16(POLAR_ARGS) { polar_decode<4, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_half_c6_bf16(POLAR_ARGS) { polar_decode<6, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_half_c8_bf16(POLAR_ARGS) { polar_decode<8, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_half_c0_bf16(POLAR_ARGS) { polar_decode<0, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c4_bf16(POLAR_ARGS) { polar_decode<4, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c6_bf16(POLAR_ARGS) { polar_decode<6, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c8_bf16(POLAR_ARGS) { polar_decode<8, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c0_bf16(POLAR_ARGS) { polar_decode<0, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_half_c4_f16(POLAR_ARGS) { polar_decode<4, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_half_c6_f16(POLAR_ARGS) { polar_decode<6, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_half_c8_f16(POLAR_ARGS) { polar_decode<8, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_half_c0_f16(POLAR_ARGS) { polar_decode<0, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c4_f16(POLAR_ARGS) { polar_decode<4, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c6_f16(POLAR_ARGS) { polar_decode<6, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c8_f16(POLAR_ARGS) { polar_decode<8, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c0_f16(POLAR_ARGS) { polar_decode<0, true, OUT_F16>(descs, work, status); }
 
 // Fallback: one pair per unit (Grid::Units with w = 2), any even head_dim,
 // C <= 16; p2 = 1 for the adjacent pairing.

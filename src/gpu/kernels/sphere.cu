@@ -213,13 +213,13 @@ extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_bf16(SPH
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_qjl_bf16(SPHERE_ARGS) { sphere_decode<0, true, OUT_BF16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_bf16(SPHERE_ARGS) { sphere_decode<1, false, OUT_BF16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_qjl_bf16(SPHERE_ARGS) { sphere_decode<1, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_octt_bf16(SPHERE_ARGS) { sphere_decode<2, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_sphere_octt_bf16(SPHERE_ARGS) { sphere_decode<2, false, OUT_BF16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_octt_qjl_bf16(SPHERE_ARGS) { sphere_decode<2, true, OUT_BF16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_f16(SPHERE_ARGS) { sphere_decode<0, false, OUT_F16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_turbo_qjl_f16(SPHERE_ARGS) { sphere_decode<0, true, OUT_F16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_f16(SPHERE_ARGS) { sphere_decode<1, false, OUT_F16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_oct_qjl_f16(SPHERE_ARGS) { sphere_decode<1, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_octt_f16(SPHERE_ARGS) { sphere_decode<2, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_sphere_octt_f16(SPHERE_ARGS) { sphere_decode<2, false, OUT_F16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_sphere_octt_qjl_f16(SPHERE_ARGS) { sphere_decode<2, true, OUT_F16>(descs, work, status); }
 
 // Fallback: one row per block of SEG_BLOCK threads (Grid::Rows), any power
