@@ -6,7 +6,7 @@
 //!
 //! The planner places the buffers it needs besides the bodies (hqmq side
 //! tables and scratch) through a callback, so the CUDA backend and the SIMT
-//! emulator ([`super::emu`]) share it.
+//! emulator (`gpu::emu`) share it.
 
 use crate::cache::TensorInfo;
 use crate::codec::Codec;

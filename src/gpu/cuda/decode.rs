@@ -376,7 +376,7 @@ impl DecodePlan<'_> {
     /// [`Error::Io`] for a failed kernel; [`Error::Parameter`] when a slot
     /// mapping entry pointed past the paged cache (the row is named);
     /// [`Error::Format`] when a kernel found page content its codec's spec
-    /// forbids (see [`check_status`]).
+    /// forbids (hqmq digit groups, scales).
     pub fn finish(&self) -> Result<()> {
         check_status(&self.status.to_vec()?)
     }

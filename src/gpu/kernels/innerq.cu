@@ -7,9 +7,12 @@
 // With key normalization, K values are multiplied by the factor n_{h,c}
 // of the tensor's layer (side table: f32 [heads][D]).
 //
-// Decode, binary32, no fused multiply-add:
+// Decode, binary32, no fused multiply-add (the normative rule):
 //     asymmetric: v = (f32(q) * S) + Z      symmetric: v = f32(q) * S, sign flipped when set
 //     keys with normalization: x = v * n_{h,c}
+// The kernels evaluate v as one fused multiply-add fma(q, +-S, Z or -0):
+// q * S is exact in binary32 (a code below 2^8 times an f16), so the
+// result is bit-identical (see innerq_value).
 //
 // Descriptor: sec0 = SCALE (f16), sec1 = ZERO (u32 slots), sec2 = INDEX,
 // sec3 = AUX (hybrid flags); p0 = G, p1 = udiv magic of G,
@@ -20,7 +23,8 @@
 // consecutive channels of a row; K units lie in one group (one scale, zero
 // point, sign word, flag and 8 factors), V units span 8 consecutive groups
 // (8 scales in one 16-byte load, 8 slots in two when W = 1, 8 flags in one
-// byte). Fallback `decode_innerq_any_{out}`: one element per unit.
+// byte). INNERQ_U units per thread (BLOCK apart, rows walked without
+// divisions). Fallback `decode_innerq_any_{out}`: one element per unit.
 
 #define INNERQ_U 4
 
