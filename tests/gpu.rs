@@ -1,6 +1,8 @@
 //! GPU decode and encode against the CPU codecs. Every test body runs on
 //! the CPU backend and, when kvpack is built with `--features cuda` and a
-//! GPU is present, on CUDA too (otherwise it says why CUDA was skipped).
+//! GPU is present, on CUDA too (otherwise it says why CUDA was skipped);
+//! with `KVPACK_GPU_EMU=1` also through the SIMT emulator (the same kernels
+//! compiled for the CPU, `kvpack::gpu::emu`; needs g++).
 //!
 //! Decode: every element within 1 bf16/fp16 ulp of the CPU decoder (the
 //! kernels aim for, and the tests report, bit-exact results), unwritten
@@ -17,12 +19,19 @@ use kvpack::decode::{Archive, Selection};
 use kvpack::gpu::{Device, Gpu, HostLayout, OutType, POISON};
 use kvpack::plan::{Layout, plan};
 
-/// The CPU backend, plus CUDA device 0 when available.
+/// The CPU backend, plus CUDA device 0 when available, plus the emulated
+/// kernels under `KVPACK_GPU_EMU=1`.
 fn devices() -> Vec<Device> {
     let mut v = vec![Device::Cpu];
     match Device::cuda(0) {
         Ok(d) => v.push(d),
         Err(e) => eprintln!("skipping CUDA: {e}"),
+    }
+    if std::env::var("KVPACK_GPU_EMU").is_ok_and(|x| x == "1") {
+        match Device::emulated() {
+            Ok(d) => v.push(d),
+            Err(e) => eprintln!("skipping the emulator: {e}"),
+        }
     }
     v
 }
@@ -365,6 +374,308 @@ fn cases() -> Vec<Case> {
     ]
 }
 
+/// The VQ and group codecs (hqmq, octopus, turbo, polar, innerq, kivi):
+/// shapes that reach every kernel variant (fast and fallback, shared or
+/// L1 codebooks, outlier list and bitmap, QJL, value groups, both polar
+/// pairings, every InnerQ mode), token counts that are no multiple of any
+/// page or group, batch > 1, raw windows, zstd, bf16/fp16/f32 sources.
+fn vq_cases() -> Vec<Case> {
+    let c = |codec, spec, dtype, layout, zstd| Case {
+        codec,
+        spec,
+        dtype,
+        layout,
+        zstd,
+    };
+    vec![
+        c(
+            "kivi:2",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 4, 5),
+            false,
+        ),
+        c(
+            "kivi:4",
+            spec(2, 2, 77, 64),
+            DType::F16,
+            layout(32, 0, 0),
+            true,
+        ),
+        c(
+            "kivi:3:g5",
+            spec(1, 2, 45, 40),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "kivi:8:g16",
+            spec(1, 1, 33, 48),
+            DType::F32,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "kivi:1:g3",
+            spec(1, 2, 19, 6),
+            DType::Bf16,
+            layout(8, 0, 0),
+            false,
+        ),
+        c(
+            "innerq:k2v2",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 32, 96),
+            false,
+        ),
+        c(
+            "innerq:k3v2:sym",
+            spec(2, 2, 100, 64),
+            DType::F16,
+            layout(64, 4, 8),
+            true,
+        ),
+        c(
+            "innerq:k2v4:asym:g64",
+            spec(1, 2, 130, 64),
+            DType::Bf16,
+            layout(64, 0, 0),
+            false,
+        ),
+        c(
+            "innerq:k4v1:nonorm",
+            spec(1, 3, 70, 96),
+            DType::F32,
+            layout(32, 0, 3),
+            false,
+        ),
+        c(
+            "innerq:k2v3:g96",
+            spec(1, 1, 200, 96),
+            DType::Bf16,
+            layout(256, 0, 0),
+            false,
+        ),
+        c(
+            "polar:m4n4",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 0, 16),
+            false,
+        ),
+        c(
+            "polar:m4n2:adjacent",
+            spec(2, 2, 77, 64),
+            DType::F16,
+            layout(32, 0, 0),
+            true,
+        ),
+        c(
+            "polar:m3n2:v3",
+            spec(1, 2, 50, 32),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "polar:m2n2:vraw",
+            spec(1, 1, 40, 16),
+            DType::F32,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "polar:m5n5:adjacent",
+            spec(1, 2, 33, 24),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "turbo:b3",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 4, 5),
+            false,
+        ),
+        c(
+            "turbo:b2+qjl",
+            spec(2, 2, 77, 64),
+            DType::F16,
+            layout(32, 0, 0),
+            true,
+        ),
+        c(
+            "turbo:b4:vg32",
+            spec(1, 2, 100, 256),
+            DType::Bf16,
+            layout(64, 0, 0),
+            false,
+        ),
+        c(
+            "turbo:b1+qjl",
+            spec(1, 1, 20, 16),
+            DType::Bf16,
+            layout(8, 0, 0),
+            false,
+        ),
+        c(
+            "turbo:b3:seed5",
+            spec(1, 1, 5, 2048),
+            DType::Bf16,
+            layout(4, 0, 0),
+            false,
+        ),
+        c(
+            "octopus:b3",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 0, 0),
+            false,
+        ),
+        c(
+            "octopus:b3+qjl",
+            spec(1, 2, 130, 64),
+            DType::F32,
+            layout(64, 0, 7),
+            false,
+        ),
+        c(
+            "octopus:b4:vg16b3",
+            spec(1, 2, 45, 32),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "octopus:b2+qjl",
+            spec(1, 1, 9, 8),
+            DType::Bf16,
+            layout(4, 0, 0),
+            false,
+        ),
+        c(
+            "octopus:b5",
+            spec(1, 1, 20, 1024),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "hqmq:s96r4",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 4, 5),
+            false,
+        ),
+        c(
+            "hqmq:s24r3+med3",
+            spec(2, 2, 77, 64),
+            DType::F16,
+            layout(32, 0, 0),
+            true,
+        ),
+        c(
+            "hqmq:s24r3+med1",
+            spec(1, 2, 100, 64),
+            DType::Bf16,
+            layout(64, 0, 0),
+            false,
+        ),
+        c(
+            "hqmq:s32r2",
+            spec(1, 2, 45, 12),
+            DType::F32,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "hqmq:s5r2:seed9",
+            spec(1, 3, 70, 32),
+            DType::Bf16,
+            layout(32, 0, 0),
+            false,
+        ),
+        c(
+            "hqmq:s192r4",
+            spec(1, 2, 300, 128),
+            DType::Bf16,
+            layout(256, 0, 0),
+            false,
+        ),
+        c(
+            "hqmq:s300r2",
+            spec(1, 1, 50, 64),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+        c(
+            "hqmq:s96r4:g5",
+            spec(1, 2, 37, 256),
+            DType::Bf16,
+            layout(16, 0, 0),
+            false,
+        ),
+    ]
+}
+
+#[test]
+fn decode_vq_and_group_codecs_match_cpu() {
+    let cases = vq_cases();
+    let files: Vec<Vec<u8>> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let cache = synthetic(&[c.spec, c.spec], c.dtype, 51 + i as u64);
+            compress_bytes(&cache, c.codec, c.layout, c.zstd.then_some(1))
+        })
+        .collect();
+    for dev in devices() {
+        let (mut n, mut inexact) = (0, 0);
+        for (i, (c, file)) in cases.iter().zip(&files).enumerate() {
+            let (a, b) = check_decode(&dev, file, 300 + i as u64, c.codec);
+            n += a;
+            inexact += b;
+        }
+        println!(
+            "VQ/group decode on {}: {n} elements within 1 ulp of the CPU, {inexact} not bit-identical",
+            dev.name()
+        );
+    }
+}
+
+/// The hqmq kernels that read the joint codebook through L1 (a benchmark
+/// knob; the default copies it to shared memory per work item).
+#[test]
+fn decode_hqmq_l1_codebook_matches_cpu() {
+    let cases = [
+        ("hqmq:s96r4+med3", spec(1, 2, 300, 128), layout(128, 0, 0)),
+        ("hqmq:s192r4", spec(1, 2, 100, 64), layout(64, 0, 0)),
+    ];
+    let files: Vec<Vec<u8>> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (codec, s, l))| {
+            let cache = synthetic(&[*s], DType::Bf16, 91 + i as u64);
+            compress_bytes(&cache, codec, *l, None)
+        })
+        .collect();
+    kvpack::gpu::codecs::prefer_global_hqmq_codebook(true);
+    for dev in devices() {
+        for ((codec, _, _), file) in cases.iter().zip(&files) {
+            let (n, inexact) = check_decode(&dev, file, 7, codec);
+            println!(
+                "{codec} (L1 codebook) on {}: {n} elements, {inexact} not bit-identical",
+                dev.name()
+            );
+        }
+    }
+    kvpack::gpu::codecs::prefer_global_hqmq_codebook(false);
+}
+
 #[test]
 fn decode_random_shapes_matches_cpu() {
     for dev in devices() {
@@ -380,6 +691,32 @@ fn decode_random_shapes_matches_cpu() {
             "decode on {}: {n} elements within 1 ulp of the CPU, {inexact} not bit-identical",
             dev.name()
         );
+    }
+}
+
+#[test]
+fn decode_fixture_vq_matches_cpu() {
+    let cache = common::fixture().cache;
+    let codecs = [
+        "hqmq:s96r4+med3",
+        "octopus:b3+qjl",
+        "turbo:b3:vg32",
+        "polar:m4n4",
+        "innerq:k2v2",
+        "kivi:2",
+    ];
+    let files: Vec<Vec<u8>> = codecs
+        .iter()
+        .map(|c| compress_bytes(&cache, c, layout(256, 4, 16), None))
+        .collect();
+    for dev in devices() {
+        for (codec, file) in codecs.iter().zip(&files) {
+            let (n, inexact) = check_decode(&dev, file, 19, codec);
+            println!(
+                "fixture {codec} decode on {}: {n} elements, {inexact} not bit-identical",
+                dev.name()
+            );
+        }
     }
 }
 
@@ -455,6 +792,55 @@ fn encode_random_shapes_matches_cpu_bitwise() {
 }
 
 #[test]
+fn encode_hqmq_matches_cpu_bitwise() {
+    let cases = [
+        (
+            "hqmq:s96r4",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 0, 0),
+        ),
+        (
+            "hqmq:s24r3",
+            spec(2, 2, 77, 64),
+            DType::F16,
+            layout(32, 0, 0),
+        ),
+        (
+            "hqmq:s5r2:seed3",
+            spec(1, 3, 70, 12),
+            DType::F32,
+            layout(32, 0, 0),
+        ),
+        (
+            "hqmq:s32r2:g7",
+            spec(1, 1, 9, 2048),
+            DType::Bf16,
+            layout(4, 0, 0),
+        ),
+        (
+            "hqmq:s192r6",
+            spec(1, 2, 40, 64),
+            DType::Bf16,
+            layout(16, 0, 0),
+        ),
+    ];
+    for dev in devices() {
+        let mut bytes = 0;
+        for (i, (codec, s, dtype, l)) in cases.iter().enumerate() {
+            let cache = synthetic(&[*s], *dtype, 71 + i as u64);
+            bytes += check_encode(&dev, &cache, codec, *l);
+        }
+        let fixture = common::fixture().cache;
+        bytes += check_encode(&dev, &fixture, "hqmq:s96r4", layout(256, 0, 0));
+        println!(
+            "hqmq encode on {}: {bytes} section bytes identical to the CPU",
+            dev.name()
+        );
+    }
+}
+
+#[test]
 fn encode_fixture_matches_cpu_bitwise() {
     let cache = common::fixture().cache;
     for dev in devices() {
@@ -477,7 +863,7 @@ fn encode_rejects_non_finite_rows() {
     let t = &cache.tensors[1];
     let pages = plan(std::slice::from_ref(&t.info), &[0], layout(16, 0, 0)).unwrap();
     for dev in devices() {
-        for codec in ["int4", "bdr64"] {
+        for codec in ["int4", "bdr64", "hqmq:s24r3"] {
             let c = kvpack::codec::parse(codec).unwrap();
             let e = dev.encode_tensor(t, c.as_ref(), &pages).unwrap_err();
             let m = e.to_string();
@@ -577,54 +963,64 @@ fn kernel_sources_compile_with_nvrtc() {
 /// small staging chunks (many chunks, both buffers reused) equals the CPU.
 #[test]
 fn file_decoder_matches_cpu() {
+    // bdr128 (phase 1) and VQ / group codecs whose kernels need side tables
+    // (codebooks, signs, factors) uploaded once per file.
     let cache = common::fixture().cache;
     let l = layout(64, 4, 16);
-    let file = compress_bytes(&cache, "bdr128", l, Some(1));
-    let archive = Archive::open(&file).unwrap();
-    for dev in devices() {
-        let Device::Cuda(gpu) = &dev else {
-            println!("file decoder: CPU path is Archive::decode (the oracle itself)");
-            continue;
-        };
-        let mut fd = kvpack::gpu::FileDecoder::new(gpu, 1 << 20).unwrap();
-        let infos = archive.tensors();
-        let bufs: Vec<_> = infos
-            .iter()
-            .map(|i| gpu.upload(&vec![POISON; i.elements() as usize]).unwrap())
-            .collect();
-        let targets: Vec<_> = infos
-            .iter()
-            .enumerate()
-            .map(|(t, i)| kvpack::gpu::Target {
-                tensor: t as u32,
-                dst: kvpack::gpu::Dst::Contiguous {
-                    buf: &bufs[t],
-                    first_token: 0,
-                    tokens: i.tokens,
-                },
-            })
-            .collect();
-        for round in 0..2 {
-            let stats = fd.decode(&archive, &targets, OutType::Bf16).unwrap();
-            assert!(stats.chunks >= 2, "{stats:?}");
-            for (t, i) in infos.iter().enumerate() {
-                let want = oracle(
-                    &archive,
-                    t,
-                    OutType::Bf16,
-                    &HostLayout::Contiguous {
+    for codec in [
+        "bdr128",
+        "hqmq:s96r4+med3",
+        "octopus:b3+qjl",
+        "innerq:k2v2",
+        "polar:m4n4",
+    ] {
+        let file = compress_bytes(&cache, codec, l, Some(1));
+        let archive = Archive::open(&file).unwrap();
+        for dev in devices() {
+            let Device::Cuda(gpu) = &dev else {
+                println!("file decoder: CPU path is Archive::decode (the oracle itself)");
+                continue;
+            };
+            let mut fd = kvpack::gpu::FileDecoder::new(gpu, 1 << 20).unwrap();
+            let infos = archive.tensors();
+            let bufs: Vec<_> = infos
+                .iter()
+                .map(|i| gpu.upload(&vec![POISON; i.elements() as usize]).unwrap())
+                .collect();
+            let targets: Vec<_> = infos
+                .iter()
+                .enumerate()
+                .map(|(t, i)| kvpack::gpu::Target {
+                    tensor: t as u32,
+                    dst: kvpack::gpu::Dst::Contiguous {
+                        buf: &bufs[t],
                         first_token: 0,
                         tokens: i.tokens,
                     },
-                );
-                let got = bufs[t].to_vec().unwrap();
-                assert_close(
-                    &got,
-                    &want,
-                    &format!("file decoder round {round} tensor {t}"),
-                );
+                })
+                .collect();
+            for round in 0..2 {
+                let stats = fd.decode(&archive, &targets, OutType::Bf16).unwrap();
+                assert!(stats.chunks >= 2, "{stats:?}");
+                for (t, i) in infos.iter().enumerate() {
+                    let want = oracle(
+                        &archive,
+                        t,
+                        OutType::Bf16,
+                        &HostLayout::Contiguous {
+                            first_token: 0,
+                            tokens: i.tokens,
+                        },
+                    );
+                    let got = bufs[t].to_vec().unwrap();
+                    assert_close(
+                        &got,
+                        &want,
+                        &format!("{codec} file decoder round {round} tensor {t}"),
+                    );
+                }
+                println!("{codec} file decoder round {round}: {stats:?}");
             }
-            println!("file decoder round {round}: {stats:?}");
         }
     }
 }

@@ -2,8 +2,10 @@
 //!
 //! On a decode node the cache must become the serving engine's bf16 (or
 //! fp16) KV on the GPU; on a prefill node it must be compressed on the GPU
-//! before it is sent. This module does both with CUDA kernels at the memory
-//! roofline, for the codecs `raw`, `int{b}` and `bdr{h}`:
+//! before it is sent. This module decodes every codec of the format on the
+//! GPU (`raw`, `int{b}`, `bdr{h}`, `hqmq`, `octopus`, `turbo`, `polar`,
+//! `innerq`, `kivi`) and encodes `int{b}`, `bdr{h}` and `hqmq` (without
+//! `+med`):
 //!
 //! * **Decode** ([`Gpu::plan_decode`]): page bodies in device memory
 //!   ([`GpuPages`]) to bf16/fp16 in two layouts ([`Dst`]): contiguous
@@ -16,10 +18,17 @@
 //!   where the product is exact, the Walsh-Hadamard stages in the normative
 //!   order). The one exception: an `int`/`bdr` output that is NaN (only
 //!   possible from a non-finite scale or zero point) is the canonical NaN,
-//!   where the CPU keeps the payload.
+//!   where the CPU keeps the payload. Codebooks, sign vectors and
+//!   normalization factors are rebuilt on the host from the codec's
+//!   parameter block and placed next to the pages ([`side`]); page content
+//!   the CPU decoder rejects is rejected on the host while staging
+//!   ([`codecs`]) or, for hqmq's digit groups, by the kernel (a format error
+//!   from [`DecodePlan::finish`]).
 //! * **Encode** ([`Gpu::plan_encode`]): a contiguous bf16/fp16/f32 tensor
-//!   on the device to `int{b}` / `bdr{h}` page bodies whose sections are
-//!   the CPU encoder's bit for bit ([`EncodePlan::sections`]).
+//!   on the device to `int{b}` / `bdr{h}` / `hqmq` page bodies whose
+//!   sections are the CPU encoder's bit for bit ([`EncodePlan::sections`];
+//!   planned by [`encplan`]). The hqmq search is the CPU's fast exact search
+//!   (coset filter with a proven margin, exact rescoring of near-ties).
 //! * **File to GPU** ([`FileDecoder`]): pages read from an mmap'd file,
 //!   checked (CRC), staged in pinned host memory, copied to the device and
 //!   decoded there, with the CPU staging, the host-to-device copy and the
@@ -27,8 +36,11 @@
 //!   two streams, events). zstd-compressed pages are decompressed on the
 //!   CPU while staging; the kernels only see uncompressed bodies.
 //!
-//! [`Device`] runs the same operations on the CPU (the reference codecs)
-//! or on CUDA and returns host results, so one test body checks both.
+//! [`Device`] runs the same operations on the CPU (the reference codecs),
+//! on CUDA, or through the SIMT emulator (`gpu::emu`, with the `cuda`
+//! feature: the same kernel sources compiled for the CPU, for machines
+//! without a GPU) and returns host results, so one test body checks all of
+//! them.
 //!
 //! Measured throughput against the device-to-device copy ceiling, and what
 //! limits each kernel: `tests/benches/gpu.md`.
@@ -49,35 +61,47 @@
 //! # Adding a codec's kernels
 //! 1. Write `src/gpu/kernels/<codec>.cu` with `extern "C" __global__`
 //!    kernels named `decode_<codec>_..._{bf16,f16}` (and `encode_...`),
-//!    taking `(const PageDesc*, const uint2* work, <params>, u64* status)`;
-//!    one work item per thread block, `(descriptor index, first unit)`.
-//!    Use the helpers of `common.cuh` (`row_dst` handles both layouts,
-//!    `store8`, `wht8`, conversions).
+//!    taking `(const PageDesc*, const uint2* work, u64* status)` and
+//!    reading everything else from the descriptor: five section offsets
+//!    (`sec0..sec4`), four codec parameters (`p0..p3`) and the tensor's
+//!    side table (`side`); one work item per thread block, `(descriptor
+//!    index, first unit or row)`. Use the helpers of `common.cuh`
+//!    (`row_dst` / `RowWalk` for both layouts, `get_bits`, `load_le`,
+//!    `st_out8`, the Walsh-Hadamard stages, conversions); write them so that
+//!    they also compile as host C++ for the emulator (`KVPACK_EMU`).
 //! 2. Add it to [`sources::ALL`].
-//! 3. Teach [`spec::KernelCodec::of`] the codec id and parameter block, and
-//!    [`spec::decode_kernel`] / [`spec::page_sections`] its kernel name,
-//!    grid and section offsets (extra codebooks go in the page body or a
-//!    small side buffer passed as a parameter).
-//! 4. Extend `tests/gpu.rs` (its bodies run on CPU and CUDA) and
-//!    `tests/benches/gpu.rs`.
+//! 3. Teach [`codecs`] the codec: its [`spec::KernelCodec`] from the codec
+//!    id and parameter block, the checked section offsets of a page, the
+//!    kernel name and grid, the descriptor parameters; and [`side`] the
+//!    side table it needs (codebooks, sign vectors, factors).
+//! 4. Extend `tests/gpu.rs` (its bodies run on the CPU, CUDA and, with
+//!    `KVPACK_GPU_EMU=1`, the emulator) and `tests/benches/gpu.rs`.
 //!
 //! The container, [`FileDecoder`] and the plans need no change.
 
+pub mod body;
+pub mod codecs;
+pub mod encplan;
 pub mod host;
+pub mod side;
 pub mod sources;
 pub mod spec;
 
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+pub mod emu;
+#[cfg(feature = "cuda")]
 pub use cuda::{
     DecodePlan, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages, compile_all,
 };
+#[cfg(feature = "cuda")]
+pub use emu::Emulator;
 
 #[cfg(not(feature = "cuda"))]
 mod stub;
 #[cfg(not(feature = "cuda"))]
-pub use stub::{DecodePlan, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages};
+pub use stub::{DecodePlan, Emulator, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages};
 
 pub use spec::OutType;
 
@@ -204,6 +228,9 @@ pub enum Device {
     Cpu,
     /// A CUDA device.
     Cuda(Gpu),
+    /// The CUDA kernels run on the CPU by the SIMT emulator ([`Emulator`];
+    /// a development aid for machines without a GPU).
+    Emulated(Emulator),
 }
 
 impl Device {
@@ -221,7 +248,16 @@ impl Device {
         match self {
             Device::Cpu => "cpu".into(),
             Device::Cuda(g) => format!("cuda:{} ({})", g.info().ordinal, g.info().name),
+            Device::Emulated(_) => "emulated kernels".into(),
         }
+    }
+
+    /// The SIMT emulator ([`Emulator::new`]).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] without the `cuda` feature or without g++.
+    pub fn emulated() -> Result<Device> {
+        Emulator::new().map(Device::Emulated)
     }
 
     /// Decodes every page of tensor `tensor` overlapping `layout` into a
@@ -247,6 +283,7 @@ impl Device {
         let len = host::layout_len(&info, layout)?;
         match self {
             Device::Cpu => host::decode_tensor(archive, tensor, out, layout),
+            Device::Emulated(e) => e.decode_tensor(archive, tensor, out, layout),
             Device::Cuda(gpu) => {
                 let (lo, hi) = host::token_range(&info, layout);
                 let pages = archive.reader().pages_overlapping(tensor, lo, hi);
@@ -302,6 +339,7 @@ impl Device {
     ) -> Result<Vec<Vec<Section>>> {
         match self {
             Device::Cpu => host::encode_tensor(tensor, codec, pages),
+            Device::Emulated(e) => e.encode_tensor(tensor, codec, pages),
             Device::Cuda(gpu) => {
                 let plan = match &tensor.data {
                     crate::cache::TensorData::Bf16(v) => {

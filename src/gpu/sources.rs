@@ -13,7 +13,7 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 /// One kernel source file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Source {
-    /// Module name (`raw`, `affine`, `copy`); also the file stem.
+    /// Module name (`raw`, `affine`, `copy`, ...); also the file stem.
     pub name: &'static str,
     /// The CUDA C text of `kernels/<name>.cu`.
     pub code: &'static str,
@@ -37,8 +37,46 @@ pub const AFFINE: Source = Source {
     code: include_str!("kernels/affine.cu"),
 };
 
+/// Decode kernels of `kivi` and of the value groups of `octopus` / `turbo`.
+pub const KIVI: Source = Source {
+    name: "kivi",
+    code: include_str!("kernels/kivi.cu"),
+};
+
+/// Decode kernels of `innerq`.
+pub const INNERQ: Source = Source {
+    name: "innerq",
+    code: include_str!("kernels/innerq.cu"),
+};
+
+/// Decode kernels of `polar` key pages.
+pub const POLAR: Source = Source {
+    name: "polar",
+    code: include_str!("kernels/polar.cu"),
+};
+
+/// Decode kernels of `octopus` and `turbo` coded pages.
+pub const SPHERE: Source = Source {
+    name: "sphere",
+    code: include_str!("kernels/sphere.cu"),
+};
+
+/// Decode kernels of `hqmq`.
+pub const HQMQ: Source = Source {
+    name: "hqmq",
+    code: include_str!("kernels/hqmq.cu"),
+};
+
+/// Encode kernels of `hqmq` (without outlier extraction).
+pub const HQMQ_ENC: Source = Source {
+    name: "hqmq_enc",
+    code: include_str!("kernels/hqmq_enc.cu"),
+};
+
 /// Every kernel source.
-pub const ALL: [Source; 3] = [COPY, RAW, AFFINE];
+pub const ALL: [Source; 9] = [
+    COPY, RAW, AFFINE, KIVI, INNERQ, POLAR, SPHERE, HQMQ, HQMQ_ENC,
+];
 
 impl Source {
     /// The text handed to NVRTC: [`COMMON`], then this source with a

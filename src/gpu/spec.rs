@@ -66,6 +66,9 @@ pub const SEG_BLOCK: u32 = 128;
 pub const SEG_MAX: u32 = 1024;
 /// Largest rotation block handled in registers and warp shuffles.
 pub const MAX_SHUFFLE_BLOCK: u32 = 256;
+/// Rows (tokens of one plane) per work item of the hqmq decode kernels
+/// (`HQ_ITEM` in `common.cuh`).
+pub const HQ_ITEM: u32 = 256;
 
 /// What a GPU kernel needs to know about a page's codec, derived from the
 /// codec table entry (`Codec::id` and `Codec::params`) and the tensor.
@@ -83,6 +86,70 @@ pub enum KernelCodec {
         /// Rotation block applied to this tensor (`None` for `int{b}` and
         /// for V under `bdr{h}:k`).
         block: Option<u32>,
+    },
+    /// `kivi` pages and the value-group V pages of `octopus` / `turbo`:
+    /// f16 scale and zero point per group, `bits`-bit codes.
+    Kivi {
+        /// Bits per code, 1..=8.
+        bits: u8,
+        /// Group size `G`.
+        group: u16,
+        /// Groups run along tokens (K of `kivi`), else along channels.
+        tokens: bool,
+        /// The page has exactly these three sections (value groups of
+        /// `octopus` / `turbo`; `kivi` itself tolerates others).
+        exact: bool,
+    },
+    /// `innerq` pages.
+    InnerQ {
+        /// Bits per code, 1..=8.
+        bits: u8,
+        /// 0 asymmetric, 1 symmetric, 2 hybrid.
+        mode: u8,
+        /// Group size `G` (a multiple of 32).
+        group: u16,
+        /// Groups run along tokens (V), else along channels (K).
+        tokens: bool,
+        /// K values are multiplied by the layer's normalization factors.
+        norm: bool,
+    },
+    /// `polar` key pages.
+    Polar {
+        /// Angle bits `m`.
+        m: u8,
+        /// Radius bits `n`.
+        n: u8,
+        /// Adjacent pairing (else half).
+        adjacent: bool,
+    },
+    /// `octopus` / `turbo` coded pages (norm, rotated unit vector codes,
+    /// optional QJL residual).
+    Sphere {
+        /// OCTOPUS triplets (else TurboQuant per coordinate).
+        octopus: bool,
+        /// Turbo bits `b`, or octopus direction bits `b_dir`.
+        a: u8,
+        /// Octopus norm bits `b_norm` (0 for turbo).
+        b: u8,
+        /// The page carries the QJL residual (K pages with `+qjl`).
+        qjl: bool,
+    },
+    /// `hqmq` pages.
+    Hqmq {
+        /// Secondary codewords `S`.
+        s: u32,
+        /// Radius bits `b`.
+        b: u8,
+        /// Low symbol bits `E`.
+        e: u8,
+        /// Digits per group `G`.
+        g: u8,
+        /// Bits per digit group `W`.
+        w: u8,
+        /// Digit base `O` (odd).
+        o: u32,
+        /// Outlier extraction (`+med{C}`).
+        med: bool,
     },
 }
 
@@ -115,11 +182,7 @@ impl KernelCodec {
                     block: rotated.then_some(h),
                 })
             }
-            _ => Err(Error::Unsupported(format!(
-                "no GPU kernels for codec {} (id {}) yet; decode it on the CPU",
-                codec.name(),
-                codec.id()
-            ))),
+            _ => super::codecs::of(codec, tensor),
         }
     }
 
@@ -194,12 +257,14 @@ pub fn src_suffix(d: DType) -> &'static str {
 /// Which kernel runs a group of pages, and how its work is cut.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct KernelChoice {
-    /// Source module (`raw`, `affine`).
+    /// Source module (`raw`, `affine`, ...; see [`super::sources`]).
     pub source: &'static str,
     /// Kernel function name.
     pub name: String,
     /// How work items are counted (see [`Grid`]).
     pub grid: Grid,
+    /// Dynamic shared memory per block, bytes.
+    pub shared: u32,
 }
 
 /// How a kernel's work is cut into thread blocks.
@@ -223,20 +288,47 @@ pub enum Grid {
     },
     /// [`SEG_BLOCK`] threads, one row per block.
     Rows,
+    /// [`BLOCK`] threads; a work item is up to `tokens` consecutive rows of
+    /// one plane (items never cross planes); units of `unit` elements.
+    PlaneRows {
+        /// Rows per item.
+        tokens: u32,
+        /// Elements per unit (sets the descriptor's units per row).
+        unit: u32,
+    },
 }
 
 impl Grid {
     /// Threads per block.
     pub fn threads(self) -> u32 {
         match self {
-            Grid::Units { .. } | Grid::Elements => BLOCK,
+            Grid::Units { .. } | Grid::Elements | Grid::PlaneRows { .. } => BLOCK,
             Grid::Segments { .. } | Grid::Rows => SEG_BLOCK,
         }
     }
 
-    /// Work items (thread blocks) for a page of `rows` rows of `head_dim`,
-    /// as `(page, first unit / element / segment / row)`, appended to `out`.
-    pub fn push_items(self, page: u32, rows: u32, head_dim: u32, out: &mut Vec<[u32; 2]>) {
+    /// Work items (thread blocks) for a page of `rows` rows (`tokens` per
+    /// plane) of `head_dim`, as `(page, first unit / element / segment /
+    /// row)`, appended to `out`.
+    pub fn push_items(
+        self,
+        page: u32,
+        rows: u32,
+        tokens: u32,
+        head_dim: u32,
+        out: &mut Vec<[u32; 2]>,
+    ) {
+        if let Grid::PlaneRows { tokens: item, .. } = self {
+            let planes = rows.checked_div(tokens).unwrap_or(0);
+            for p in 0..planes {
+                let mut t = 0;
+                while t < tokens {
+                    out.push([page, p * tokens + t]);
+                    t += item;
+                }
+            }
+            return;
+        }
         let (n, per) = match self {
             Grid::Units { w, per_thread } => (
                 rows as u64 * (head_dim / w) as u64,
@@ -245,6 +337,7 @@ impl Grid {
             Grid::Elements => (rows as u64 * head_dim as u64, UNITS_PER_BLOCK as u64),
             Grid::Segments { seg } => (rows as u64 * (head_dim / seg) as u64, 1),
             Grid::Rows => (rows as u64, 1),
+            Grid::PlaneRows { .. } => unreachable!("handled above"),
         };
         let mut i = 0;
         while i < n {
@@ -265,6 +358,7 @@ impl Grid {
     pub fn unit(self) -> u32 {
         match self {
             Grid::Units { w, .. } => w,
+            Grid::PlaneRows { unit, .. } => unit,
             _ => 0,
         }
     }
@@ -283,12 +377,14 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
                 source: "raw",
                 name: format!("decode_raw_{}_{o}", src_suffix(src)),
                 grid: W8,
+                shared: 0,
             }
         } else {
             KernelChoice {
                 source: "raw",
                 name: format!("decode_raw_any_{o}"),
                 grid: Grid::Elements,
+                shared: 0,
             }
         }),
         KernelCodec::Affine { bits, block } => {
@@ -311,12 +407,14 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
                         w: 32,
                         per_thread: DEC_UNITS_W32,
                     },
+                    shared: 0,
                 })
             } else if w8 {
                 Ok(KernelChoice {
                     source: "affine",
                     name: format!("decode_affine_w8_b{bits}_{o}"),
                     grid: W8,
+                    shared: 0,
                 })
             } else {
                 let seg = if h > 1 { h } else { head_dim };
@@ -324,9 +422,11 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
                     source: "affine",
                     name: format!("decode_affine_any_{o}"),
                     grid: Grid::Segments { seg },
+                    shared: 0,
                 })
             }
         }
+        _ => super::codecs::decode_kernel(kc, head_dim, out),
     }
 }
 
@@ -361,18 +461,21 @@ pub fn encode_kernel(kc: KernelCodec, head_dim: u32, src: DType) -> Result<Kerne
                 w: 32,
                 per_thread: ENC_UNITS_W32,
             },
+            shared: 0,
         })
     } else if w8 {
         Ok(KernelChoice {
             source: "affine",
             name: format!("encode_affine_w8_b{bits}_{s}"),
             grid: W8,
+            shared: 0,
         })
     } else {
         Ok(KernelChoice {
             source: "affine",
             name: format!("encode_affine_any_{s}"),
             grid: Grid::Rows,
+            shared: 0,
         })
     }
 }
@@ -410,6 +513,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
             }
         }
     }
+    v.extend(super::codecs::all_kernel_names());
     v.sort();
     v.dedup();
     v
@@ -463,9 +567,24 @@ pub struct PageDesc {
     pub upr: u32,
     /// [`magic`] of `upr`.
     pub m_upr: u32,
+    /// Device address of the tensor's side table (codebooks, sign vectors,
+    /// normalization factors; [`super::side`]), 0 when the codec has none.
+    pub side: u64,
+    /// Body offsets of a fourth and fifth section (codec-specific).
+    pub sec3: u32,
+    /// See `sec3`.
+    pub sec4: u32,
+    /// Codec parameters ([`super::codecs::desc_params`]).
+    pub p0: u32,
+    /// See `p0`.
+    pub p1: u32,
+    /// See `p0`.
+    pub p2: u32,
+    /// See `p0`.
+    pub p3: u32,
 }
 
-/// One page to encode (`struct EncDesc` in `kernels/common.cuh`, 64 bytes).
+/// One page to encode (`struct EncDesc` in `kernels/common.cuh`, 104 bytes).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
 pub struct EncDesc {
@@ -495,9 +614,26 @@ pub struct EncDesc {
     pub upr: u32,
     /// [`magic`] of `upr`.
     pub m_upr: u32,
+    /// Device address of the tensor's side table (codebooks), 0 if none.
+    pub side: u64,
+    /// Device address of the page's scratch, 0 if none.
+    pub aux: u64,
+    /// Body offset of a further section (codec-specific).
+    pub sec3: u32,
+    /// KV heads per batch item.
+    pub heads: u32,
+    /// Codec parameters (see each encode kernel).
+    pub p0: u32,
+    /// See `p0`.
+    pub p1: u32,
+    /// See `p0`.
+    pub p2: u32,
+    /// See `p0`.
+    pub p3: u32,
 }
 
-/// Section offsets of a validated page body, for a [`PageDesc`].
+/// Section offsets of a validated page body, for a [`PageDesc`], and the
+/// page-specific parameter of [`PageGeom::extra`].
 ///
 /// # Errors
 /// [`Error::Format`] naming the page when its sections do not match the
@@ -506,7 +642,7 @@ pub fn page_sections(
     kc: KernelCodec,
     page: &PageView<'_>,
     tensor: &TensorInfo,
-) -> Result<[u32; 3]> {
+) -> Result<([u32; 5], u32)> {
     let rows = tensor.planes() * page.header.meta.tokens as usize;
     let d = tensor.head_dim as usize;
     let offset = |kind: SectionKind| {
@@ -525,7 +661,7 @@ pub fn page_sections(
                 ElemType::from_dtype(src),
                 rows * d,
             )?;
-            Ok([offset(SectionKind::Raw), 0, 0])
+            Ok(([offset(SectionKind::Raw), 0, 0, 0, 0], 0))
         }
         KernelCodec::Affine { bits, .. } => {
             expect_section(page, SectionKind::Scale, 0, ElemType::F32, rows)?;
@@ -537,13 +673,24 @@ pub fn page_sections(
                 ElemType::Packed(bits),
                 rows * d,
             )?;
-            Ok([
-                offset(SectionKind::Scale),
-                offset(SectionKind::Zero),
-                offset(SectionKind::Index),
-            ])
+            Ok((
+                [
+                    offset(SectionKind::Scale),
+                    offset(SectionKind::Zero),
+                    offset(SectionKind::Index),
+                    0,
+                    0,
+                ],
+                0,
+            ))
         }
+        _ => super::codecs::sections(kc, page, tensor),
     }
+}
+
+/// Bytes of a page's sections (what a decode kernel reads of it).
+pub fn section_bytes(page: &PageView<'_>) -> u64 {
+    page.sections().iter().map(|s| u64::from(s.len)).sum()
 }
 
 /// Where one tensor's decoded rows go, as plain device addresses (built by
@@ -595,7 +742,15 @@ pub struct PageGeom {
     /// Elements per row.
     pub head_dim: u32,
     /// Section offsets ([`page_sections`]).
-    pub sections: [u32; 3],
+    pub sections: [u32; 5],
+    /// Page-specific codec parameter ([`page_sections`]; hqmq: inlier
+    /// chunks).
+    pub extra: u32,
+    /// Device address of the tensor's side table, 0 if none (set when the
+    /// page is placed on the device).
+    pub side: u64,
+    /// Bytes of the page's sections ([`section_bytes`]).
+    pub read: u64,
 }
 
 impl PageGeom {
@@ -638,8 +793,12 @@ pub fn page_desc(
         m_heads: magic(g.heads),
         upr: g.head_dim.checked_div(unit).unwrap_or(0),
         m_upr: magic(g.head_dim.checked_div(unit).unwrap_or(0)),
+        side: g.side,
+        sec3: g.sections[3],
+        sec4: g.sections[4],
         ..PageDesc::zeroed()
     };
+    [desc.p0, desc.p1, desc.p2, desc.p3] = super::codecs::desc_params(g.kc, g.head_dim, g.extra);
     match *dst {
         DstSpec::Contiguous {
             ptr,
@@ -807,9 +966,10 @@ impl AffineBody {
 }
 
 /// Length of the canonical body (format/SPEC.md 6.2) of a page of `rows`
-/// rows of `head_dim` for a kernel codec: what the CPU encoders write, used
+/// rows (`tokens` per plane) of `head_dim` for a kernel codec: what the CPU
+/// encoders write (an upper bound where the body depends on the data), used
 /// to size staging for zstd pages before they are decompressed.
-pub fn canonical_body_len(kc: KernelCodec, rows: u64, head_dim: u64) -> u64 {
+pub fn canonical_body_len(kc: KernelCodec, rows: u64, tokens: u64, head_dim: u64) -> u64 {
     let a = |x: u64| x.next_multiple_of(64);
     match kc {
         KernelCodec::Raw { src } => 64 + a(rows * head_dim * src.size() as u64),
@@ -817,20 +977,16 @@ pub fn canonical_body_len(kc: KernelCodec, rows: u64, head_dim: u64) -> u64 {
             let index = (rows * head_dim * u64::from(bits)).div_ceil(8);
             64 + 2 * a(4 * rows) + a(index)
         }
+        _ => super::codecs::body_len_bound(kc, rows, tokens, head_dim),
     }
 }
 
-/// Bytes a decode kernel moves for one page: `(read, written)` with read =
-/// the page's section bytes (codes, scales, zero points or raw elements)
-/// and written = the output elements (2 bytes each) of the rows written.
-pub fn decode_bytes(kc: KernelCodec, rows: u64, head_dim: u64, rows_written: u64) -> (u64, u64) {
-    let read = match kc {
-        KernelCodec::Raw { src } => rows * head_dim * src.size() as u64,
-        KernelCodec::Affine { bits, .. } => {
-            8 * rows + (rows * head_dim * u64::from(bits)).div_ceil(8)
-        }
-    };
-    (read, rows_written * head_dim * 2)
+/// Bytes a decode kernel moves for page `g`: `(read, written)` with read =
+/// the page's section bytes (codes, scales, zero points, tables or raw
+/// elements) and written = the output elements (2 bytes each) of the rows
+/// written.
+pub fn decode_bytes(g: &PageGeom, rows_written: u64) -> (u64, u64) {
+    (g.read, rows_written * u64::from(g.head_dim) * 2)
 }
 
 #[cfg(test)]
@@ -840,8 +996,8 @@ mod tests {
 
     #[test]
     fn struct_sizes_match_cuda() {
-        assert_eq!(std::mem::size_of::<PageDesc>(), 96);
-        assert_eq!(std::mem::size_of::<EncDesc>(), 64);
+        assert_eq!(std::mem::size_of::<PageDesc>(), 128);
+        assert_eq!(std::mem::size_of::<EncDesc>(), 104);
         // The CUDA side must declare the same constants.
         let c = super::super::sources::COMMON;
         for (name, v) in [
@@ -851,6 +1007,7 @@ mod tests {
             ("ENC_UNITS_W32", ENC_UNITS_W32),
             ("SEG_BLOCK", SEG_BLOCK),
             ("SEG_MAX", SEG_MAX),
+            ("HQ_ITEM", HQ_ITEM),
         ] {
             assert!(c.contains(&format!("#define {name} {v}\n")), "{name}");
         }
@@ -888,7 +1045,7 @@ mod tests {
     #[test]
     fn grid_items_cover_the_page() {
         let mut v = Vec::new();
-        W8.push_items(3, 100, 128, &mut v);
+        W8.push_items(3, 100, 100, 128, &mut v);
         // 100 rows x 16 units = 1600 units -> 2 blocks of 1024.
         assert_eq!(v, [[3, 0], [3, 1024]]);
         v.clear();
@@ -896,15 +1053,23 @@ mod tests {
             w: 32,
             per_thread: 1,
         }
-        .push_items(0, 100, 128, &mut v);
+        .push_items(0, 100, 100, 128, &mut v);
         // 100 rows x 4 units = 400 units -> 2 blocks of 256.
         assert_eq!(v, [[0, 0], [0, 256]]);
         v.clear();
-        Grid::Segments { seg: 16 }.push_items(0, 2, 48, &mut v);
+        Grid::Segments { seg: 16 }.push_items(0, 2, 2, 48, &mut v);
         assert_eq!(v.len(), 6);
         v.clear();
-        Grid::Rows.push_items(1, 3, 48, &mut v);
+        Grid::Rows.push_items(1, 3, 3, 48, &mut v);
         assert_eq!(v, [[1, 0], [1, 1], [1, 2]]);
+        v.clear();
+        // Items never cross planes: 2 planes of 300 tokens, 256 per item.
+        Grid::PlaneRows {
+            tokens: 256,
+            unit: 4,
+        }
+        .push_items(2, 600, 300, 128, &mut v);
+        assert_eq!(v, [[2, 0], [2, 256], [2, 300], [2, 556]]);
     }
 
     #[test]
@@ -916,7 +1081,10 @@ mod tests {
             batch: 1,
             heads: 2,
             head_dim: 64,
-            sections: [64, 0, 0],
+            sections: [64, 0, 0, 0, 0],
+            extra: 0,
+            side: 0,
+            read: 0,
         };
         let dst = DstSpec::Contiguous {
             ptr: 0x1000,

@@ -314,8 +314,8 @@ impl EncodePlan<'_> {
         match self.gpu.never {}
     }
 
-    /// The kernel name.
-    pub fn kernel(&self) -> &str {
+    /// The kernel names, `+`-separated.
+    pub fn kernel(&self) -> String {
         match self.gpu.never {}
     }
 
@@ -356,5 +356,48 @@ impl FileDecoder {
         _out: OutType,
     ) -> Result<StreamStats> {
         match self.gpu.never {}
+    }
+}
+
+/// The SIMT emulator (never constructed in this build).
+#[derive(Debug, Clone)]
+pub struct Emulator {
+    never: Infallible,
+}
+
+impl Emulator {
+    /// An emulator.
+    ///
+    /// # Errors
+    /// Always [`Error::Unsupported`] ([`NO_CUDA`]).
+    pub fn new() -> Result<Emulator> {
+        no_cuda()
+    }
+
+    /// Decodes a tensor through the emulated kernels.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn decode_tensor(
+        &self,
+        _archive: &Archive<'_>,
+        _tensor: usize,
+        _out: OutType,
+        _layout: &super::HostLayout,
+    ) -> Result<Vec<u16>> {
+        match self.never {}
+    }
+
+    /// Encodes a tensor through the emulated kernels.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn encode_tensor(
+        &self,
+        _tensor: &crate::cache::Tensor,
+        _codec: &dyn Codec,
+        _pages: &[PlannedPage],
+    ) -> Result<Vec<Vec<Section>>> {
+        match self.never {}
     }
 }

@@ -10,6 +10,9 @@
 //!   `fixtures/gemma3-270m-gpl3-520.safetensors`).
 //! * `KVPACK_BENCH_NCU=1`: launch each Llama-layer kernel only twice and
 //!   skip the rest, for profiling under `ncu`.
+//! * `KVPACK_BENCH_BASE=0`: skip raw, int and bdr (phase 1's codecs).
+//! * `KVPACK_BENCH_VQ`: the VQ / group codecs to run (comma-separated name
+//!   prefixes, e.g. `hqmq,polar`; `0` for none; default all).
 //!
 //! Every kernel time is the median over 31 batches of 20 launches (after 3
 //! warm-up batches), CUDA events around each batch, the 20 launches
@@ -138,6 +141,25 @@ impl Bench {
             plans[0].bytes(),
         );
     }
+}
+
+/// Whether a VQ / group codec is benchmarked: all unless
+/// `KVPACK_BENCH_VQ` lists codec name prefixes (comma-separated), or is `0`.
+fn vq_selected(codec: &str) -> bool {
+    if !codec.contains(':') {
+        return base_selected();
+    }
+    match std::env::var("KVPACK_BENCH_VQ") {
+        Err(_) => true,
+        Ok(v) if v == "0" => false,
+        Ok(v) => v.split(',').any(|p| !p.is_empty() && codec.starts_with(p)),
+    }
+}
+
+/// Whether the phase-1 codecs (raw, int, bdr) are benchmarked: unless
+/// `KVPACK_BENCH_BASE=0`.
+fn base_selected() -> bool {
+    std::env::var("KVPACK_BENCH_BASE").map_or(true, |v| v != "0")
 }
 
 /// A bf16 cache of `layers` layers `[1, heads, tokens, head_dim]`, filled
@@ -620,6 +642,9 @@ fn main() {
     let llama = cache(1, 8, 32768, 128, 7);
     let shape = "llama3-8b layer K+V 2x[8,32768,128]";
     for codec in ["raw", "int4", "bdr128"] {
+        if !base_selected() {
+            break;
+        }
         let file = compress_mem(&llama, codec, 256);
         bench_decode(
             &mut b,
@@ -632,7 +657,9 @@ fn main() {
         );
     }
     for codec in ["int4", "bdr128"] {
-        bench_encode(&mut b, &llama, &[0, 1], shape, codec, codec);
+        if base_selected() {
+            bench_encode(&mut b, &llama, &[0, 1], shape, codec, codec);
+        }
     }
     // Variants that isolate costs: 8-element units (more shuffles, more
     // index math per element, fully coalesced 16-byte stores) against the
@@ -640,6 +667,9 @@ fn main() {
     // butterflies in registers).
     kvpack::gpu::spec::prefer_narrow_kernels(true);
     for codec in ["int4", "bdr128"] {
+        if !base_selected() {
+            break;
+        }
         let file = compress_mem(&llama, codec, 256);
         let label = format!("{codec} w8");
         bench_decode(&mut b, &file, &[0, 1], shape, &label, false, false);
@@ -647,8 +677,58 @@ fn main() {
     }
     kvpack::gpu::spec::prefer_narrow_kernels(false);
     for codec in ["int8", "int2", "bdr16"] {
+        if !base_selected() {
+            break;
+        }
         let file = compress_mem(&llama, codec, 256);
         bench_decode(&mut b, &file, &[0, 1], shape, codec, false, false);
+    }
+    // The VQ and group codecs: K+V in one launch (one row per kernel mix),
+    // then K and V alone where they use different kernels.
+    let shape_k = "llama3-8b layer K [8,32768,128]";
+    let shape_v = "llama3-8b layer V [8,32768,128]";
+    for (codec, paged, f16, split) in [
+        ("polar:m4n4", true, true, true),
+        ("polar:m4n2", false, false, true),
+        ("innerq:k2v2", true, true, true),
+        ("kivi:2", true, false, true),
+        ("kivi:4", false, false, false),
+        ("turbo:b3", true, false, false),
+        ("turbo:b3+qjl", false, false, true),
+        ("octopus:b3", true, true, false),
+        ("octopus:b3+qjl", false, false, true),
+        ("octopus:b3:vg32", false, false, true),
+        ("hqmq:s96r4", true, true, false),
+        ("hqmq:s96r4+med3", true, false, false),
+        ("hqmq:s24r3", false, false, false),
+    ] {
+        if !vq_selected(codec) {
+            continue;
+        }
+        let file = compress_mem(&llama, codec, 256);
+        bench_decode(&mut b, &file, &[0, 1], shape, codec, paged, f16);
+        if split {
+            bench_decode(&mut b, &file, &[0], shape_k, codec, false, false);
+            bench_decode(&mut b, &file, &[1], shape_v, codec, false, false);
+        }
+    }
+    if vq_selected("hqmq:s96r4") {
+        // The joint codebook read through L1 instead of copied to shared
+        // memory once per work item.
+        kvpack::gpu::codecs::prefer_global_hqmq_codebook(true);
+        let file = compress_mem(&llama, "hqmq:s96r4", 256);
+        bench_decode(
+            &mut b,
+            &file,
+            &[0, 1],
+            shape,
+            "hqmq:s96r4 L1 cb",
+            false,
+            false,
+        );
+        kvpack::gpu::codecs::prefer_global_hqmq_codebook(false);
+        bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s96r4", "hqmq:s96r4");
+        bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s24r3", "hqmq:s24r3");
     }
     drop(llama);
     if ncu() {
@@ -667,7 +747,22 @@ fn main() {
             let t511 = fc.tensors.iter().position(|t| t.info.tokens == 511);
             let t520 = fc.tensors.iter().position(|t| t.info.tokens == 520);
             let all: Vec<usize> = (0..fc.tensors.len()).collect();
-            for codec in ["raw", "int4", "bdr128", "bdr256"] {
+            for codec in [
+                "raw",
+                "int4",
+                "bdr128",
+                "bdr256",
+                "polar:m4n4",
+                "innerq:k2v2",
+                "kivi:2",
+                "turbo:b3",
+                "octopus:b3",
+                "hqmq:s96r4",
+                "hqmq:s96r4+med3",
+            ] {
+                if !vq_selected(codec) {
+                    continue;
+                }
                 let file = compress_mem(&fc, codec, 256);
                 for (t, n) in [(t511, 511), (t520, 520)] {
                     if let Some(t) = t {
@@ -678,7 +773,10 @@ fn main() {
                 let s = format!("gemma3 whole cache ({} tensors)", all.len());
                 bench_decode(&mut b, &file, &all, &s, codec, true, false);
             }
-            for codec in ["int4", "bdr128", "bdr256"] {
+            for codec in ["int4", "bdr128", "bdr256", "hqmq:s96r4"] {
+                if !vq_selected(codec) {
+                    continue;
+                }
                 if let Some(t) = t520 {
                     bench_encode(
                         &mut b,

@@ -18,10 +18,12 @@ use crate::gpu::{Dst, Target};
 /// Alignment of page bodies inside a device buffer, bytes.
 pub(crate) const BODY_ALIGN: usize = 256;
 
-/// A page ready for the device: geometry, tensor, and its validated view
-/// (whose `body()` is the uncompressed body).
+/// A page ready for the device: geometry, tensor, codec slot, and its
+/// validated view (whose `body()` is the uncompressed body). The geometry's
+/// side-table address is set when the page is placed on the device.
 pub(crate) struct Staged<'a> {
     pub tensor: u32,
+    pub codec: u16,
     pub geom: PageGeom,
     pub view: crate::format::PageView<'a>,
 }
@@ -37,7 +39,7 @@ pub(crate) fn stage_page<'a>(archive: &Archive<'a>, pi: usize) -> Result<Staged<
         ..h.tensors[m.tensor as usize].clone()
     };
     let kc = KernelCodec::of(archive.codec(m.codec as usize), &info)?;
-    let sections = page_sections(kc, &view, &info)?;
+    let (sections, extra) = page_sections(kc, &view, &info)?;
     let geom = PageGeom {
         kc,
         token_start: m.token_start,
@@ -46,9 +48,13 @@ pub(crate) fn stage_page<'a>(archive: &Archive<'a>, pi: usize) -> Result<Staged<
         heads: info.heads,
         head_dim: info.head_dim,
         sections,
+        extra,
+        side: 0,
+        read: spec::section_bytes(&view),
     };
     Ok(Staged {
         tensor: m.tensor,
+        codec: m.codec,
         geom,
         view,
     })
@@ -90,11 +96,17 @@ impl GpuPages {
             offsets.push(total);
             total += s.view.body().len().next_multiple_of(BODY_ALIGN);
         }
+        // Side tables (codebooks, signs, factors) after the bodies.
+        let (tables, at) =
+            crate::gpu::side::for_archive(archive, staged.iter().map(|s| (s.codec, s.tensor)))?;
+        let side0 = total;
+        total += tables.len().next_multiple_of(BODY_ALIGN);
         let mut host = vec![0u8; total.max(BODY_ALIGN)];
         for (s, &o) in staged.iter().zip(&offsets) {
             let b = s.view.body();
             host[o..o + b.len()].copy_from_slice(b);
         }
+        host[side0..side0 + tables.len()].copy_from_slice(&tables);
         let bodies = gpu.upload(&host)?;
         let base = bodies.device_ptr();
         Ok(GpuPages {
@@ -102,7 +114,13 @@ impl GpuPages {
             pages: staged
                 .iter()
                 .zip(&offsets)
-                .map(|(s, &o)| (s.tensor, s.geom, base + o as u64))
+                .map(|(s, &o)| {
+                    let mut g = s.geom;
+                    if let Some(&t) = at.get(&(s.codec, s.tensor)) {
+                        g.side = base + (side0 as u64) + t;
+                    }
+                    (s.tensor, g, base + o as u64)
+                })
                 .collect(),
             bodies,
         })
@@ -182,18 +200,15 @@ pub(crate) fn add_page(
     let bits = match g.kc {
         KernelCodec::Raw { src } => u32::from(src.code()),
         KernelCodec::Affine { bits, .. } => u32::from(bits),
+        _ => 0,
     };
     let key = (k.clone(), bits, g.kc.h(), g.kc.c().to_bits());
     let grp = groups.entry(key).or_default();
     let i = grp.descs.len() as u32;
     grp.descs.push(desc);
-    k.grid.push_items(i, desc.rows, g.head_dim, &mut grp.work);
-    Ok(spec::decode_bytes(
-        g.kc,
-        g.rows(),
-        u64::from(g.head_dim),
-        rows_written,
-    ))
+    k.grid
+        .push_items(i, desc.rows, desc.tokens, g.head_dim, &mut grp.work);
+    Ok(spec::decode_bytes(g, rows_written))
 }
 
 /// The kernel arguments after (descriptors, work) for a group.
@@ -207,13 +222,46 @@ pub(crate) fn group_args(key: &GroupKey, status: u64) -> Args {
             c: None,
             status,
         },
-        _ => Args {
+        "affine" => Args {
             bits: fallback.then_some(*bits),
             h: Some(*h),
             c: Some(f32::from_bits(*c)),
             status,
         },
+        // The kernels of the other codecs read everything from their
+        // descriptors.
+        _ => Args {
+            bits: None,
+            h: None,
+            c: None,
+            status,
+        },
     }
+}
+
+/// Checks the two status words of a decode: word 0, the smallest page row
+/// whose slot-mapping entry pointed past the paged cache; word 1, the
+/// smallest descriptor whose page failed a content check in a kernel (hqmq
+/// digit groups and scales). Both `u64::MAX` when all is well.
+///
+/// # Errors
+/// [`Error::Parameter`] for word 0, [`Error::Format`] for word 1.
+pub(crate) fn check_status(s: &[u64]) -> Result<()> {
+    if s[0] != u64::MAX {
+        return Err(Error::param(format!(
+            "a slot mapping entry (page row {}) points past the paged cache",
+            s[0]
+        )));
+    }
+    if s.get(1).is_some_and(|&w| w != u64::MAX) {
+        return Err(Error::format(
+            crate::error::Location::Header,
+            "a page failed its codec's content checks on the GPU (a digit group or padding \
+             digit out of range, or a scale that is not finite and non-negative); decode it on \
+             the CPU for the page's name",
+        ));
+    }
+    Ok(())
 }
 
 /// Serializes groups as `[descs of group 0][work of group 0][descs of
@@ -294,7 +342,7 @@ impl Gpu {
         let mut bytes = Vec::new();
         let launches = pack_groups(groups, &mut bytes);
         let table = self.upload(&bytes)?;
-        let status = self.upload(&[u64::MAX])?;
+        let status = self.upload(&[u64::MAX; 2])?;
         Ok(DecodePlan {
             gpu: self.clone(),
             table,
@@ -326,15 +374,11 @@ impl DecodePlan<'_> {
     ///
     /// # Errors
     /// [`Error::Io`] for a failed kernel; [`Error::Parameter`] when a slot
-    /// mapping entry pointed past the paged cache (the row is named).
+    /// mapping entry pointed past the paged cache (the row is named);
+    /// [`Error::Format`] when a kernel found page content its codec's spec
+    /// forbids (hqmq digit groups, scales).
     pub fn finish(&self) -> Result<()> {
-        let s = self.status.to_vec()?[0];
-        if s != u64::MAX {
-            return Err(Error::param(format!(
-                "a slot mapping entry (page row {s}) points past the paged cache"
-            )));
-        }
-        Ok(())
+        check_status(&self.status.to_vec()?)
     }
 
     /// Kernel names, one per launch.

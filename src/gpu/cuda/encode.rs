@@ -1,5 +1,7 @@
 //! Encode launches ([`EncodePlan`]): a contiguous tensor on the device to
-//! `int{b}` / `bdr{h}` page bodies in device memory.
+//! page bodies in device memory, for `int{b}` / `bdr{h}` (one kernel) and
+//! `hqmq` without outlier extraction (a search kernel writing one symbol
+//! per chunk to a scratch buffer, then a kernel packing the code streams).
 
 use std::marker::PhantomData;
 
@@ -8,25 +10,37 @@ use crate::cache::TensorInfo;
 use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::format::Section;
-use crate::gpu::spec::{self, AffineBody, EncDesc, Grid, KernelChoice, KernelCodec};
+use crate::gpu::body::CanonicalBody;
+use crate::gpu::encplan::{BODY_ALIGN, EncodeLayout};
+use crate::gpu::spec::KernelChoice;
 use crate::plan::PlannedPage;
 
-use super::decode::BODY_ALIGN;
+/// One kernel launch of an encode: kernel, work list offset in the plan's
+/// table, blocks, and the optional arguments.
+#[derive(Debug, Clone)]
+struct EncLaunch {
+    kernel: KernelChoice,
+    work: usize,
+    blocks: u32,
+    bits: Option<u32>,
+    h: Option<u32>,
+    c: Option<f32>,
+}
 
 /// A prepared encode of some pages of one tensor: page bodies (section
-/// tables filled in) on the device, descriptors and work list. Launch it as
-/// often as needed; the source stays borrowed.
+/// tables filled in) on the device, descriptors and work lists, scratch
+/// and side tables where the codec needs them. Launch it as often as
+/// needed; the source stays borrowed.
 pub struct EncodePlan<'a> {
     gpu: Gpu,
     info: TensorInfo,
     pages: Vec<PlannedPage>,
-    layouts: Vec<(AffineBody, usize)>,
+    layouts: Vec<(CanonicalBody, usize)>,
     bodies: GpuBuffer<u8>,
     table: GpuBuffer<u8>,
+    _extra: Vec<GpuBuffer<u8>>,
     status: GpuBuffer<u64>,
-    kernel: KernelChoice,
-    args: (u32, u32, f32),
-    work: (usize, u32),
+    launches: Vec<EncLaunch>,
     read: u64,
     written: u64,
     _borrow: PhantomData<&'a ()>,
@@ -35,7 +49,7 @@ pub struct EncodePlan<'a> {
 impl std::fmt::Debug for EncodePlan<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EncodePlan")
-            .field("kernel", &self.kernel.name)
+            .field("kernel", &self.kernel())
             .field("pages", &self.pages.len())
             .finish()
     }
@@ -50,8 +64,8 @@ impl Gpu {
     /// # Errors
     /// [`Error::Parameter`] when `src` does not match `info` or a page lies
     /// outside the tensor, or the codec cannot encode the tensor;
-    /// [`Error::Unsupported`] for codecs other than `int{b}` / `bdr{h}`;
-    /// [`Error::Io`] for a CUDA failure.
+    /// [`Error::Unsupported`] for codecs other than `int{b}`, `bdr{h}` and
+    /// `hqmq` without `+med`; [`Error::Io`] for a CUDA failure.
     pub fn plan_encode<'a, T: GpuElem>(
         &self,
         src: &'a GpuBuffer<T>,
@@ -59,8 +73,7 @@ impl Gpu {
         codec: &dyn Codec,
         pages: &[PlannedPage],
     ) -> Result<EncodePlan<'a>> {
-        let esize = info.dtype.size();
-        if std::mem::size_of::<T>() != esize || (src.len() as u64) < info.elements() {
+        if std::mem::size_of::<T>() != info.dtype.size() || (src.len() as u64) < info.elements() {
             return Err(Error::param(format!(
                 "source buffer of {} elements of {} bytes does not hold {} ({} {} elements)",
                 src.len(),
@@ -70,65 +83,40 @@ impl Gpu {
                 info.dtype.name()
             )));
         }
-        codec.check(info)?;
-        let kc = KernelCodec::of(codec, info)?;
-        let KernelCodec::Affine { bits, .. } = kc else {
-            return Err(Error::Unsupported("GPU encode covers int and bdr".into()));
-        };
-        let kernel = spec::encode_kernel(kc, info.head_dim, info.dtype)?;
-        let d = info.head_dim;
-        let mut layouts = Vec::with_capacity(pages.len());
-        let mut host = Vec::new();
-        let mut descs = Vec::with_capacity(pages.len());
-        let mut work = Vec::new();
-        let (mut read, mut written) = (0u64, 0u64);
-        for (i, p) in pages.iter().enumerate() {
-            if p.tokens == 0
-                || u64::from(p.token_start) + u64::from(p.tokens) > u64::from(info.tokens)
-            {
-                return Err(Error::param(format!(
-                    "page tokens {}..{} outside {} ({} tokens)",
-                    p.token_start,
-                    p.token_start + p.tokens,
-                    info.describe(),
-                    info.tokens
-                )));
-            }
-            let rows = u32::try_from(info.planes() as u64 * u64::from(p.tokens))
-                .map_err(|_| Error::param("page over 2^32 rows"))?;
-            let l = AffineBody::new(rows, d, bits)?;
-            host.resize(host.len().next_multiple_of(BODY_ALIGN), 0);
-            let off = host.len();
-            host.extend_from_slice(&l.template());
-            read += u64::from(rows) * u64::from(d) * esize as u64;
-            written += u64::from(l.lens[0]) + u64::from(l.lens[1]) + u64::from(l.lens[2]);
-            descs.push(EncDesc {
-                src: src.device_ptr() + u64::from(p.token_start) * u64::from(d) * esize as u64,
-                body: off as u64, // rebased below
-                stride: u64::from(info.tokens) * u64::from(d),
-                rows,
-                tokens: p.tokens,
-                head_dim: d,
-                sec_scale: l.offsets[0],
-                sec_zero: l.offsets[1],
-                sec_index: l.offsets[2],
-                page: i as u32,
-                m_tokens: spec::magic(p.tokens),
-                upr: d.checked_div(kernel.grid.unit()).unwrap_or(0),
-                m_upr: spec::magic(d.checked_div(kernel.grid.unit()).unwrap_or(0)),
-            });
-            kernel.grid.push_items(i as u32, rows, d, &mut work);
-            layouts.push((l, off));
-        }
+        let mut extra = Vec::new();
+        let layout = crate::gpu::encplan::plan(src.device_ptr(), info, codec, pages, &mut |b| {
+            let buf = self.upload(b)?;
+            let at = buf.device_ptr();
+            extra.push(buf);
+            Ok(at)
+        })?;
+        let EncodeLayout {
+            layouts,
+            mut host,
+            mut descs,
+            works,
+            read,
+            written,
+        } = layout;
         host.resize(host.len().max(BODY_ALIGN), 0);
         let bodies = self.upload(&host)?;
         for dsc in &mut descs {
             dsc.body += bodies.device_ptr();
         }
         let mut table: Vec<u8> = bytemuck::cast_slice(&descs).to_vec();
-        table.resize(table.len().next_multiple_of(BODY_ALIGN).max(BODY_ALIGN), 0);
-        let w = table.len();
-        table.extend_from_slice(bytemuck::cast_slice(&work));
+        let mut launches = Vec::new();
+        for w in works {
+            table.resize(table.len().next_multiple_of(BODY_ALIGN).max(BODY_ALIGN), 0);
+            launches.push(EncLaunch {
+                kernel: w.kernel,
+                work: table.len(),
+                blocks: w.items.len() as u32,
+                bits: w.bits,
+                h: w.h,
+                c: w.c,
+            });
+            table.extend_from_slice(bytemuck::cast_slice(&w.items));
+        }
         let table = self.upload(&table)?;
         Ok(EncodePlan {
             gpu: self.clone(),
@@ -137,10 +125,9 @@ impl Gpu {
             layouts,
             bodies,
             table,
+            _extra: extra,
             status: self.upload(&[u64::MAX])?,
-            args: (u32::from(bits), kc.h(), kc.c()),
-            kernel,
-            work: (w, work.len() as u32),
+            launches,
             read,
             written,
             _borrow: PhantomData,
@@ -152,31 +139,30 @@ impl EncodePlan<'_> {
     /// Submits the encode (asynchronous; see [`EncodePlan::finish`]).
     ///
     /// # Errors
-    /// [`Error::Io`] when NVRTC, the module load or the launch fails.
+    /// [`Error::Io`] when NVRTC, the module load or a launch fails.
     pub fn launch(&self) -> Result<()> {
         let base = self.table.device_ptr();
-        let fallback = !matches!(self.kernel.grid, Grid::Units { .. });
-        let args = Args {
-            bits: fallback.then_some(self.args.0),
-            h: Some(self.args.1),
-            c: Some(self.args.2),
-            status: self.status.device_ptr(),
-        };
-        self.gpu.launch_items(
-            &self.kernel,
-            base,
-            base + self.work.0 as u64,
-            self.work.1,
-            &args,
-        )
+        for l in &self.launches {
+            let args = Args {
+                bits: l.bits,
+                h: l.h,
+                c: l.c,
+                status: self.status.device_ptr(),
+            };
+            self.gpu
+                .launch_items(&l.kernel, base, base + l.work as u64, l.blocks, &args)?;
+        }
+        Ok(())
     }
 
-    /// Waits for the launched work and checks that every row was finite.
+    /// Waits for the launched work and checks that every row could be
+    /// encoded.
     ///
     /// # Errors
     /// [`Error::Parameter`] naming the first page row (plane and token)
-    /// holding NaN or inf, as the CPU encoder does; [`Error::Io`] for a
-    /// failed kernel.
+    /// holding a value the codec cannot encode (NaN or inf; for hqmq also a
+    /// value or radius beyond the fp16 range), as the CPU encoder does;
+    /// [`Error::Io`] for a failed kernel.
     pub fn finish(&self) -> Result<()> {
         let s = self.status.to_vec()?[0];
         if s == u64::MAX {
@@ -185,7 +171,8 @@ impl EncodePlan<'_> {
         let (page, row) = ((s >> 32) as usize, (s & 0xffff_ffff) as u32);
         let p = &self.pages[page.min(self.pages.len() - 1)];
         Err(Error::param(format!(
-            "{} ({}) plane {} token {}: non-finite value (NaN or inf) in a row to quantize",
+            "{} ({}) plane {} token {}: non-finite value (NaN or inf), or a value the codec \
+             cannot represent, in a row to quantize",
             self.info.name,
             self.info.describe(),
             row / p.tokens,
@@ -194,7 +181,7 @@ impl EncodePlan<'_> {
     }
 
     /// Downloads the encoded pages and splits them into the sections the
-    /// CPU encoder returns (SCALE, ZERO, INDEX), one list per page.
+    /// CPU encoder returns, one list per page.
     ///
     /// # Errors
     /// [`Error::Io`] for a CUDA failure.
@@ -222,13 +209,17 @@ impl EncodePlan<'_> {
         *off..*off + l.body_len as usize
     }
 
-    /// The kernel this plan launches.
-    pub fn kernel(&self) -> &str {
-        &self.kernel.name
+    /// The kernels this plan launches, `+`-separated.
+    pub fn kernel(&self) -> String {
+        self.launches
+            .iter()
+            .map(|l| l.kernel.name.as_str())
+            .collect::<Vec<_>>()
+            .join("+")
     }
 
-    /// Bytes the kernel reads (source elements) and writes (scales, zero
-    /// points, codes) per launch.
+    /// Bytes the kernels read (source elements) and write (the sections)
+    /// per launch of the plan.
     pub fn bytes(&self) -> (u64, u64) {
         (self.read, self.written)
     }

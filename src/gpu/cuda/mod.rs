@@ -12,6 +12,7 @@ mod encode;
 mod stream;
 
 pub use decode::{DecodePlan, GpuPages};
+pub(crate) use decode::{Staged, add_page, check_status, group_args, pack_groups, stage_page};
 pub use encode::EncodePlan;
 pub use stream::FileDecoder;
 
@@ -68,6 +69,8 @@ struct Inner {
     info: GpuInfo,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Dynamic shared memory limit raised per kernel (bytes).
+    smem: Mutex<HashMap<String, u32>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -145,6 +148,7 @@ impl Gpu {
                 info,
                 modules: Mutex::new(HashMap::new()),
                 functions: Mutex::new(HashMap::new()),
+                smem: Mutex::new(HashMap::new()),
             }),
         };
         map.insert(ordinal, g.clone());
@@ -351,10 +355,23 @@ impl Gpu {
             return Ok(());
         }
         let f = self.function(k.source, &k.name)?;
+        // Raise the dynamic shared memory limit for any kernel that takes
+        // some: with its static shared memory it may pass the default 48 KiB.
+        if k.shared > 0 {
+            let mut m = self.inner.smem.lock().unwrap_or_else(|e| e.into_inner());
+            if m.get(&k.name).is_none_or(|&v| v < k.shared) {
+                f.set_attribute(
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    k.shared as i32,
+                )
+                .map_err(cuda_err(&format!("shared memory limit of {}", k.name)))?;
+                m.insert(k.name.clone(), k.shared);
+            }
+        }
         let cfg = LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (k.grid.threads(), 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: k.shared,
         };
         let mut l = self.stream().launch_builder(&f);
         l.arg(&descs).arg(&work);

@@ -16,7 +16,9 @@ use std::time::Instant;
 use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice, result};
 use rayon::prelude::*;
 
-use super::decode::{BODY_ALIGN, add_page, dst_spec, group_args, pack_groups, stage_page};
+use super::decode::{
+    BODY_ALIGN, add_page, check_status, dst_spec, group_args, pack_groups, stage_page,
+};
 use super::{Gpu, GpuBuffer, cuda_err};
 use crate::decode::Archive;
 use crate::error::{Error, Result};
@@ -84,7 +86,7 @@ impl FileDecoder {
             copy,
             h2d: [ev()?, ev()?],
             done: [ev()?, ev()?],
-            status: gpu.upload(&[u64::MAX])?,
+            status: gpu.upload(&[u64::MAX; 2])?,
         };
         // The device buffers were allocated on the compute stream; the copy
         // stream may use them only after that.
@@ -122,12 +124,7 @@ impl FileDecoder {
             .and(self.gpu.synchronize());
         let mut stats = r?;
         synced?;
-        let s = self.status.to_vec()?[0];
-        if s != u64::MAX {
-            return Err(Error::param(format!(
-                "a slot mapping entry (page row {s}) points past the paged cache"
-            )));
-        }
+        check_status(&self.status.to_vec()?)?;
         stats.seconds = start.elapsed().as_secs_f64();
         Ok(stats)
     }
@@ -165,12 +162,13 @@ impl FileDecoder {
             let reserve = if e.flags & FLAG_ZSTD == 0 {
                 e.frame_len.saturating_sub(64)
             } else {
-                spec::canonical_body_len(kc, rows, u64::from(info.head_dim))
+                spec::canonical_body_len(kc, rows, u64::from(m.tokens), u64::from(info.head_dim))
             };
             let reserve = (reserve as usize).next_multiple_of(BODY_ALIGN);
             let k = spec::decode_kernel(kc, info.head_dim, OutType::Bf16)?;
             let mut items = Vec::new();
-            k.grid.push_items(0, rows as u32, info.head_dim, &mut items);
+            k.grid
+                .push_items(0, rows as u32, m.tokens, info.head_dim, &mut items);
             let page_meta = std::mem::size_of::<spec::PageDesc>() + 8 * items.len();
             if reserve + page_meta + META_SLACK > self.chunk {
                 return Err(Error::Limits(format!(
@@ -211,7 +209,30 @@ impl FileDecoder {
             }
         }
         let chunks = self.chunks(archive, &by_tensor)?;
-        self.status.write(&[u64::MAX])?;
+        self.status.write(&[u64::MAX; 2])?;
+        // Side tables (codebooks, signs, factors) of every (codec, tensor)
+        // pair decoded, uploaded once for the whole file.
+        let entries_all = &archive.reader().index().entries;
+        let (tables, side_at) = crate::gpu::side::for_archive(
+            archive,
+            chunks.iter().flatten().map(|s| {
+                (
+                    entries_all[s.page].meta.codec,
+                    entries_all[s.page].meta.tensor,
+                )
+            }),
+        )?;
+        let side_buf = if tables.is_empty() {
+            None
+        } else {
+            Some(self.gpu.upload(&tables)?)
+        };
+        let side_addr = |codec: u16, tensor: u32| -> u64 {
+            match (&side_buf, side_at.get(&(codec, tensor))) {
+                (Some(b), Some(&o)) => b.device_ptr() + o,
+                _ => 0,
+            }
+        };
         let mut stats = StreamStats::default();
         let entries = &archive.reader().index().entries;
         let compute = self.gpu.stream().clone();
@@ -252,7 +273,9 @@ impl FileDecoder {
                         ));
                     }
                     buf[..body.len()].copy_from_slice(body);
-                    Ok((st.tensor, st.geom, s.off))
+                    let mut g = st.geom;
+                    g.side = side_addr(st.codec, st.tensor);
+                    Ok((st.tensor, g, s.off))
                 })
                 .collect::<Result<Vec<_>>>()?;
             // Descriptors point into this chunk's device buffer.

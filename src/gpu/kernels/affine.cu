@@ -139,91 +139,6 @@ struct Codes {
     }
 };
 
-// Butterflies of the interleaved layout: a thread holds chunks m = 0..3 of
-// 8 elements, chunk m of lane-in-row j being elements 8 * (j + lpr * m) .. +7
-// of the row (lpr = head_dim / 32 lanes per row, a power of two). Element
-// index bits: [0, 3) inside a chunk, [3, 3 + log2 lpr) the lane, then 2 bits
-// of m. Stages run in the normative order (strides 1, 2, 4, ...): inside
-// chunks, across lanes, across chunks.
-__device__ __forceinline__ void wht_chunk_stage(float v[4][8], int s) {
-#pragma unroll
-    for (int m = 0; m < 4; m++) {
-#pragma unroll
-        for (int e = 0; e < 8; e++) {
-            if (!(e & s)) {
-                float a = v[m][e], b = v[m][e + s];
-                v[m][e] = __fadd_rn(a, b);
-                v[m][e + s] = __fsub_rn(a, b);
-            }
-        }
-    }
-}
-
-__device__ __forceinline__ void wht_across_chunks(float v[4][8], int s) {
-#pragma unroll
-    for (int m = 0; m < 4; m++) {
-        if (!(m & s)) {
-#pragma unroll
-            for (int e = 0; e < 8; e++) {
-                float a = v[m][e], b = v[m + s][e];
-                v[m][e] = __fadd_rn(a, b);
-                v[m + s][e] = __fsub_rn(a, b);
-            }
-        }
-    }
-}
-
-// ROWROT: the block is the whole row (h == head_dim == 32 * lpr, the usual
-// bdr{head_dim}): every stage runs, with no run-time conditions (whose
-// register merges would cost moves).
-template <bool ROWROT>
-__device__ __forceinline__ void wht_interleaved(float v[4][8], u32 h, u32 lpr) {
-    if (ROWROT) {
-        wht_chunk_stage(v, 1);
-        wht_chunk_stage(v, 2);
-        wht_chunk_stage(v, 4);
-        u32 lane = threadIdx.x & 31u;
-        for (u32 ml = 1; ml < lpr; ml <<= 1) {
-            float sign = (lane & ml) ? -1.0f : 1.0f;
-#pragma unroll
-            for (int m = 0; m < 4; m++) {
-#pragma unroll
-                for (int e = 0; e < 8; e++) {
-                    float o = __shfl_xor_sync(FULL_MASK, v[m][e], ml);
-                    v[m][e] = __fmaf_rn(v[m][e], sign, o);
-                }
-            }
-        }
-        wht_across_chunks(v, 1);
-        wht_across_chunks(v, 2);
-        return;
-    }
-    if (h >= 8) {
-        wht_chunk_stage(v, 1);
-        wht_chunk_stage(v, 2);
-        wht_chunk_stage(v, 4);
-    } else {
-        if (h > 1) wht_chunk_stage(v, 1);
-        if (h > 2) wht_chunk_stage(v, 2);
-        if (h > 4) wht_chunk_stage(v, 4);
-    }
-    // Across lanes (see wht<W>: one exact FMA per element).
-    u32 lane = threadIdx.x & 31u;
-    for (u32 ml = 1; ml < lpr && 8u * ml < h; ml <<= 1) {
-        float sign = (lane & ml) ? -1.0f : 1.0f;
-#pragma unroll
-        for (int m = 0; m < 4; m++) {
-#pragma unroll
-            for (int e = 0; e < 8; e++) {
-                float o = __shfl_xor_sync(FULL_MASK, v[m][e], ml);
-                v[m][e] = __fmaf_rn(v[m][e], sign, o);
-            }
-        }
-    }
-    if (8u * lpr < h) wht_across_chunks(v, 1);
-    if (16u * lpr < h) wht_across_chunks(v, 2);
-}
-
 // Decode with 32 elements per thread in the interleaved layout (four chunks
 // of 8 at stride 8 * lpr), so that each 16-byte store instruction of a warp
 // writes whole 32-byte sectors (64 contiguous bytes per row and chunk), and
@@ -479,6 +394,7 @@ __device__ __forceinline__ void load_src(const u8* p, float v[W]) {
 // min / max propagating NaN (PTX .NaN): a row holding NaN ends with a NaN
 // bound, one holding inf with an infinite one, so one finiteness check of
 // the bounds finds every row the CPU rejects.
+#ifndef KVPACK_EMU
 __device__ __forceinline__ float min_nan(float a, float b) {
     float r;
     asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
@@ -489,6 +405,10 @@ __device__ __forceinline__ float max_nan(float a, float b) {
     asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
+#else
+__device__ __forceinline__ float min_nan(float a, float b) { return (a != a || b != b) ? a + b : fminf(a, b); }
+__device__ __forceinline__ float max_nan(float a, float b) { return (a != a || b != b) ? a + b : fmaxf(a, b); }
+#endif
 
 // Row parameters from the row's min and max (kernels::affine::params).
 __device__ __forceinline__ void row_params(float mn, float mx, u32 levels, float* scale,

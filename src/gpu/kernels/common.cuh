@@ -29,6 +29,8 @@ typedef long long i64;
 // Threads per block of the segment (fallback) kernels; largest segment.
 #define SEG_BLOCK 128
 #define SEG_MAX 1024
+// Rows (tokens of one plane) per work item of the hqmq decode kernels.
+#define HQ_ITEM 256
 
 // Output element types (template tags).
 #define OUT_BF16 0
@@ -38,7 +40,7 @@ typedef long long i64;
 #define SRC_F16 2
 #define SRC_F32 3
 
-// One page to decode (mirrors gpu::spec::PageDesc, 96 bytes).
+// One page to decode (mirrors gpu::spec::PageDesc, 128 bytes).
 struct PageDesc {
     u64 body;     // device address of the page body (uncompressed)
     u64 dst;      // output base: contiguous = element (plane 0, output token 0); paged = cache base
@@ -59,9 +61,16 @@ struct PageDesc {
     u32 m_heads;  // udiv magic of heads
     u32 upr;      // units per row of the launched kernel (head_dim / W)
     u32 m_upr;    // udiv magic of upr
+    u64 side;     // device address of the tensor's side table (codebooks, signs, factors), 0 if none
+    u32 sec3;     // body offsets of further sections (codec-specific, see each kernel)
+    u32 sec4;
+    u32 p0;       // codec parameters (see each kernel)
+    u32 p1;
+    u32 p2;
+    u32 p3;
 };
 
-// One page to encode (mirrors gpu::spec::EncDesc, 64 bytes).
+// One page to encode (mirrors gpu::spec::EncDesc, 104 bytes).
 struct EncDesc {
     u64 src;      // device address of source element (plane 0, page token 0)
     u64 body;     // device address of the output page body
@@ -76,6 +85,14 @@ struct EncDesc {
     u32 m_tokens; // udiv magic of tokens
     u32 upr;      // units per row of the launched kernel (head_dim / W)
     u32 m_upr;    // udiv magic of upr
+    u64 side;     // device address of the tensor's side table (codebooks), 0 if none
+    u64 aux;      // device address of the page's scratch, 0 if none
+    u32 sec3;     // body offset of a further section (codec-specific)
+    u32 heads;    // kv heads per batch item
+    u32 p0;       // codec parameters (see each kernel)
+    u32 p1;
+    u32 p2;
+    u32 p3;
 };
 
 // n / d for the d whose magic m = ceil(2^32 / d) (0 when d == 1), computed
@@ -95,6 +112,7 @@ __device__ __forceinline__ float code_f32(u32 q) {
 // Plain (weak, write-back) global stores. Pointers built from descriptor
 // addresses are generic to the compiler, which would emit generic stores;
 // __stwb would make them strong (STG.STRONG.SM).
+#ifndef KVPACK_EMU
 __device__ __forceinline__ void st_u4(void* p, uint4 v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                  : "memory");
@@ -112,24 +130,26 @@ __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
     asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
     return r;
 }
+#else
+// The SIMT emulator (gpu::emu) compiles these sources as host C++.
+__device__ __forceinline__ void st_u4(void* p, uint4 v) {
+    emu_check_align(p, 16, "store");
+    *reinterpret_cast<uint4*>(p) = v;
+}
+__device__ __forceinline__ void st_u2(void* p, uint2 v) {
+    emu_check_align(p, 8, "store");
+    *reinterpret_cast<uint2*>(p) = v;
+}
+__device__ __forceinline__ void st_u1(void* p, u32 v) {
+    emu_check_align(p, 4, "store");
+    *reinterpret_cast<u32*>(p) = v;
+}
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) { return (a & b) | c; }
+#endif
 
 // Two f32 as packed bf16x2 / f16x2 (round to nearest even; a NaN becomes
 // the canonical NaN, the only place where bits may differ from the CPU,
 // whose NaN keeps its payload).
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-template <int OUT>
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    return OUT == OUT_BF16 ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi);
-}
 
 __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 __device__ __forceinline__ bool is_finite(float x) {
@@ -150,14 +170,51 @@ __device__ __forceinline__ u16 f32_to_f16(float x) {
         u32 b = __float_as_uint(x);
         return (u16)(((b >> 16) & 0x8000u) | 0x7c00u | 0x0200u | ((b & 0x7fffffu) >> 13));
     }
+#ifndef KVPACK_EMU
     unsigned short h;
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
     return h;
+#else
+    return emu_f32_to_f16(x);
+#endif
 }
 __device__ __forceinline__ float f16_to_f32(u16 h) {
+#ifndef KVPACK_EMU
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
     return f;
+#else
+    return emu_f16_to_f32(h);
+#endif
+}
+
+// Two f32 as packed bf16x2 / f16x2 (round to nearest even; a NaN becomes
+// the canonical NaN, the only place where bits may differ from the CPU,
+// whose NaN keeps its payload).
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+#ifndef KVPACK_EMU
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    auto one = [](float x) -> u32 { return is_nan(x) ? 0x7fffu : (u32)f32_to_bf16(x); };
+    return one(lo) | (one(hi) << 16);
+#endif
+}
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+#ifndef KVPACK_EMU
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    auto one = [](float x) -> u32 { return is_nan(x) ? 0x7fffu : (u32)f32_to_f16(x); };
+    return one(lo) | (one(hi) << 16);
+#endif
+}
+
+template <int OUT>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    return OUT == OUT_BF16 ? pack_bf16x2(lo, hi) : pack_f16x2(lo, hi);
 }
 
 template <int OUT>
@@ -179,9 +236,14 @@ __device__ __forceinline__ void store8(u16* p, const float v[8]) {
 // Output element offset of (row, element 0) of a page, or -1 when the row is
 // not written (outside [t_lo, t_hi), or a paged slot < 0). A slot past the
 // cache is reported through `status` and skipped.
+__device__ __forceinline__ i64 row_dst_pt(const PageDesc& d, u32 row, u32 p, u32 t, u64* status);
 __device__ __forceinline__ i64 row_dst(const PageDesc& d, u32 row, u64* status) {
     u32 p = udiv(row, d.tokens, d.m_tokens);
-    u32 t = row - p * d.tokens;
+    return row_dst_pt(d, row, p, row - p * d.tokens, status);
+}
+
+// row_dst for a row whose plane p and page token t are known.
+__device__ __forceinline__ i64 row_dst_pt(const PageDesc& d, u32 row, u32 p, u32 t, u64* status) {
     if (t < d.t_lo || t >= d.t_hi) return -1;
     if (d.slots == 0) {
         return (i64)p * (i64)d.stride + ((i64)t + (i64)d.tok_off) * (i64)d.head_dim;
@@ -266,4 +328,206 @@ __device__ __forceinline__ u32 get_code(const u8* p, u64 i, u32 bits) {
     u32 v = p[byte];
     if (sh + bits > 8u) v |= ((u32)p[byte + 1]) << 8;
     return (v >> sh) & ((1u << bits) - 1u);
+}
+
+// Butterflies of the interleaved layout: a thread holds chunks m = 0..3 of
+// 8 elements, chunk m of lane-in-row j being elements 8 * (j + lpr * m) .. +7
+// of the row (lpr = head_dim / 32 lanes per row, a power of two). Element
+// index bits: [0, 3) inside a chunk, [3, 3 + log2 lpr) the lane, then 2 bits
+// of m. Stages run in the normative order (strides 1, 2, 4, ...): inside
+// chunks, across lanes, across chunks.
+__device__ __forceinline__ void wht_chunk_stage(float v[4][8], int s) {
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            if (!(e & s)) {
+                float a = v[m][e], b = v[m][e + s];
+                v[m][e] = __fadd_rn(a, b);
+                v[m][e + s] = __fsub_rn(a, b);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void wht_across_chunks(float v[4][8], int s) {
+#pragma unroll
+    for (int m = 0; m < 4; m++) {
+        if (!(m & s)) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                float a = v[m][e], b = v[m + s][e];
+                v[m][e] = __fadd_rn(a, b);
+                v[m + s][e] = __fsub_rn(a, b);
+            }
+        }
+    }
+}
+
+// ROWROT: the block is the whole row (h == head_dim == 32 * lpr, the usual
+// bdr{head_dim}): every stage runs, with no run-time conditions (whose
+// register merges would cost moves).
+template <bool ROWROT>
+__device__ __forceinline__ void wht_interleaved(float v[4][8], u32 h, u32 lpr) {
+    if (ROWROT) {
+        wht_chunk_stage(v, 1);
+        wht_chunk_stage(v, 2);
+        wht_chunk_stage(v, 4);
+        u32 lane = threadIdx.x & 31u;
+        for (u32 ml = 1; ml < lpr; ml <<= 1) {
+            float sign = (lane & ml) ? -1.0f : 1.0f;
+#pragma unroll
+            for (int m = 0; m < 4; m++) {
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    float o = __shfl_xor_sync(FULL_MASK, v[m][e], ml);
+                    v[m][e] = __fmaf_rn(v[m][e], sign, o);
+                }
+            }
+        }
+        wht_across_chunks(v, 1);
+        wht_across_chunks(v, 2);
+        return;
+    }
+    if (h >= 8) {
+        wht_chunk_stage(v, 1);
+        wht_chunk_stage(v, 2);
+        wht_chunk_stage(v, 4);
+    } else {
+        if (h > 1) wht_chunk_stage(v, 1);
+        if (h > 2) wht_chunk_stage(v, 2);
+        if (h > 4) wht_chunk_stage(v, 4);
+    }
+    // Across lanes (see wht<W>: one exact FMA per element).
+    u32 lane = threadIdx.x & 31u;
+    for (u32 ml = 1; ml < lpr && 8u * ml < h; ml <<= 1) {
+        float sign = (lane & ml) ? -1.0f : 1.0f;
+#pragma unroll
+        for (int m = 0; m < 4; m++) {
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                float o = __shfl_xor_sync(FULL_MASK, v[m][e], ml);
+                v[m][e] = __fmaf_rn(v[m][e], sign, o);
+            }
+        }
+    }
+    if (8u * lpr < h) wht_across_chunks(v, 1);
+    if (16u * lpr < h) wht_across_chunks(v, 2);
+}
+
+// ---------------------------------------------------------------------------
+// Helpers of the kernels added with the VQ and group codecs (hqmq, octopus,
+// turbo, polar, innerq, kivi).
+
+// `n` bits (1..32) of a packed stream (SPEC 6.2, LSB-first) from stream bit
+// `bit`, read as aligned 32-bit words. Section starts are 64-byte aligned and
+// sections are padded to 64 bytes, so the word holding the last wanted bit
+// lies inside the body; a second word is read only when the field crosses
+// into it.
+__device__ __forceinline__ u32 get_bits(const u8* base, u64 bit, u32 n) {
+    const u32* w = reinterpret_cast<const u32*>(base) + (bit >> 5);
+    u32 sh = (u32)bit & 31u;
+    u32 v = __ldg(w) >> sh;
+    if (sh + n > 32u) v |= __ldg(w + 1) << (32u - sh);
+    return n >= 32u ? v : v & ((1u << n) - 1u);
+}
+
+// `n` bits (1..64) from stream bit `bit`, as get_bits.
+__device__ __forceinline__ u64 get_bits64(const u8* base, u64 bit, u32 n) {
+    const u32* w = reinterpret_cast<const u32*>(base) + (bit >> 5);
+    u32 sh = (u32)bit & 31u;
+    u64 v = (u64)__ldg(w) >> sh;
+    u32 have = 32u - sh;
+    if (have < n) {
+        v |= (u64)__ldg(w + 1) << have;
+        have += 32u;
+    }
+    if (have < n) v |= (u64)__ldg(w + 2) << have;
+    return n >= 64u ? v : v & ((1ull << n) - 1ull);
+}
+
+// NB (1..8) little-endian bytes at p, p aligned to the largest power of two
+// (at most 8) dividing NB, with the widest loads that alignment allows.
+template <int NB>
+__device__ __forceinline__ u64 load_le(const u8* p) {
+    if (NB == 8) return __ldg(reinterpret_cast<const unsigned long long*>(p));
+    if (NB == 4) return __ldg(reinterpret_cast<const u32*>(p));
+    if (NB == 2) return __ldg(reinterpret_cast<const u16*>(p));
+    if (NB == 1) return __ldg(p);
+    u64 v = 0;
+    if (NB % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < NB / 2; i++) v |= (u64)__ldg(reinterpret_cast<const u16*>(p) + i) << (16 * i);
+    } else {
+#pragma unroll
+        for (int i = 0; i < NB; i++) v |= (u64)__ldg(p + i) << (8 * i);
+    }
+    return v;
+}
+
+// f16 bits at element i of a section.
+__device__ __forceinline__ float ld_f16(const u8* sec, u64 i) {
+    return f16_to_f32(__ldg(reinterpret_cast<const u16*>(sec) + i));
+}
+
+// Eight f16 at element i (i % 8 == 0) of a 16-byte aligned section.
+__device__ __forceinline__ void ld_f16x8(const u8* sec, u64 i, float v[8]) {
+    uint4 a = __ldg(reinterpret_cast<const uint4*>(sec + 2 * i));
+    u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        v[2 * k] = f16_to_f32((u16)(w[k] & 0xffffu));
+        v[2 * k + 1] = f16_to_f32((u16)(w[k] >> 16));
+    }
+}
+
+// Eight packed outputs as one 16-byte store.
+template <int OUT>
+__device__ __forceinline__ void st_out8(u16* p, const float v[8]) {
+    st_u4(p, make_uint4(pack2<OUT>(v[0], v[1]), pack2<OUT>(v[2], v[3]), pack2<OUT>(v[4], v[5]),
+                        pack2<OUT>(v[6], v[7])));
+}
+
+// Records that a page of the launch failed the codec's content checks (the
+// host reports a format error; the CPU decoder names the page). Word 1 of
+// the status buffer; word 0 is the slot-mapping check of row_dst.
+__device__ __forceinline__ void content_error(u64* status, u32 desc) {
+    atomicMin(status + 1, (u64)desc);
+}
+
+// Dynamic shared memory of a kernel (the launch sets its size).
+#ifndef KVPACK_EMU
+#define DYN_SHARED(T, name) extern __shared__ __align__(16) T name[]
+#else
+#define DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(emu_dyn_smem())
+#endif
+
+// Walking the units u = base + k * BLOCK (k = 0, 1, ...) of a unit kernel:
+// row, unit in row j, plane p and page token t. When the units per row
+// are a power of two <= BLOCK, j is the same for every k and the row
+// advances by BLOCK / upr (`drow`), so no division is needed after the
+// first unit; otherwise (drow == 0) every unit is divided out again.
+struct RowWalk {
+    u32 row, j, p, t;
+};
+__device__ __forceinline__ void walk_init(const PageDesc& d, u32 u, RowWalk& r) {
+    r.row = udiv(u, d.upr, d.m_upr);
+    r.j = u - r.row * d.upr;
+    r.p = udiv(r.row, d.tokens, d.m_tokens);
+    r.t = r.row - r.p * d.tokens;
+}
+__device__ __forceinline__ u32 walk_step(u32 upr) {
+    return (upr & (upr - 1u)) == 0u && upr <= (u32)BLOCK ? (u32)BLOCK >> (__ffs(upr) - 1) : 0u;
+}
+__device__ __forceinline__ void walk_next(const PageDesc& d, u32 u, u32 drow, RowWalk& r) {
+    if (drow == 0u) {
+        walk_init(d, u, r);
+        return;
+    }
+    r.row += drow;
+    r.t += drow;
+    while (r.t >= d.tokens) {
+        r.t -= d.tokens;
+        r.p++;
+    }
 }

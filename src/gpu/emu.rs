@@ -1,0 +1,351 @@
+//! A SIMT emulator for kvpack's CUDA kernels: runs the kernel sources of
+//! [`super::sources`] on the CPU, compiled as host C++ (g++) with a small
+//! runtime (`emu_runtime.h`, `emu_main.h`) in which every CUDA thread of a
+//! block is a fiber and `__syncthreads` / warp shuffles are barriers. It
+//! executes the very plans the CUDA backend launches (descriptors, work
+//! lists, side tables; [`super::spec`], [`super::encplan`]) over a "device
+//! memory" file mapped at a fixed address, so kernel logic and indexing can
+//! be checked against the CPU codecs on machines without a GPU. Not fast
+//! (fibers), not a performance model, and not a substitute for running on
+//! a GPU: memory ordering, timing and resource limits are not emulated.
+//!
+//! Built with the `cuda` feature; [`Emulator::new`] needs `g++` on the PATH
+//! (else [`Error::Unsupported`]). Binaries are cached per source text in
+//! the temporary directory.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::Digest;
+
+use super::cuda::{Args, Staged, add_page, check_status, group_args, pack_groups, stage_page};
+use super::spec::{DstSpec, KernelChoice};
+use super::{HostLayout, OutType, POISON, host, sources};
+use crate::cache::{Tensor, TensorData};
+use crate::codec::Codec;
+use crate::decode::Archive;
+use crate::error::{Error, Result};
+use crate::format::Section;
+use crate::plan::PlannedPage;
+
+/// Address at which the emulated device memory is mapped.
+const BASE: u64 = 0x2000_0000_0000;
+/// Alignment of every buffer in the emulated device memory.
+const ALIGN: usize = 256;
+
+const RUNTIME: &str = include_str!("emu_runtime.h");
+const MAIN: &str = include_str!("emu_main.h");
+
+/// The emulated device memory: one byte vector, addresses `BASE + offset`.
+struct Arena {
+    bytes: Vec<u8>,
+}
+
+impl Arena {
+    /// Places `b` (aligned); returns its address.
+    fn place(&mut self, b: &[u8]) -> u64 {
+        self.bytes
+            .resize(self.bytes.len().next_multiple_of(ALIGN), 0);
+        let at = self.bytes.len();
+        self.bytes.extend_from_slice(b);
+        BASE + at as u64
+    }
+
+    fn at(&self, addr: u64, len: usize) -> &[u8] {
+        let o = (addr - BASE) as usize;
+        &self.bytes[o..o + len]
+    }
+}
+
+/// One launch: kernel, descriptor table and work list addresses, blocks,
+/// optional arguments.
+struct Launch {
+    kernel: KernelChoice,
+    descs: u64,
+    work: u64,
+    blocks: u32,
+    args: Args,
+}
+
+/// Runs kvpack's CUDA kernels on the CPU (module docs).
+#[derive(Debug, Clone)]
+pub struct Emulator {
+    dir: PathBuf,
+}
+
+impl Emulator {
+    /// An emulator caching its binaries under the temporary directory.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] when `g++` cannot be run.
+    pub fn new() -> Result<Emulator> {
+        let ok = Command::new("g++")
+            .arg("--version")
+            .output()
+            .map(|o| o.status.success())
+            .unwrap_or(false);
+        if !ok {
+            return Err(Error::Unsupported(
+                "the SIMT emulator needs g++ (a C++17 compiler) on the PATH".into(),
+            ));
+        }
+        let dir = std::env::temp_dir().join("kvpack-emu");
+        std::fs::create_dir_all(&dir).map_err(|e| Error::io(dir.display().to_string(), e))?;
+        Ok(Emulator { dir })
+    }
+
+    /// The emulator binary of kernel source `name` (compiled on first use).
+    fn binary(&self, name: &str) -> Result<PathBuf> {
+        let src = sources::ALL
+            .iter()
+            .find(|s| s.name == name)
+            .ok_or_else(|| Error::param(format!("internal: no kernel source {name:?}")))?;
+        let table: String = src
+            .kernel_names()
+            .iter()
+            .map(|n| format!("    {{\"{n}\", (void*)&{n}}},\n"))
+            .collect();
+        let text = format!(
+            "{RUNTIME}\n{}\n#line 1 \"{name}.cu\"\n{}\n\
+             struct EmuKernel {{ const char* name; void* fn; }};\n\
+             static const EmuKernel emu_kernels[] = {{\n{table}    {{nullptr, nullptr}}\n}};\n{MAIN}",
+            sources::COMMON,
+            src.code
+        );
+        let hash: String = sha2::Sha256::digest(text.as_bytes())[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let bin = self.dir.join(format!("{name}-{hash}"));
+        if bin.exists() {
+            return Ok(bin);
+        }
+        let io = |p: &Path| {
+            let p = p.display().to_string();
+            move |e| Error::io(p, e)
+        };
+        let work = tempfile::Builder::new()
+            .prefix(&format!("{name}-build"))
+            .tempdir_in(&self.dir)
+            .map_err(io(&self.dir))?;
+        let cpp = work.path().join(format!("{name}.cpp"));
+        std::fs::write(&cpp, &text).map_err(io(&cpp))?;
+        let out = work.path().join("emu");
+        let o = Command::new("g++")
+            .args([
+                "-std=c++17",
+                "-O1",
+                "-ffp-contract=off",
+                "-fno-strict-aliasing",
+                "-w",
+                "-o",
+            ])
+            .arg(&out)
+            .arg(&cpp)
+            .output()
+            .map_err(io(Path::new("g++")))?;
+        if !o.status.success() {
+            return Err(Error::io(
+                format!("g++ compiling the emulator of {name}.cu"),
+                std::io::Error::other(String::from_utf8_lossy(&o.stderr).into_owned()),
+            ));
+        }
+        std::fs::rename(&out, &bin).map_err(io(&bin))?;
+        Ok(bin)
+    }
+
+    /// Runs `launches` over `arena` (in place), grouped by source module.
+    fn run(&self, arena: &mut Arena, launches: &[Launch]) -> Result<()> {
+        let mut by_source: BTreeMap<&str, String> = BTreeMap::new();
+        for l in launches {
+            if l.blocks == 0 {
+                continue;
+            }
+            let a = &l.args;
+            let (shape, extra) = match (a.bits, a.h, a.c) {
+                (None, None, None) => (0, String::new()),
+                (Some(b), None, None) => (1, format!("{b:x} ")),
+                (None, Some(h), Some(c)) => (2, format!("{h:x} {:x} ", c.to_bits())),
+                (Some(b), Some(h), Some(c)) => (3, format!("{b:x} {h:x} {:x} ", c.to_bits())),
+                _ => return Err(Error::param("internal: unsupported kernel argument shape")),
+            };
+            let line = format!(
+                "{} {} {} {} {shape} {:x} {:x} {extra}{:x}\n",
+                l.kernel.name,
+                l.blocks,
+                l.kernel.grid.threads(),
+                l.kernel.shared,
+                l.descs,
+                l.work,
+                a.status
+            );
+            by_source
+                .entry(l.kernel.source)
+                .or_default()
+                .push_str(&line);
+        }
+        let dir = tempfile::tempdir_in(&self.dir).map_err(|e| Error::io("emulator run", e))?;
+        let file = dir.path().join("arena");
+        std::fs::write(&file, &arena.bytes).map_err(|e| Error::io("emulator arena", e))?;
+        for (source, lines) in by_source {
+            let bin = self.binary(source)?;
+            let lf = dir.path().join(format!("{source}.launches"));
+            std::fs::write(&lf, lines).map_err(|e| Error::io("emulator launches", e))?;
+            let o = Command::new(&bin)
+                .arg(&file)
+                .arg(format!("{BASE:x}"))
+                .arg(&lf)
+                .output()
+                .map_err(|e| Error::io(bin.display().to_string(), e))?;
+            if !o.status.success() {
+                return Err(Error::io(
+                    format!("emulator of {source}.cu"),
+                    std::io::Error::other(String::from_utf8_lossy(&o.stderr).into_owned()),
+                ));
+            }
+        }
+        arena.bytes = std::fs::read(&file).map_err(|e| Error::io("emulator arena", e))?;
+        Ok(())
+    }
+
+    /// [`super::Device::decode_tensor`] through the emulated kernels.
+    ///
+    /// # Errors
+    /// As [`super::Device::decode_tensor`], and [`Error::Io`] when the
+    /// emulator cannot be built or fails.
+    pub fn decode_tensor(
+        &self,
+        archive: &Archive<'_>,
+        tensor: usize,
+        out: OutType,
+        layout: &HostLayout,
+    ) -> Result<Vec<u16>> {
+        let info = archive
+            .tensors()
+            .get(tensor)
+            .cloned()
+            .ok_or_else(|| Error::param(format!("no tensor {tensor}")))?;
+        let len = host::layout_len(&info, layout)?;
+        let (lo, hi) = host::token_range(&info, layout);
+        let staged: Vec<Staged<'_>> = archive
+            .reader()
+            .pages_overlapping(tensor, lo, hi)
+            .into_iter()
+            .map(|pi| stage_page(archive, pi))
+            .collect::<Result<_>>()?;
+        let mut arena = Arena { bytes: Vec::new() };
+        let bodies: Vec<u64> = staged.iter().map(|s| arena.place(s.view.body())).collect();
+        let (tables, side_at) =
+            super::side::for_archive(archive, staged.iter().map(|s| (s.codec, s.tensor)))?;
+        let side = arena.place(&tables);
+        let out_at = arena.place(bytemuck::cast_slice(&vec![POISON; len]));
+        let status = arena.place(&[0xff; 16]);
+        let dst = match layout {
+            HostLayout::Contiguous {
+                first_token,
+                tokens,
+            } => DstSpec::Contiguous {
+                ptr: out_at,
+                len: len as u64,
+                first_token: *first_token,
+                tokens: *tokens,
+            },
+            HostLayout::Paged { slots, .. } => DstSpec::Paged {
+                ptr: out_at,
+                len: len as u64,
+                slots: arena.place(bytemuck::cast_slice(slots)),
+                slots_len: slots.len() as u64,
+                slot_stride: info.tokens,
+            },
+        };
+        let mut groups = BTreeMap::new();
+        for (s, &body) in staged.iter().zip(&bodies) {
+            let mut g = s.geom;
+            if let Some(&o) = side_at.get(&(s.codec, s.tensor)) {
+                g.side = side + o;
+            }
+            add_page(&mut groups, &g, body, &dst, out)?;
+        }
+        let mut table = Vec::new();
+        let packed = pack_groups(groups, &mut table);
+        let t = arena.place(&table);
+        let launches: Vec<Launch> = packed
+            .iter()
+            .map(|(key, d, w, blocks)| Launch {
+                kernel: key.0.clone(),
+                descs: t + *d as u64,
+                work: t + *w as u64,
+                blocks: *blocks,
+                args: group_args(key, status),
+            })
+            .collect();
+        self.run(&mut arena, &launches)?;
+        let st: Vec<u64> = bytemuck::pod_collect_to_vec(arena.at(status, 16));
+        check_status(&st)?;
+        Ok(bytemuck::pod_collect_to_vec(arena.at(out_at, 2 * len)))
+    }
+
+    /// [`super::Device::encode_tensor`] through the emulated kernels.
+    ///
+    /// # Errors
+    /// As [`super::Device::encode_tensor`], and [`Error::Io`] when the
+    /// emulator cannot be built or fails.
+    pub fn encode_tensor(
+        &self,
+        tensor: &Tensor,
+        codec: &dyn Codec,
+        pages: &[PlannedPage],
+    ) -> Result<Vec<Vec<Section>>> {
+        let info = &tensor.info;
+        let mut arena = Arena { bytes: Vec::new() };
+        let src = match &tensor.data {
+            TensorData::Bf16(v) => arena.place(bytemuck::cast_slice(v)),
+            TensorData::F16(v) => arena.place(bytemuck::cast_slice(v)),
+            TensorData::F32(v) => arena.place(bytemuck::cast_slice(v)),
+        };
+        let layout = super::encplan::plan(src, info, codec, pages, &mut |b| Ok(arena.place(b)))?;
+        let bodies = arena.place(&layout.host);
+        let mut descs = layout.descs.clone();
+        for d in &mut descs {
+            d.body += bodies;
+        }
+        let status = arena.place(&[0xff; 8]);
+        let dt = arena.place(bytemuck::cast_slice(&descs));
+        let mut launches = Vec::new();
+        for w in &layout.works {
+            let at = arena.place(bytemuck::cast_slice(&w.items));
+            launches.push(Launch {
+                kernel: w.kernel.clone(),
+                descs: dt,
+                work: at,
+                blocks: w.items.len() as u32,
+                args: Args {
+                    bits: w.bits,
+                    h: w.h,
+                    c: w.c,
+                    status,
+                },
+            });
+        }
+        self.run(&mut arena, &launches)?;
+        let s = u64::from_le_bytes(arena.at(status, 8).try_into().expect("8 bytes"));
+        if s != u64::MAX {
+            let (page, row) = ((s >> 32) as usize, (s & 0xffff_ffff) as u32);
+            let p = &pages[page.min(pages.len() - 1)];
+            return Err(Error::param(format!(
+                "{} ({}) plane {} token {}: non-finite value (NaN or inf), or a value the codec \
+                 cannot represent, in a row to quantize",
+                info.name,
+                info.describe(),
+                row / p.tokens,
+                p.token_start + row % p.tokens
+            )));
+        }
+        Ok(layout
+            .layouts
+            .iter()
+            .map(|(l, off)| l.sections(arena.at(bodies + *off as u64, l.body_len as usize)))
+            .collect())
+    }
+}

@@ -1,0 +1,260 @@
+// HQMQ encode without outlier extraction (format/codecs/hqmq.md "Encoding"),
+// producing the CPU encoder's sections bit for bit:
+//
+// `encode_hqmq_{src}`: work item = up to RB rows of one plane of a page
+// (p1, RB = max(1, 256 / n_c)); one chunk per thread and step:
+//     range check (finite, |x| <= 65504), rho = sqrt(((x0*x0 + x1*x1) + x2*x2) + x3*x3)
+//     sigma_r = f16_ceil(max rho over the row), step = f32(sigma) / L  (SCALE written here)
+//     q = step == 0 ? 0 : rne(min(rho / step, L))
+//     j = the smallest index among the largest binary32 scores
+//         ((x0*C0 + x1*C1) + x2*C2) + x3*C3 over the 24 S joint codewords,
+//         found by the fast exact search of src/codec/hqmq/search.rs: the
+//         best coset max(2 max|w_i|, sum |w_i|) of w = x conj(Q_s) over all
+//         secondaries (shared memory, broadcast reads), the winner's best
+//         and second-best unit, accepted when it leads by more than 2 eps,
+//         eps = 2 max|x_i| 2^-17 + 1e-36; otherwise every coset within
+//         4 eps is re-scored with the normative rule (joint codebook).
+//     symbol v = j * 2^b + q into the page's scratch (u32 per chunk)
+// `encode_hqmq_pack`: one thread per output word of INDEX 0 (the low E bits
+// of each symbol) and INDEX 1 (W-bit groups N_g = sum h_{gG+t} O^t of the
+// high digits h = v >> E), written whole (no atomics, padding bits zero).
+//
+// Side table: per kv head, S secondaries then 24 S joint codewords (float4).
+// EncDesc: sec_scale = SCALE, sec_index = INDEX 0, sec3 = INDEX 1,
+// aux = the page's scratch (u32 per chunk), side = the tensor's codebooks;
+// p0 = S, p1 = rows per work item (RB), p2 = b | E << 8 | G << 16 | W << 24,
+// p3 = O.
+
+#define HQE_MAX_SMEM_S 2048
+#define F16_MAX_F 65504.0f
+#define RNE_MAGIC_F 12582912.0f
+
+template <int SRC>
+__device__ __forceinline__ float4 hqe_load4(const u8* src, u64 e) {
+    if (SRC == SRC_F32) {
+        return __ldg(reinterpret_cast<const float4*>(src + 4 * e));
+    }
+    uint2 a = __ldg(reinterpret_cast<const uint2*>(src + 2 * e));
+    float4 v;
+    if (SRC == SRC_BF16) {
+        v.x = bf16_to_f32((u16)(a.x & 0xffffu));
+        v.y = bf16_to_f32((u16)(a.x >> 16));
+        v.z = bf16_to_f32((u16)(a.y & 0xffffu));
+        v.w = bf16_to_f32((u16)(a.y >> 16));
+    } else {
+        v.x = f16_to_f32((u16)(a.x & 0xffffu));
+        v.y = f16_to_f32((u16)(a.x >> 16));
+        v.z = f16_to_f32((u16)(a.y & 0xffffu));
+        v.w = f16_to_f32((u16)(a.y >> 16));
+    }
+    return v;
+}
+
+// w = x * conj(q) (approximate: fused multiply-adds; the margin covers it).
+__device__ __forceinline__ float4 hqe_rotate(float4 x, float4 q) {
+    float4 w;
+    w.x = __fmaf_rn(x.w, q.w, __fmaf_rn(x.z, q.z, __fmaf_rn(x.y, q.y, __fmul_rn(x.x, q.x))));
+    w.y = __fmaf_rn(x.w, q.z, __fmaf_rn(-x.z, q.w, __fmaf_rn(-x.x, q.y, __fmul_rn(x.y, q.x))));
+    w.z = __fmaf_rn(-x.w, q.y, __fmaf_rn(x.y, q.w, __fmaf_rn(-x.x, q.z, __fmul_rn(x.z, q.x))));
+    w.w = __fmaf_rn(x.z, q.y, __fmaf_rn(-x.y, q.z, __fmaf_rn(-x.x, q.w, __fmul_rn(x.w, q.x))));
+    return w;
+}
+
+// Twice the coset maximum: max(2 max|w_i|, (|w0| + |w1|) + (|w2| + |w3|)).
+__device__ __forceinline__ float hqe_group2(float4 w) {
+    float a0 = fabsf(w.x), a1 = fabsf(w.y), a2 = fabsf(w.z), a3 = fabsf(w.w);
+    float m = fmaxf(fmaxf(a0, a1), fmaxf(a2, a3));
+    float s = __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
+    return fmaxf(__fadd_rn(m, m), s);
+}
+
+// The normative score ((x0*c0 + x1*c1) + x2*c2) + x3*c3, no fused multiply-add.
+__device__ __forceinline__ float hqe_dot(float4 x, float4 c) {
+    return __fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(x.x, c.x), __fmul_rn(x.y, c.y)), __fmul_rn(x.z, c.z)),
+                     __fmul_rn(x.w, c.w));
+}
+
+// The direction index of chunk x (src/codec/hqmq/search.rs, `search` +
+// `finish`), equal to the exhaustive normative search.
+__device__ __forceinline__ u32 hqe_search(float4 x, const float4* sec, const float4* joint, u32 S) {
+    float b = __int_as_float(0xff800000), b2 = b;
+    u32 s1 = 0;
+    for (u32 s = 0; s < S; s++) {
+        float sc = hqe_group2(hqe_rotate(x, sec[s]));
+        b2 = fmaxf(b2, fminf(b, sc));
+        if (sc > b) {
+            b = sc;
+            s1 = s;
+        }
+    }
+    float xm = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+    float r = __fmul_rn(2.0f, xm);
+    if (r == 0.0f) return 0;
+    float eps = __fadd_rn(__fmul_rn(r, 1.0f / 131072.0f), 1e-36f);
+    float4 w = hqe_rotate(x, sec[s1]);
+    float a[4] = {fabsf(w.x), fabsf(w.y), fabsf(w.z), fabsf(w.w)};
+    u32 i1 = 0;
+#pragma unroll
+    for (u32 i = 1; i < 4; i++)
+        if (a[i] > a[i1]) i1 = i;
+    float m1 = a[i1], m2 = __int_as_float(0xff800000);
+#pragma unroll
+    for (u32 i = 0; i < 4; i++)
+        if (i != i1) m2 = fmaxf(m2, a[i]);
+    float h1 = __fmul_rn(__fadd_rn(__fadd_rn(a[0], a[1]), __fadd_rn(a[2], a[3])), 0.5f);
+    float h2 = __fsub_rn(h1, fminf(fminf(a[0], a[1]), fminf(a[2], a[3])));
+    float wv[4] = {w.x, w.y, w.z, w.w};
+    u32 p;
+    float v1;
+    if (m1 >= h1) {
+        v1 = m1;
+        p = 2u * i1 + (__float_as_uint(wv[i1]) >> 31);
+    } else {
+        v1 = h1;
+        p = 8u + (__float_as_uint(w.x) >> 31) + 2u * (__float_as_uint(w.y) >> 31) +
+            4u * (__float_as_uint(w.z) >> 31) + 8u * (__float_as_uint(w.w) >> 31);
+    }
+    float v2 = fmaxf(fmaxf(fminf(m1, h1), m2), h2);
+    if (__fsub_rn(v1, fmaxf(__fmul_rn(b2, 0.5f), v2)) > __fmul_rn(2.0f, eps)) return p * S + s1;
+    // Near-tie: the normative rule over every coset within 4 eps.
+    float floor_ = __fsub_rn(v1, __fmul_rn(4.0f, eps));
+    float best = __int_as_float(0xff800000);
+    u32 arg = 0xffffffffu;
+    for (u32 s = 0; s < S; s++) {
+        if (__fmul_rn(hqe_group2(hqe_rotate(x, sec[s])), 0.5f) < floor_) continue;
+        for (u32 q = 0; q < 24u; q++) {
+            u32 jj = q * S + s;
+            float sc = hqe_dot(x, __ldg(joint + jj));
+            if (sc > best || (sc == best && jj < arg)) {
+                best = sc;
+                arg = jj;
+            }
+        }
+    }
+    return arg;
+}
+
+// The smallest f16 >= v (v >= 0 finite), as bits; >= 0x7c00 when above the range.
+__device__ __forceinline__ u32 hqe_f16_ceil(float v) {
+    u32 h = f32_to_f16(v);
+    if (f16_to_f32((u16)h) < v) h++;
+    return h;
+}
+
+template <int SRC>
+__device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
+                                            const uint2* __restrict__ work, u64* status) {
+    __shared__ __align__(16) float4 ssec[HQE_MAX_SMEM_S];
+    __shared__ u32 rmax[BLOCK];
+    __shared__ float rstep[BLOCK];
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 tid = threadIdx.x;
+    const u32 S = d.p0, RB = d.p1, b = d.p2 & 0xffu;
+    const u32 D = d.head_dim, nc = D >> 2;
+    // The item: rows [r0, r0 + nr) of one plane (the host cuts items at
+    // plane ends), so one kv head and one codebook.
+    const u32 r0 = w.y;
+    const u32 plane = udiv(r0, d.tokens, d.m_tokens);
+    const u32 nr = min(RB, (plane + 1u) * d.tokens - r0), npos = nr * nc;
+    const u32 t0 = r0 - plane * d.tokens;
+    const float L = (float)((1u << b) - 1u);
+    const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride + (u64)t0 * D);
+    u8* body = reinterpret_cast<u8*>(d.body);
+    u32* scratch = reinterpret_cast<u32*>(d.aux);
+    const float4* gsec = reinterpret_cast<const float4*>(d.side) + (u64)(plane % d.heads) * 25u * S;
+    const float4* joint = gsec + S;
+    const bool smem = S <= HQE_MAX_SMEM_S;
+    if (smem) {
+        for (u32 i = tid; i < S; i += BLOCK) ssec[i] = __ldg(gsec + i);
+    }
+    for (u32 i = tid; i < nr; i += BLOCK) rmax[i] = 0;
+    __syncthreads();
+    const float4* sec = smem ? ssec : gsec;
+    // Pass 1: radii, row maxima, range check.
+    for (u32 i = tid; i < npos; i += BLOCK) {
+        u32 rl = i / nc;
+        float4 x = hqe_load4<SRC>(src, (u64)i * 4u);
+        bool ok = fabsf(x.x) <= F16_MAX_F && fabsf(x.y) <= F16_MAX_F && fabsf(x.z) <= F16_MAX_F &&
+                  fabsf(x.w) <= F16_MAX_F;
+        if (!ok) atomicMin(status, ((u64)d.page << 32) | (r0 + rl));
+        float rho = __fsqrt_rn(__fadd_rn(
+            __fadd_rn(__fadd_rn(__fmul_rn(x.x, x.x), __fmul_rn(x.y, x.y)), __fmul_rn(x.z, x.z)),
+            __fmul_rn(x.w, x.w)));
+        if (ok) atomicMax(&rmax[rl], __float_as_uint(rho));
+    }
+    __syncthreads();
+    for (u32 rl = tid; rl < nr; rl += BLOCK) {
+        u32 h = hqe_f16_ceil(__uint_as_float(rmax[rl]));
+        if (h >= 0x7c00u) atomicMin(status, ((u64)d.page << 32) | (r0 + rl));
+        reinterpret_cast<u16*>(body + d.sec_scale)[r0 + rl] = (u16)h;
+        rstep[rl] = __fdiv_rn(f16_to_f32((u16)h), L);
+    }
+    __syncthreads();
+    // Pass 2: radius levels and directions.
+    for (u32 i = tid; i < npos; i += BLOCK) {
+        u32 rl = i / nc;
+        float4 x = hqe_load4<SRC>(src, (u64)i * 4u);
+        float rho = __fsqrt_rn(__fadd_rn(
+            __fadd_rn(__fadd_rn(__fmul_rn(x.x, x.x), __fmul_rn(x.y, x.y)), __fmul_rn(x.z, x.z)),
+            __fmul_rn(x.w, x.w)));
+        float step = rstep[rl];
+        u32 q = 0;
+        if (step != 0.0f) {
+            float tq = fminf(__fdiv_rn(rho, step), L);
+            q = __float_as_uint(__fadd_rn(tq, RNE_MAGIC_F)) - 0x4b400000u;
+        }
+        u32 j = hqe_search(x, sec, joint, S);
+        scratch[(u64)r0 * nc + i] = (j << b) | q;
+    }
+}
+
+#define HQE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_bf16(HQE_ARGS) { hqmq_encode<SRC_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_f16(HQE_ARGS) { hqmq_encode<SRC_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_f32(HQE_ARGS) { hqmq_encode<SRC_F32>(descs, work, status); }
+
+// Pack: work item (page, first word); words [0, n0) are INDEX 0, words
+// [n0, n0 + n1) INDEX 1 (n0, n1 from the chunk and group counts).
+__device__ __forceinline__ void hqmq_pack(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
+                                          u64* status) {
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 b = d.p2 & 0xffu, E = (d.p2 >> 8) & 0xffu, G = (d.p2 >> 16) & 0xffu, W = d.p2 >> 24;
+    const u64 O = d.p3;
+    const u32 n = d.rows * (d.head_dim >> 2);
+    const u32 ngroups = (n + G - 1u) / G;
+    const u32 n0 = (u32)(((u64)n * E + 31u) / 32u);
+    const u32 n1 = (u32)(((u64)ngroups * W + 31u) / 32u);
+    const u32* sym = reinterpret_cast<const u32*>(d.aux);
+    u8* body = reinterpret_cast<u8*>(d.body);
+    (void)b;
+    (void)status;
+    const u32 wd = w.y + threadIdx.x;
+    if (wd < n0) {
+        u64 lo = (u64)wd * 32u, hi = lo + 32u;
+        u32 word = 0;
+        for (u64 k = lo / E; k * E < hi && k < n; k++) {
+            u64 v = sym[k] & ((1u << E) - 1u);
+            i64 sh = (i64)(k * E) - (i64)lo;
+            word |= sh >= 0 ? (u32)(v << sh) : (u32)(v >> (-sh));
+        }
+        reinterpret_cast<u32*>(body + d.sec_index)[wd] = word;
+    } else if (wd < n0 + n1) {
+        u32 w1 = wd - n0;
+        u64 lo = (u64)w1 * 32u, hi = lo + 32u;
+        u32 word = 0;
+        for (u64 g = lo / W; g * W < hi && g < ngroups; g++) {
+            u64 v = 0;
+            for (u32 t = G; t-- > 0;) {
+                u64 k = g * G + t;
+                v = v * O + (k < n ? (u64)(sym[k] >> E) : 0ull);
+            }
+            i64 sh = (i64)(g * W) - (i64)lo;
+            word |= sh >= 0 ? (u32)(v << sh) : (u32)(v >> (-sh));
+        }
+        reinterpret_cast<u32*>(body + d.sec3)[w1] = word;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_pack(HQE_ARGS) { hqmq_pack(descs, work, status); }
