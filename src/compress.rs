@@ -2,7 +2,6 @@
 //! with page encoding on all threads overlapped with writing.
 
 use std::io::Write;
-use std::sync::mpsc;
 use std::time::Instant;
 
 use rayon::prelude::*;
@@ -111,44 +110,38 @@ fn page_source_bytes(tensor: &Tensor, p: &PlannedPage) -> u64 {
     i.planes() as u64 * p.tokens as u64 * i.head_dim as u64 * i.dtype.size() as u64
 }
 
-/// Runs `f` over `items` on the rayon pool in batches of about
-/// `batch_bytes / item_bytes` items (at least two per thread) and hands the
-/// results to `sink` in order, from the calling thread, while the next
-/// batch is being computed. At most about two batches are held in memory.
+/// Runs `f` over `items` on the current rayon pool in batches of about
+/// `4 MiB / item_bytes` items (at least two per thread) and hands the
+/// results to `sink` in order; while batch `k` is being written, batch
+/// `k + 1` is being computed (`rayon::join`). At most two batches are held
+/// in memory. Everything runs in the pool the caller is in (e.g. inside
+/// `ThreadPool::install`), so a one-thread pool really uses one thread.
 pub(crate) fn ordered_map<T: Sync, U: Send>(
     items: &[T],
     item_bytes: u64,
     f: impl Fn(&T) -> Result<U> + Sync,
-    mut sink: impl FnMut(U) -> Result<()>,
+    mut sink: impl FnMut(U) -> Result<()> + Send,
 ) -> Result<()> {
     const BATCH_BYTES: u64 = 4 << 20;
     let per_thread = (rayon::current_num_threads() * 2).max(2);
     let batch = per_thread.max((BATCH_BYTES / item_bytes.max(1)) as usize);
-    std::thread::scope(|s| {
-        let (tx, rx) = mpsc::sync_channel::<Result<Vec<U>>>(1);
-        let f = &f;
-        s.spawn(move || {
-            for chunk in items.chunks(batch) {
-                let r: Result<Vec<U>> = chunk.par_iter().map(f).collect();
-                let stop = r.is_err();
-                if tx.send(r).is_err() || stop {
-                    return;
-                }
-            }
-        });
-        for r in rx {
-            for u in r? {
-                sink(u)?;
-            }
-        }
-        Ok(())
-    })
+    let mut pending: Vec<U> = Vec::new();
+    for chunk in items.chunks(batch) {
+        let ready = std::mem::take(&mut pending);
+        let (next, written) = rayon::join(
+            || chunk.par_iter().map(&f).collect::<Result<Vec<U>>>(),
+            || ready.into_iter().try_for_each(&mut sink),
+        );
+        written?;
+        pending = next?;
+    }
+    pending.into_iter().try_for_each(&mut sink)
 }
 
 /// Encodes `pages` of `tensors` on all threads and writes them in order.
 /// Window pages use the codec of table slot `raw_slot`, others slot 0.
 /// Returns (elements, source bytes) written.
-fn write_pages<W: Write>(
+fn write_pages<W: Write + Send>(
     w: &mut Writer<W>,
     tensors: &[Tensor],
     pages: &[PlannedPage],
@@ -189,7 +182,7 @@ fn write_pages<W: Write>(
 /// # Errors
 /// [`Error::Parameter`] when the codec cannot encode a tensor (shape, NaN),
 /// [`Error::Io`] when writing fails.
-pub fn compress<W: Write>(
+pub fn compress<W: Write + Send>(
     cache: &KvCache,
     codec: &dyn Codec,
     opts: &CompressOptions,
@@ -275,7 +268,7 @@ pub fn compress<W: Write>(
 /// [`Error::Parameter`] when `longer` does not extend the stored cache
 /// (different model, tensors, shapes, fewer tokens, or token ids that do not
 /// start with the stored ones).
-pub fn append<W: Write>(
+pub fn append<W: Write + Send>(
     existing: &Reader<'_>,
     longer: &KvCache,
     unverified_ok: bool,

@@ -74,7 +74,7 @@ pub fn open_input(path: &str) -> Result<InputBytes> {
 pub fn write_atomic(
     path: &Path,
     force: bool,
-    fill: impl FnOnce(&mut dyn Write) -> Result<()>,
+    fill: impl FnOnce(&mut (dyn Write + Send)) -> Result<()>,
 ) -> Result<()> {
     if !force && path.exists() {
         return Err(Error::param(format!(

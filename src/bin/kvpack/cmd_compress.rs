@@ -61,7 +61,7 @@ pub fn run(a: Args) -> Result<u8> {
     let pb = output::progress(cache.source_bytes(), "compress", a.quiet || a.json);
     let progress = |n: u64| pb.set_position(n);
     let report = if out_name == "-" {
-        let stdout = std::io::stdout().lock();
+        let stdout = std::io::stdout();
         let (mut w, r) = compress(
             &cache,
             codec.as_ref(),
