@@ -692,13 +692,7 @@ impl Codec for Octopus {
         for c in &self.dir.centroids {
             p.extend_from_slice(&c.to_le_bytes());
         }
-        p.extend_from_slice(&(self.norms.len() as u32).to_le_bytes());
-        for n in &self.norms {
-            p.extend_from_slice(&n.dim.to_le_bytes());
-            for c in &n.centroids {
-                p.extend_from_slice(&c.to_le_bytes());
-            }
-        }
+        sphere::write_dim_tables(&mut p, self.norms.iter().map(|n| (n.dim, &n.centroids[..])));
         p
     }
 
@@ -707,12 +701,7 @@ impl Codec for Octopus {
     }
 
     fn prepare(&self, cache: &KvCache, _layout: &Layout) -> Result<Option<Box<dyn Codec>>> {
-        let dims: Vec<u32> = cache
-            .tensors
-            .iter()
-            .filter(|t| sphere::unit_coded(&self.options, t.info.kind))
-            .map(|t| t.info.head_dim)
-            .collect();
+        let dims = sphere::coded_head_dims(&self.options, cache);
         Ok(Some(Box::new(self.with_head_dims(&dims)?)))
     }
 

@@ -332,6 +332,33 @@ pub fn unit_coded(opts: &Options, kind: Kind) -> bool {
     kind == Kind::Key || opts.values == Values::Same
 }
 
+/// head_dims of the tensors of `cache` that the unit quantizer codes (the
+/// dimensions a codec's per-head_dim codebook tables are trained for in
+/// `Codec::prepare`).
+pub fn coded_head_dims(opts: &Options, cache: &crate::cache::KvCache) -> Vec<u32> {
+    cache
+        .tensors
+        .iter()
+        .filter(|t| unit_coded(opts, t.info.kind))
+        .map(|t| t.info.head_dim)
+        .collect()
+}
+
+/// Appends per-head_dim codebook tables to a parameter block: a u32 count,
+/// then per table its head_dim (u32) and centroids (f32), little-endian.
+pub fn write_dim_tables<'t>(
+    p: &mut Vec<u8>,
+    tables: impl ExactSizeIterator<Item = (u32, &'t [f32])>,
+) {
+    p.extend_from_slice(&(tables.len() as u32).to_le_bytes());
+    for (dim, centroids) in tables {
+        p.extend_from_slice(&dim.to_le_bytes());
+        for c in centroids {
+            p.extend_from_slice(&c.to_le_bytes());
+        }
+    }
+}
+
 /// Checks that `t` can be coded (`family` names the codec in messages).
 ///
 /// # Errors

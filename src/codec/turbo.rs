@@ -258,13 +258,10 @@ impl Codec for Turbo {
 
     fn params(&self) -> Vec<u8> {
         let mut p = sphere::write_header(self.bits, 0, 0, &self.options);
-        p.extend_from_slice(&(self.tables.len() as u32).to_le_bytes());
-        for t in &self.tables {
-            p.extend_from_slice(&t.dim.to_le_bytes());
-            for c in &t.centroids {
-                p.extend_from_slice(&c.to_le_bytes());
-            }
-        }
+        sphere::write_dim_tables(
+            &mut p,
+            self.tables.iter().map(|t| (t.dim, &t.centroids[..])),
+        );
         p
     }
 
@@ -273,12 +270,7 @@ impl Codec for Turbo {
     }
 
     fn prepare(&self, cache: &KvCache, _layout: &Layout) -> Result<Option<Box<dyn Codec>>> {
-        let dims: Vec<u32> = cache
-            .tensors
-            .iter()
-            .filter(|t| sphere::unit_coded(&self.options, t.info.kind))
-            .map(|t| t.info.head_dim)
-            .collect();
+        let dims = sphere::coded_head_dims(&self.options, cache);
         Ok(Some(Box::new(self.with_head_dims(&dims)?)))
     }
 

@@ -1,42 +1,22 @@
-//! OCTOPUS and TurboQuant-MSE throughput on the real fixture (Gemma-3-270M,
-//! head_dim 256), in GB/s of bf16 KV (input bytes for encode, output bytes
-//! for decode), on one thread and on all threads, next to bdr128 and zstd
-//! level 1 on the same bytes in the same run; plus the compressed-domain
-//! score (`Octopus::scores`: one query against every K page, no decode) in
-//! GB/s of the bf16 K bytes it stands for.
+//! OCTOPUS's compressed-domain score (`Octopus::scores`: one query against
+//! every K page, no decode) in GB/s of the bf16 K bytes it stands for, one
+//! thread.
 //!
-//! `cargo bench --bench octopus` or `cargo bench --bench octopus -- decode`.
-//! Set `KVPACK_BENCH_CODECS=octopus:b3,turbo:b3` to choose codecs.
+//! `cargo bench --bench octopus` (set `KVPACK_BENCH_CODECS` to choose the
+//! octopus configurations). Whole-codec encode/decode throughput next to
+//! zstd-1 is in the `codecs` bench:
+//! `KVPACK_BENCH_CODECS=octopus:b3,turbo:b3 cargo bench --bench codecs`.
 
 use std::path::Path;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvpack::cache::{DType, Kind};
+use kvpack::cache::Kind;
 use kvpack::codec::octopus::Octopus;
 use kvpack::compress::{CompressOptions, compress};
-use kvpack::decode::{Archive, Selection};
 use kvpack::format::Reader;
-use rayon::prelude::*;
 
 const FIXTURE: &str = "fixtures/gemma3-270m-gpl3-520.safetensors";
-const DEFAULT: &str = "octopus:b2,octopus:b3,octopus:b4,octopus:b3+qjl,turbo:b3,bdr128";
-
-fn pools() -> Vec<(String, rayon::ThreadPool)> {
-    let all = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    let pool = |n| {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .build()
-            .unwrap()
-    };
-    let mut v = vec![("1 thread".to_string(), pool(1))];
-    if all > 1 {
-        v.push((format!("{all} threads"), pool(all)));
-    }
-    v
-}
+const DEFAULT: &str = "octopus:b2,octopus:b3,octopus:b4,octopus:b3+qjl";
 
 fn bench(c: &mut Criterion) {
     let bytes =
@@ -44,8 +24,6 @@ fn bench(c: &mut Criterion) {
     let cache = kvpack::io::safetensors::parse(&bytes, FIXTURE)
         .unwrap()
         .cache;
-    let source = cache.source_bytes();
-    let raw: Vec<Vec<u8>> = cache.tensors.iter().map(|t| t.data.to_le_bytes()).collect();
     let codecs = std::env::var("KVPACK_BENCH_CODECS").unwrap_or_else(|_| DEFAULT.into());
     let files: Vec<(String, Vec<u8>)> = codecs
         .split(',')
@@ -62,67 +40,6 @@ fn bench(c: &mut Criterion) {
             (name.to_string(), f)
         })
         .collect();
-    let zipped: Vec<Vec<u8>> = raw
-        .iter()
-        .map(|t| zstd::bulk::compress(t, 1).unwrap())
-        .collect();
-    for (label, pool) in pools() {
-        let mut g = c.benchmark_group(format!("encode/{label}"));
-        g.throughput(Throughput::Bytes(source));
-        for name in codecs.split(',') {
-            let codec = kvpack::codec::parse(name).unwrap();
-            g.bench_function(BenchmarkId::from_parameter(name), |b| {
-                b.iter(|| {
-                    pool.install(|| {
-                        compress(
-                            &cache,
-                            codec.as_ref(),
-                            &CompressOptions::default(),
-                            Vec::with_capacity(4 << 20),
-                            &|_| {},
-                        )
-                        .unwrap()
-                    })
-                })
-            });
-        }
-        g.bench_function(BenchmarkId::from_parameter("zstd-1"), |b| {
-            b.iter(|| {
-                pool.install(|| {
-                    raw.par_iter()
-                        .map(|t| zstd::bulk::compress(t, 1).unwrap().len())
-                        .sum::<usize>()
-                })
-            })
-        });
-        g.finish();
-
-        let mut g = c.benchmark_group(format!("decode/{label}"));
-        g.throughput(Throughput::Bytes(source));
-        for (name, file) in &files {
-            let ar = Archive::open(file).unwrap();
-            g.bench_function(BenchmarkId::from_parameter(name), |b| {
-                b.iter(|| {
-                    pool.install(|| {
-                        ar.decode(&Selection::default(), Some(DType::Bf16), None)
-                            .unwrap()
-                    })
-                })
-            });
-        }
-        g.bench_function(BenchmarkId::from_parameter("zstd-1"), |b| {
-            b.iter(|| {
-                pool.install(|| {
-                    zipped
-                        .par_iter()
-                        .zip(&raw)
-                        .map(|(c, r)| zstd::bulk::decompress(c, r.len()).unwrap().len())
-                        .sum::<usize>()
-                })
-            })
-        });
-        g.finish();
-    }
 
     // Compressed-domain scores: one query per K page, single thread.
     let mut g = c.benchmark_group("scores/1 thread");
