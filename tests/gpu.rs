@@ -458,6 +458,57 @@ fn vq_cases() -> Vec<Case> {
             layout(256, 0, 0),
             false,
         ),
+        // Quad kernels: pages whose token count is no multiple of 4 (quads
+        // across planes, across token groups and slot words), G = 64.
+        c(
+            "innerq:k3v3",
+            spec(2, 3, 75, 64),
+            DType::Bf16,
+            layout(32, 3, 2),
+            false,
+        ),
+        c(
+            "innerq:k3v2:asym",
+            spec(1, 2, 150, 64),
+            DType::F16,
+            layout(70, 0, 0),
+            false,
+        ),
+        c(
+            "innerq:k2v2:sym:g64",
+            spec(1, 2, 140, 128),
+            DType::Bf16,
+            layout(70, 0, 0),
+            false,
+        ),
+        c(
+            "innerq:k4v3:nonorm",
+            spec(1, 2, 70, 32),
+            DType::Bf16,
+            layout(30, 0, 0),
+            false,
+        ),
+        c(
+            "kivi:3:g2",
+            spec(2, 3, 75, 64),
+            DType::Bf16,
+            layout(32, 3, 2),
+            false,
+        ),
+        c(
+            "kivi:5:g16",
+            spec(1, 2, 150, 256),
+            DType::Bf16,
+            layout(70, 0, 0),
+            false,
+        ),
+        c(
+            "polar:m4n2",
+            spec(2, 3, 75, 64),
+            DType::Bf16,
+            layout(30, 0, 0),
+            false,
+        ),
         c(
             "polar:m4n4",
             spec(1, 4, 300, 128),

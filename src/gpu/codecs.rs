@@ -30,6 +30,15 @@ use super::spec::{
 pub const GROUP_UNITS: u32 = 4;
 /// Units (8 pairs) per thread of the fast polar kernels (`POLAR_U`).
 pub const POLAR_UNITS: u32 = 4;
+/// Units (8 elements, or 8 polar pairs) per thread of the quad kernels:
+/// `QUADS` quads of 4 rows (`kernels/common.cuh`).
+pub const QUAD_UNITS: u32 = 4;
+
+/// Whether the quad kernels handle rows of `upr` chunks (a power of two
+/// <= 256, so a block's rows start at a multiple of 4).
+fn quad_chunks(upr: u32) -> bool {
+    upr.is_power_of_two() && upr <= 256
+}
 /// Chunks per hqmq decode sub-block (`HQ_NPOS`): head_dim / 4 may not
 /// exceed it.
 pub const HQ_NPOS: u32 = 2048;
@@ -615,11 +624,19 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             ..
         } => Ok(if d8 && (tokens || group.is_multiple_of(8)) {
             let ax = if tokens { "tok" } else { "ch" };
-            choice(
-                "kivi",
-                format!("decode_kivi_{ax}_b{bits}_{o}"),
-                units(8, GROUP_UNITS),
-            )
+            if quad_chunks(head_dim / 8) {
+                choice(
+                    "kivi",
+                    format!("decode_kivi_{ax}q_b{bits}_{o}"),
+                    units(8, QUAD_UNITS),
+                )
+            } else {
+                choice(
+                    "kivi",
+                    format!("decode_kivi_{ax}_b{bits}_{o}"),
+                    units(8, GROUP_UNITS),
+                )
+            }
         } else {
             choice(
                 "kivi",
@@ -629,11 +646,19 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
         }),
         KernelCodec::InnerQ { bits, tokens, .. } => Ok(if d8 {
             let ax = if tokens { "v" } else { "k" };
-            choice(
-                "innerq",
-                format!("decode_innerq_{ax}_b{bits}_{o}"),
-                units(8, GROUP_UNITS),
-            )
+            if quad_chunks(head_dim / 8) {
+                choice(
+                    "innerq",
+                    format!("decode_innerq_{ax}q_b{bits}_{o}"),
+                    units(8, QUAD_UNITS),
+                )
+            } else {
+                choice(
+                    "innerq",
+                    format!("decode_innerq_{ax}_b{bits}_{o}"),
+                    units(8, GROUP_UNITS),
+                )
+            }
         } else {
             choice(
                 "innerq",
@@ -646,11 +671,19 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             Ok(if head_dim.is_multiple_of(16) && c <= 8 {
                 let pairing = if adjacent { "adj" } else { "half" };
                 let cc = if matches!(c, 4 | 6 | 8) { c } else { 0 };
-                choice(
-                    "polar",
-                    format!("decode_polar_{pairing}_c{cc}_{o}"),
-                    units(16, POLAR_UNITS),
-                )
+                if quad_chunks(head_dim / 16) {
+                    choice(
+                        "polar",
+                        format!("decode_polar_{pairing}q_c{cc}_{o}"),
+                        units(16, QUAD_UNITS),
+                    )
+                } else {
+                    choice(
+                        "polar",
+                        format!("decode_polar_{pairing}_c{cc}_{o}"),
+                        units(16, POLAR_UNITS),
+                    )
+                }
             } else {
                 choice(
                     "polar",
@@ -773,16 +806,16 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
     for out in [OutType::Bf16, OutType::F16] {
         let o = out.suffix();
         for bits in 1..=8 {
-            for ax in ["tok", "ch"] {
+            for ax in ["tok", "ch", "tokq", "chq"] {
                 v.push(("kivi", format!("decode_kivi_{ax}_b{bits}_{o}")));
             }
-            for ax in ["k", "v"] {
+            for ax in ["k", "v", "kq", "vq"] {
                 v.push(("innerq", format!("decode_innerq_{ax}_b{bits}_{o}")));
             }
         }
         v.push(("kivi", format!("decode_kivi_any_{o}")));
         v.push(("innerq", format!("decode_innerq_any_{o}")));
-        for pairing in ["half", "adj"] {
+        for pairing in ["half", "adj", "halfq", "adjq"] {
             for c in [0, 4, 6, 8] {
                 v.push(("polar", format!("decode_polar_{pairing}_c{c}_{o}")));
             }

@@ -134,6 +134,12 @@ static inline unsigned long long __umul64hi(unsigned long long a, unsigned long 
 }
 static inline int __popc(unsigned x) { return __builtin_popcount(x); }
 static inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
+static inline unsigned __brev(unsigned x) {
+    x = ((x >> 1) & 0x55555555u) | ((x & 0x55555555u) << 1);
+    x = ((x >> 2) & 0x33333333u) | ((x & 0x33333333u) << 2);
+    x = ((x >> 4) & 0x0f0f0f0fu) | ((x & 0x0f0f0f0fu) << 4);
+    return __builtin_bswap32(x);
+}
 static inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 // Vector loads and stores must be naturally aligned on the GPU (a fault
 // there); the emulator checks it.

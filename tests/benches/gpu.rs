@@ -690,7 +690,13 @@ fn main() {
     for (codec, paged, f16, split) in [
         ("polar:m4n4", true, true, true),
         ("polar:m4n2", false, false, true),
+        ("polar:m4n4:adjacent", false, false, true),
+        ("polar:m4n2:adjacent", false, false, false),
         ("innerq:k2v2", true, true, true),
+        ("innerq:k3v3", false, false, false),
+        ("innerq:k3v2", false, false, true),
+        ("innerq:k2v2:sym", false, false, false),
+        ("innerq:k2v2:asym", false, false, false),
         ("kivi:2", true, false, true),
         ("kivi:4", false, false, false),
         ("turbo:b3", true, false, false),

@@ -531,3 +531,114 @@ __device__ __forceinline__ void walk_next(const PageDesc& d, u32 u, u32 drow, Ro
         r.p++;
     }
 }
+
+// ---------------------------------------------------------------------------
+// Quad layout of the group kernels (innerq, kivi, polar): a thread handles
+// one chunk j (8 elements, or 8 pairs for polar) of QUADS quads of 4
+// consecutive rows r0 .. r0 + 3 (r0 a multiple of 4). The chunks per row
+// (`upr`) are a power of two <= 256 and the upr lanes of a row are
+// consecutive threads, so every 16-byte store instruction of a warp writes
+// whole rows, and per-group data shared along tokens (innerq values, kivi
+// keys, polar radius scales) is loaded and prepared once for 4 rows. Work
+// items come from the 8-element (16 for polar) unit grid with 4 * QUADS
+// units per thread: a block covers 4 * QUADS * BLOCK / upr rows, a multiple
+// of 4 starting at a multiple of 4. Quad q of a thread starts at row
+// quad_row0(first unit, log2 upr, q).
+#define QUADS 1
+
+__device__ __forceinline__ u32 quad_row0(u32 first_unit, u32 lg, u32 q) {
+    return (first_unit >> lg) + 4u * ((threadIdx.x >> lg) + q * ((u32)BLOCK >> lg));
+}
+
+// A quad: first row r0 (< rows), its plane p and page token t, the index
+// of its last row in the page (0..3), and whether its 4 rows lie in plane
+// p (tokens t .. t + 3; always when the page's token count is a multiple
+// of 4).
+struct Quad {
+    u32 r0, p, t, last;
+    bool same;
+};
+__device__ __forceinline__ Quad quad_at(const PageDesc& d, u32 r0) {
+    Quad q;
+    q.r0 = r0;
+    q.p = udiv(r0, d.tokens, d.m_tokens);
+    q.t = r0 - q.p * d.tokens;
+    q.last = min(d.rows - r0, 4u) - 1u;
+    q.same = q.t + 3u < d.tokens;
+    return q;
+}
+
+// Row k of the quad for loads: rows past the page repeat its last row
+// (loaded, never stored), so loads need no conditions.
+__device__ __forceinline__ u32 quad_row(const Quad& q, u32 k) { return q.r0 + min(k, q.last); }
+
+// Plane pk and page token tk of row k of the quad.
+__device__ __forceinline__ void quad_pt(const PageDesc& d, const Quad& q, u32 k, u32& pk, u32& tk) {
+    pk = q.p;
+    tk = q.t + k;
+    if (!q.same) {
+        while (tk >= d.tokens) {
+            tk -= d.tokens;
+            pk++;
+        }
+    }
+}
+
+// Output pointers of the quad's 4 rows at element `off` of each row;
+// nullptr for rows not written (past the page, outside the token range,
+// unmapped slots). Contiguous quads in one plane are D elements apart.
+__device__ __forceinline__ void quad_dst(const PageDesc& d, const Quad& q, u32 off, u16* out[4], u64* status) {
+    u16* dst = reinterpret_cast<u16*>(d.dst);
+    if (d.slots == 0 && q.same) {
+        u16* b = dst + ((i64)q.p * (i64)d.stride + ((i64)q.t + (i64)d.tok_off) * (i64)d.head_dim) + off;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 t = q.t + (u32)k;
+            out[k] = t >= d.t_lo && t < d.t_hi ? b + (u32)k * d.head_dim : nullptr;
+        }
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        out[k] = nullptr;
+        if ((u32)k <= q.last) {
+            u32 pk, tk;
+            quad_pt(d, q, (u32)k, pk, tk);
+            i64 o = row_dst_pt(d, q.r0 + (u32)k, pk, tk, status);
+            if (o >= 0) out[k] = dst + o + off;
+        }
+    }
+}
+
+// The 8 codes of B bits of chunk `unit` (elements 8 * unit .. + 7) of a
+// packed stream: B aligned bytes for B = 1, 2, 4, 8, else the 8B-bit
+// field from aligned 32-bit words.
+template <int B>
+__device__ __forceinline__ u64 codes8(const u8* index, u32 unit) {
+    if (B == 1 || B == 2 || B == 4 || B == 8) return load_le<B>(index + unit * (u32)B);
+    return get_bits64(index, (u64)unit * (8u * B), 8u * B);
+}
+
+// Code i of 8 codes of B bits as an exact f32 (the code OR-ed into the
+// mantissa of 2^23, minus 2^23).
+template <int B>
+__device__ __forceinline__ float code8_f32(u64 codes, int i, u32 mask) {
+    u32 lo = (u32)codes, hi = (u32)(codes >> 32);
+    u32 cw = B * (i + 1) <= 32 ? lo >> (B * i) : B * i >= 32 ? hi >> (B * i - 32) : (u32)(codes >> (B * i));
+    return __fsub_rn(__uint_as_float(and_or(cw, mask, 0x4b000000u)), 8388608.0f);
+}
+
+// Eight outputs as one packed 16-byte value, element i negated when bit i
+// of `neg` (< 256) is set by flipping the sign bit of its packed value: the
+// same bits as negating before the conversion (rounding to nearest even is
+// symmetric; the values are never NaN). m holds sign 2i at bit 15 - 2i and
+// sign 2i + 1 at bit 31 - 2i, so (m << 2i) & 0x80008000 is the mask of
+// output word i.
+template <int OUT>
+__device__ __forceinline__ uint4 pack8_neg(const float x[8], u32 neg) {
+    const u32 rb = __brev(neg);
+    const u32 m = (rb >> 16) | (rb << 1);
+    const u32 s = 0x80008000u;
+    return make_uint4(pack2<OUT>(x[0], x[1]) ^ (m & s), pack2<OUT>(x[2], x[3]) ^ ((m << 2) & s),
+                      pack2<OUT>(x[4], x[5]) ^ ((m << 4) & s), pack2<OUT>(x[6], x[7]) ^ ((m << 6) & s));
+}

@@ -131,6 +131,149 @@ extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_
 extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b7_f16(KIVI_ARGS) { kivi_decode<7, false, OUT_F16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_ch_b8_f16(KIVI_ARGS) { kivi_decode<8, false, OUT_F16>(descs, work, status); }
 
+// Quad kernels `decode_kivi_{tokq|chq}_b{B}_{out}` (D / 8 a power of two <=
+// 256; see Quad in common.cuh): a thread decodes chunk j (channels c0 = 8j
+// .. c0 + 7) of 4 consecutive rows, every load issued first. Token groups:
+// when the quad's rows lie in one plane and one token group (always when G
+// and the page's token count are multiples of 4), the chunk's 8 scales and
+// zero points are loaded (two 16-byte loads) and widened once for the 4
+// rows; other quads go row by row (kivi_tok_row). Channel groups: per row
+// one scale and zero point.
+
+// One row of a token-group chunk (plane pk, page token tk).
+template <int B, int OUT>
+__device__ __forceinline__ void kivi_tok_row(const PageDesc& d, u32 r, u32 pk, u32 tk, u32 jc, u16* out) {
+    const u32 D = d.head_dim, G = d.p0, mG = d.p1;
+    const u32 J = udiv(d.tokens + G - 1u, G, mG);
+    const u8* body = reinterpret_cast<const u8*>(d.body);
+    const u32 g0 = (pk * J + udiv(tk, G, mG)) * D + 8u * jc;  // a multiple of 8
+    const u64 codes = codes8<B>(body + d.sec2, r * d.upr + jc);
+    const uint4 sc = __ldg(reinterpret_cast<const uint4*>(body + d.sec0) + (g0 >> 3));
+    const uint4 zp = __ldg(reinterpret_cast<const uint4*>(body + d.sec1) + (g0 >> 3));
+    const u32 sw[4] = {sc.x, sc.y, sc.z, sc.w}, zw[4] = {zp.x, zp.y, zp.z, zp.w};
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float s = f16_to_f32((u16)(sw[i >> 1] >> (16 * (i & 1))));
+        const float z = f16_to_f32((u16)(zw[i >> 1] >> (16 * (i & 1))));
+        x[i] = __fmaf_rn(code8_f32<B>(codes, i, (1u << B) - 1u), s, z);
+    }
+    st_out8<OUT>(out, x);
+}
+
+template <int B, bool TOK, int OUT>
+__device__ __forceinline__ void kivi_decode_q(const PageDesc* __restrict__ descs,
+                                              const uint2* __restrict__ work, u64* status) {
+    const uint2 w = work[blockIdx.x];
+    const PageDesc d = descs[w.x];
+    const u32 lg = __ffs(d.upr) - 1u;
+    const u32 mask = (1u << B) - 1u;
+#pragma unroll 1
+    for (u32 qi = 0; qi < QUADS; qi++) {
+        const u32 r0 = quad_row0(w.y, lg, qi);
+        if (r0 >= d.rows) return;
+        const Quad q = quad_at(d, r0);
+        const u32 D = d.head_dim, G = d.p0, mG = d.p1;
+        const u32 jc = threadIdx.x & (d.upr - 1u), c0 = 8u * jc;
+        const u8* body = reinterpret_cast<const u8*>(d.body);
+        u16* out[4];
+        quad_dst(d, q, c0, out, status);
+        u64 codes[4];
+        float s[8], z[8];
+        if (TOK) {
+            const u32 jt = udiv(q.t, G, mG);
+            if (!q.same || q.t + 3u >= (jt + 1u) * G) {
+#pragma unroll
+                for (u32 k = 0; k < 4; k++) {
+                    if (out[k] == nullptr) continue;
+                    u32 pk, tk;
+                    quad_pt(d, q, k, pk, tk);
+                    kivi_tok_row<B, OUT>(d, r0 + k, pk, tk, jc, out[k]);
+                }
+                continue;
+            }
+            const u32 J = udiv(d.tokens + G - 1u, G, mG);
+            const u32 g0 = (q.p * J + jt) * D + c0;  // a multiple of 8
+#pragma unroll
+            for (int k = 0; k < 4; k++) codes[k] = codes8<B>(body + d.sec2, r0 * d.upr + jc + (u32)k * d.upr);
+            const uint4 sc = __ldg(reinterpret_cast<const uint4*>(body + d.sec0) + (g0 >> 3));
+            const uint4 zp = __ldg(reinterpret_cast<const uint4*>(body + d.sec1) + (g0 >> 3));
+            const u32 sw[4] = {sc.x, sc.y, sc.z, sc.w}, zw[4] = {zp.x, zp.y, zp.z, zp.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                s[i] = f16_to_f32((u16)(sw[i >> 1] >> (16 * (i & 1))));
+                z[i] = f16_to_f32((u16)(zw[i >> 1] >> (16 * (i & 1))));
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                if (out[k] == nullptr) continue;
+                float x[8];
+                // q * s is exact (a code below 2^8 times an f16), so the fused
+                // multiply-add rounds exactly like (q * s) + z.
+#pragma unroll
+                for (int i = 0; i < 8; i++) x[i] = __fmaf_rn(code8_f32<B>(codes[k], i, mask), s[i], z[i]);
+                st_out8<OUT>(out[k], x);
+            }
+        } else {
+            // Channel groups (G a multiple of 8): the chunk lies in group gi
+            // of each row; rows past the page repeat its last row.
+            const u32 gpr = udiv(D, G, mG), gi = udiv(c0, G, mG);
+            const u16* sp = reinterpret_cast<const u16*>(body + d.sec0) + (r0 * gpr + gi);
+            const u16* zp = reinterpret_cast<const u16*>(body + d.sec1) + (r0 * gpr + gi);
+            u32 sv[4], zv[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const u32 kk = min((u32)k, q.last);
+                codes[k] = codes8<B>(body + d.sec2, r0 * d.upr + jc + kk * d.upr);
+                sv[k] = __ldg(sp + kk * gpr);
+                zv[k] = __ldg(zp + kk * gpr);
+            }
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                if (out[k] == nullptr) continue;
+                const float sk = f16_to_f32((u16)sv[k]), zk = f16_to_f32((u16)zv[k]);
+                float x[8];
+#pragma unroll
+                for (int i = 0; i < 8; i++) x[i] = __fmaf_rn(code8_f32<B>(codes[k], i, mask), sk, zk);
+                st_out8<OUT>(out[k], x);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b1_bf16(KIVI_ARGS) { kivi_decode_q<1, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b2_bf16(KIVI_ARGS) { kivi_decode_q<2, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b3_bf16(KIVI_ARGS) { kivi_decode_q<3, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b4_bf16(KIVI_ARGS) { kivi_decode_q<4, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b5_bf16(KIVI_ARGS) { kivi_decode_q<5, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b6_bf16(KIVI_ARGS) { kivi_decode_q<6, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b7_bf16(KIVI_ARGS) { kivi_decode_q<7, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b8_bf16(KIVI_ARGS) { kivi_decode_q<8, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b1_bf16(KIVI_ARGS) { kivi_decode_q<1, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b2_bf16(KIVI_ARGS) { kivi_decode_q<2, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b3_bf16(KIVI_ARGS) { kivi_decode_q<3, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b4_bf16(KIVI_ARGS) { kivi_decode_q<4, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b5_bf16(KIVI_ARGS) { kivi_decode_q<5, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b6_bf16(KIVI_ARGS) { kivi_decode_q<6, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b7_bf16(KIVI_ARGS) { kivi_decode_q<7, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b8_bf16(KIVI_ARGS) { kivi_decode_q<8, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b1_f16(KIVI_ARGS) { kivi_decode_q<1, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b2_f16(KIVI_ARGS) { kivi_decode_q<2, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b3_f16(KIVI_ARGS) { kivi_decode_q<3, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b4_f16(KIVI_ARGS) { kivi_decode_q<4, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b5_f16(KIVI_ARGS) { kivi_decode_q<5, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b6_f16(KIVI_ARGS) { kivi_decode_q<6, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b7_f16(KIVI_ARGS) { kivi_decode_q<7, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_tokq_b8_f16(KIVI_ARGS) { kivi_decode_q<8, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b1_f16(KIVI_ARGS) { kivi_decode_q<1, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b2_f16(KIVI_ARGS) { kivi_decode_q<2, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b3_f16(KIVI_ARGS) { kivi_decode_q<3, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b4_f16(KIVI_ARGS) { kivi_decode_q<4, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b5_f16(KIVI_ARGS) { kivi_decode_q<5, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b6_f16(KIVI_ARGS) { kivi_decode_q<6, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b7_f16(KIVI_ARGS) { kivi_decode_q<7, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_kivi_chq_b8_f16(KIVI_ARGS) { kivi_decode_q<8, false, OUT_F16>(descs, work, status); }
+
 // Fallback: one element per unit (Grid::Units with w = 1), any head_dim,
 // any G, bits from p2, axis from p3.
 template <int OUT>

@@ -123,6 +123,102 @@ extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c6_f16(POLA
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c8_f16(POLAR_ARGS) { polar_decode<8, true, OUT_F16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c0_f16(POLAR_ARGS) { polar_decode<0, true, OUT_F16>(descs, work, status); }
 
+// Quad kernels `decode_polar_{half|adj}q_c{C}_{out}` (D / 16 a power of
+// two <= 256, C <= 8; see Quad in common.cuh): a thread decodes chunk j
+// (pairs j0 = 8j .. j0 + 7) of 4 consecutive rows. The chunk's 8 radius
+// scales (per plane and pair) are loaded once for the quad (reloaded for a
+// row of another plane), the codes of the 4 rows first.
+template <int C, bool ADJ, int OUT>
+__device__ __forceinline__ void polar_decode_q(const PageDesc* __restrict__ descs,
+                                               const uint2* __restrict__ work, u64* status) {
+    __shared__ float2 dirs[256];
+    const uint2 w = work[blockIdx.x];
+    const PageDesc d = descs[w.x];
+    polar_load_dirs(dirs, d);
+    const u32 lg = __ffs(d.upr) - 1u;
+#pragma unroll 1
+    for (u32 qi = 0; qi < QUADS; qi++) {
+        const u32 r0 = quad_row0(w.y, lg, qi);
+        if (r0 >= d.rows) return;
+        const Quad q = quad_at(d, r0);
+        const u32 cbits = C ? (u32)C : d.p1;
+        const u32 m = d.p0;
+        const u32 pairs = d.head_dim >> 1;
+        const u32 jc = threadIdx.x & (d.upr - 1u), j0 = 8u * jc;
+        const u8* body = reinterpret_cast<const u8*>(d.body);
+        const float* scales = reinterpret_cast<const float*>(body + d.sec0);
+        const u8* index = body + d.sec1;
+        u64 codes[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 unit = r0 * d.upr + jc + min((u32)k, q.last) * d.upr;  // 8 pairs
+            if (C == 8) codes[k] = load_le<8>(index + unit * 8u);
+            else if (C == 4) codes[k] = load_le<4>(index + unit * 4u);
+            else if (C == 6) codes[k] = get_bits64(index, (u64)unit * 48u, 48u);
+            else codes[k] = get_bits64(index, (u64)unit * (8u * cbits), 8u * cbits);
+        }
+        // Radius scales of the chunk's 8 pairs in the quad's plane (shared by
+        // the plane's tokens: L1/L2 hits).
+        const float4* sp = reinterpret_cast<const float4*>(scales + (q.p * pairs + j0));
+        float4 sa = __ldg(sp), sb = __ldg(sp + 1);
+        u32 sp_plane = q.p;
+        u16* out[4];
+        quad_dst(d, q, ADJ ? 2u * j0 : j0, out, status);
+        const u32 amask = (1u << m) - 1u;
+        const u64 cmask = (1ull << cbits) - 1ull;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (out[k] == nullptr) continue;
+            if (!q.same) {
+                u32 pk, tk;
+                quad_pt(d, q, (u32)k, pk, tk);
+                if (pk != sp_plane) {
+                    sp_plane = pk;
+                    const float4* spk = reinterpret_cast<const float4*>(scales + (pk * pairs + j0));
+                    sa = __ldg(spk);
+                    sb = __ldg(spk + 1);
+                }
+            }
+            const float s[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
+            float x[8], y[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                u32 c = (u32)((codes[k] >> (cbits * i)) & cmask);
+                float t = __fmul_rn(code_f32(c >> m), s[i]);
+                float2 u = dirs[c & amask];
+                x[i] = __fmul_rn(t, u.x);
+                y[i] = __fmul_rn(t, u.y);
+            }
+            if (ADJ) {
+                st_u4(out[k], make_uint4(pack2<OUT>(x[0], y[0]), pack2<OUT>(x[1], y[1]),
+                                         pack2<OUT>(x[2], y[2]), pack2<OUT>(x[3], y[3])));
+                st_u4(out[k] + 8, make_uint4(pack2<OUT>(x[4], y[4]), pack2<OUT>(x[5], y[5]),
+                                             pack2<OUT>(x[6], y[6]), pack2<OUT>(x[7], y[7])));
+            } else {
+                st_out8<OUT>(out[k], x);
+                st_out8<OUT>(out[k] + pairs, y);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c4_bf16(POLAR_ARGS) { polar_decode_q<4, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c6_bf16(POLAR_ARGS) { polar_decode_q<6, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c8_bf16(POLAR_ARGS) { polar_decode_q<8, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c0_bf16(POLAR_ARGS) { polar_decode_q<0, false, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c4_bf16(POLAR_ARGS) { polar_decode_q<4, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c6_bf16(POLAR_ARGS) { polar_decode_q<6, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c8_bf16(POLAR_ARGS) { polar_decode_q<8, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c0_bf16(POLAR_ARGS) { polar_decode_q<0, true, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c4_f16(POLAR_ARGS) { polar_decode_q<4, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c6_f16(POLAR_ARGS) { polar_decode_q<6, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c8_f16(POLAR_ARGS) { polar_decode_q<8, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c0_f16(POLAR_ARGS) { polar_decode_q<0, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c4_f16(POLAR_ARGS) { polar_decode_q<4, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c6_f16(POLAR_ARGS) { polar_decode_q<6, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c8_f16(POLAR_ARGS) { polar_decode_q<8, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c0_f16(POLAR_ARGS) { polar_decode_q<0, true, OUT_F16>(descs, work, status); }
+
 // Fallback: one pair per unit (Grid::Units with w = 2), any even head_dim,
 // C <= 16; p2 = 1 for the adjacent pairing.
 template <int OUT>
