@@ -608,6 +608,25 @@ fn units(w: u32, per_thread: u32) -> Grid {
     Grid::Units { w, per_thread }
 }
 
+/// A decode kernel over units of `w` elements (8-element chunks; 16 for
+/// polar's 8 pairs): the quad kernel `{prefix}q{suffix}` when a row's
+/// chunks (`head_dim / w`) are a power of two <= 256, else the per-unit
+/// kernel `{prefix}{suffix}` with `per_thread` units per thread.
+fn chunked(
+    codec: &'static str,
+    prefix: &str,
+    suffix: &str,
+    head_dim: u32,
+    w: u32,
+    per_thread: u32,
+) -> KernelChoice {
+    if quad_chunks(head_dim / w) {
+        choice(codec, format!("{prefix}q{suffix}"), units(w, QUAD_UNITS))
+    } else {
+        choice(codec, format!("{prefix}{suffix}"), units(w, per_thread))
+    }
+}
+
 /// The decode kernel for pages of a codec of this module.
 ///
 /// # Errors
@@ -624,19 +643,14 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             ..
         } => Ok(if d8 && (tokens || group.is_multiple_of(8)) {
             let ax = if tokens { "tok" } else { "ch" };
-            if quad_chunks(head_dim / 8) {
-                choice(
-                    "kivi",
-                    format!("decode_kivi_{ax}q_b{bits}_{o}"),
-                    units(8, QUAD_UNITS),
-                )
-            } else {
-                choice(
-                    "kivi",
-                    format!("decode_kivi_{ax}_b{bits}_{o}"),
-                    units(8, GROUP_UNITS),
-                )
-            }
+            chunked(
+                "kivi",
+                &format!("decode_kivi_{ax}"),
+                &format!("_b{bits}_{o}"),
+                head_dim,
+                8,
+                GROUP_UNITS,
+            )
         } else {
             choice(
                 "kivi",
@@ -646,19 +660,14 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
         }),
         KernelCodec::InnerQ { bits, tokens, .. } => Ok(if d8 {
             let ax = if tokens { "v" } else { "k" };
-            if quad_chunks(head_dim / 8) {
-                choice(
-                    "innerq",
-                    format!("decode_innerq_{ax}q_b{bits}_{o}"),
-                    units(8, QUAD_UNITS),
-                )
-            } else {
-                choice(
-                    "innerq",
-                    format!("decode_innerq_{ax}_b{bits}_{o}"),
-                    units(8, GROUP_UNITS),
-                )
-            }
+            chunked(
+                "innerq",
+                &format!("decode_innerq_{ax}"),
+                &format!("_b{bits}_{o}"),
+                head_dim,
+                8,
+                GROUP_UNITS,
+            )
         } else {
             choice(
                 "innerq",
@@ -671,19 +680,14 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             Ok(if head_dim.is_multiple_of(16) && c <= 8 {
                 let pairing = if adjacent { "adj" } else { "half" };
                 let cc = if matches!(c, 4 | 6 | 8) { c } else { 0 };
-                if quad_chunks(head_dim / 16) {
-                    choice(
-                        "polar",
-                        format!("decode_polar_{pairing}q_c{cc}_{o}"),
-                        units(16, QUAD_UNITS),
-                    )
-                } else {
-                    choice(
-                        "polar",
-                        format!("decode_polar_{pairing}_c{cc}_{o}"),
-                        units(16, POLAR_UNITS),
-                    )
-                }
+                chunked(
+                    "polar",
+                    &format!("decode_polar_{pairing}"),
+                    &format!("_c{cc}_{o}"),
+                    head_dim,
+                    16,
+                    POLAR_UNITS,
+                )
             } else {
                 choice(
                     "polar",

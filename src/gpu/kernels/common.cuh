@@ -610,6 +610,20 @@ __device__ __forceinline__ void quad_dst(const PageDesc& d, const Quad& q, u32 o
     }
 }
 
+// Calls row(r, pk, tk, out) for every written row of the quad with its
+// plane and page token: the row-by-row path of quads whose rows do not
+// share the per-group data (across planes or token groups).
+template <class Row>
+__device__ __forceinline__ void quad_each_row(const PageDesc& d, const Quad& q, u16* const out[4], Row row) {
+#pragma unroll
+    for (u32 k = 0; k < 4; k++) {
+        if (out[k] == nullptr) continue;
+        u32 pk, tk;
+        quad_pt(d, q, k, pk, tk);
+        row(q.r0 + k, pk, tk, out[k]);
+    }
+}
+
 // The 8 codes of B bits of chunk `unit` (elements 8 * unit .. + 7) of a
 // packed stream: B aligned bytes for B = 1, 2, 4, 8, else the 8B-bit
 // field from aligned 32-bit words.

@@ -340,24 +340,6 @@ __device__ __forceinline__ void innerq_kq_body(const PageDesc& d, u32 r0, u64* s
     }
 }
 
-template <int B, int OUT>
-__device__ __forceinline__ void innerq_decode_kq(const PageDesc* __restrict__ descs,
-                                                 const uint2* __restrict__ work, u64* status) {
-    const uint2 w = work[blockIdx.x];
-    const PageDesc d = descs[w.x];
-    const u32 lg = __ffs(d.upr) - 1u;
-    const u32 mode = d.p2 & 0xffu, W = d.p2 >> 16;
-#pragma unroll 1
-    for (u32 qi = 0; qi < QUADS; qi++) {
-        const u32 r0 = quad_row0(w.y, lg, qi);
-        if (r0 >= d.rows) return;
-        if (W != 1u) innerq_kq_body<B, OUT, 3>(d, r0, status);
-        else if (mode == 2u) innerq_kq_body<B, OUT, 2>(d, r0, status);
-        else if (mode == 1u) innerq_kq_body<B, OUT, 1>(d, r0, status);
-        else innerq_kq_body<B, OUT, 0>(d, r0, status);
-    }
-}
-
 // One row of a V chunk whose quad's rows do not share token group and slot
 // word (a quad across planes or token groups): each element with its own
 // group's scale, slot and flag, as the 8-element kernel.
@@ -405,13 +387,7 @@ __device__ __forceinline__ void innerq_vq_body(const PageDesc& d, u32 r0, u64* s
     // G is a multiple of 32: tokens t .. t + 3 of one plane share group and
     // slot word when they stay inside an aligned 32.
     if (!q.same || (q.t & 31u) > 28u) {
-#pragma unroll
-        for (u32 k = 0; k < 4; k++) {
-            if (out[k] == nullptr) continue;
-            u32 pk, tk;
-            quad_pt(d, q, k, pk, tk);
-            innerq_v_row<B, OUT>(d, r0 + k, pk, tk, jc, out[k]);
-        }
+        quad_each_row(d, q, out, [&](u32 r, u32 pk, u32 tk, u16* o) { innerq_v_row<B, OUT>(d, r, pk, tk, jc, o); });
         return;
     }
     const u32 J = udiv(d.tokens + G - 1u, G, mG);
@@ -473,9 +449,18 @@ __device__ __forceinline__ void innerq_vq_body(const PageDesc& d, u32 r0, u64* s
     }
 }
 
-template <int B, int OUT>
-__device__ __forceinline__ void innerq_decode_vq(const PageDesc* __restrict__ descs,
-                                                 const uint2* __restrict__ work, u64* status) {
+// A quad body for K (V = false) or V (V = true) in group mode MODE.
+template <int B, int OUT, int MODE, bool V>
+__device__ __forceinline__ void innerq_q_body(const PageDesc& d, u32 r0, u64* status) {
+    if (V) innerq_vq_body<B, OUT, MODE>(d, r0, status);
+    else innerq_kq_body<B, OUT, MODE>(d, r0, status);
+}
+
+// The quad kernels: the body specialized for the launch's mode and slot
+// width (uniform over a launch), QUADS quads per thread.
+template <int B, int OUT, bool V>
+__device__ __forceinline__ void innerq_decode_q(const PageDesc* __restrict__ descs,
+                                                const uint2* __restrict__ work, u64* status) {
     const uint2 w = work[blockIdx.x];
     const PageDesc d = descs[w.x];
     const u32 lg = __ffs(d.upr) - 1u;
@@ -484,45 +469,45 @@ __device__ __forceinline__ void innerq_decode_vq(const PageDesc* __restrict__ de
     for (u32 qi = 0; qi < QUADS; qi++) {
         const u32 r0 = quad_row0(w.y, lg, qi);
         if (r0 >= d.rows) return;
-        if (W != 1u) innerq_vq_body<B, OUT, 3>(d, r0, status);
-        else if (mode == 2u) innerq_vq_body<B, OUT, 2>(d, r0, status);
-        else if (mode == 1u) innerq_vq_body<B, OUT, 1>(d, r0, status);
-        else innerq_vq_body<B, OUT, 0>(d, r0, status);
+        if (W != 1u) innerq_q_body<B, OUT, 3, V>(d, r0, status);
+        else if (mode == 2u) innerq_q_body<B, OUT, 2, V>(d, r0, status);
+        else if (mode == 1u) innerq_q_body<B, OUT, 1, V>(d, r0, status);
+        else innerq_q_body<B, OUT, 0, V>(d, r0, status);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b1_bf16(INNERQ_ARGS) { innerq_decode_kq<1, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b2_bf16(INNERQ_ARGS) { innerq_decode_kq<2, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b3_bf16(INNERQ_ARGS) { innerq_decode_kq<3, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b4_bf16(INNERQ_ARGS) { innerq_decode_kq<4, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b5_bf16(INNERQ_ARGS) { innerq_decode_kq<5, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b6_bf16(INNERQ_ARGS) { innerq_decode_kq<6, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b7_bf16(INNERQ_ARGS) { innerq_decode_kq<7, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b8_bf16(INNERQ_ARGS) { innerq_decode_kq<8, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b1_bf16(INNERQ_ARGS) { innerq_decode_vq<1, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b2_bf16(INNERQ_ARGS) { innerq_decode_vq<2, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b3_bf16(INNERQ_ARGS) { innerq_decode_vq<3, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b4_bf16(INNERQ_ARGS) { innerq_decode_vq<4, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b5_bf16(INNERQ_ARGS) { innerq_decode_vq<5, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b6_bf16(INNERQ_ARGS) { innerq_decode_vq<6, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b7_bf16(INNERQ_ARGS) { innerq_decode_vq<7, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b8_bf16(INNERQ_ARGS) { innerq_decode_vq<8, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b1_f16(INNERQ_ARGS) { innerq_decode_kq<1, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b2_f16(INNERQ_ARGS) { innerq_decode_kq<2, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b3_f16(INNERQ_ARGS) { innerq_decode_kq<3, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b4_f16(INNERQ_ARGS) { innerq_decode_kq<4, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b5_f16(INNERQ_ARGS) { innerq_decode_kq<5, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b6_f16(INNERQ_ARGS) { innerq_decode_kq<6, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b7_f16(INNERQ_ARGS) { innerq_decode_kq<7, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b8_f16(INNERQ_ARGS) { innerq_decode_kq<8, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b1_f16(INNERQ_ARGS) { innerq_decode_vq<1, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b2_f16(INNERQ_ARGS) { innerq_decode_vq<2, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b3_f16(INNERQ_ARGS) { innerq_decode_vq<3, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b4_f16(INNERQ_ARGS) { innerq_decode_vq<4, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b5_f16(INNERQ_ARGS) { innerq_decode_vq<5, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b6_f16(INNERQ_ARGS) { innerq_decode_vq<6, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b7_f16(INNERQ_ARGS) { innerq_decode_vq<7, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b8_f16(INNERQ_ARGS) { innerq_decode_vq<8, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b1_bf16(INNERQ_ARGS) { innerq_decode_q<1, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b2_bf16(INNERQ_ARGS) { innerq_decode_q<2, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b3_bf16(INNERQ_ARGS) { innerq_decode_q<3, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b4_bf16(INNERQ_ARGS) { innerq_decode_q<4, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b5_bf16(INNERQ_ARGS) { innerq_decode_q<5, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b6_bf16(INNERQ_ARGS) { innerq_decode_q<6, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b7_bf16(INNERQ_ARGS) { innerq_decode_q<7, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b8_bf16(INNERQ_ARGS) { innerq_decode_q<8, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b1_bf16(INNERQ_ARGS) { innerq_decode_q<1, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b2_bf16(INNERQ_ARGS) { innerq_decode_q<2, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b3_bf16(INNERQ_ARGS) { innerq_decode_q<3, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b4_bf16(INNERQ_ARGS) { innerq_decode_q<4, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b5_bf16(INNERQ_ARGS) { innerq_decode_q<5, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b6_bf16(INNERQ_ARGS) { innerq_decode_q<6, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b7_bf16(INNERQ_ARGS) { innerq_decode_q<7, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b8_bf16(INNERQ_ARGS) { innerq_decode_q<8, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b1_f16(INNERQ_ARGS) { innerq_decode_q<1, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b2_f16(INNERQ_ARGS) { innerq_decode_q<2, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b3_f16(INNERQ_ARGS) { innerq_decode_q<3, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b4_f16(INNERQ_ARGS) { innerq_decode_q<4, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b5_f16(INNERQ_ARGS) { innerq_decode_q<5, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b6_f16(INNERQ_ARGS) { innerq_decode_q<6, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b7_f16(INNERQ_ARGS) { innerq_decode_q<7, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_kq_b8_f16(INNERQ_ARGS) { innerq_decode_q<8, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b1_f16(INNERQ_ARGS) { innerq_decode_q<1, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b2_f16(INNERQ_ARGS) { innerq_decode_q<2, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b3_f16(INNERQ_ARGS) { innerq_decode_q<3, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b4_f16(INNERQ_ARGS) { innerq_decode_q<4, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b5_f16(INNERQ_ARGS) { innerq_decode_q<5, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b6_f16(INNERQ_ARGS) { innerq_decode_q<6, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b7_f16(INNERQ_ARGS) { innerq_decode_q<7, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, MIN_BLOCKS_W32) decode_innerq_vq_b8_f16(INNERQ_ARGS) { innerq_decode_q<8, OUT_F16, true>(descs, work, status); }
 
 // Fallback: one element per unit (Grid::Units with w = 1), any head_dim.
 template <int OUT>

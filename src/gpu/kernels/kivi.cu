@@ -183,13 +183,8 @@ __device__ __forceinline__ void kivi_decode_q(const PageDesc* __restrict__ descs
         if (TOK) {
             const u32 jt = udiv(q.t, G, mG);
             if (!q.same || q.t + 3u >= (jt + 1u) * G) {
-#pragma unroll
-                for (u32 k = 0; k < 4; k++) {
-                    if (out[k] == nullptr) continue;
-                    u32 pk, tk;
-                    quad_pt(d, q, k, pk, tk);
-                    kivi_tok_row<B, OUT>(d, r0 + k, pk, tk, jc, out[k]);
-                }
+                quad_each_row(d, q, out,
+                              [&](u32 r, u32 pk, u32 tk, u16* o) { kivi_tok_row<B, OUT>(d, r, pk, tk, jc, o); });
                 continue;
             }
             const u32 J = udiv(d.tokens + G - 1u, G, mG);

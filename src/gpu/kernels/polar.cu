@@ -28,6 +28,34 @@ __device__ __forceinline__ void polar_load_dirs(float2* dirs, const PageDesc& d)
     __syncthreads();
 }
 
+// One chunk of 8 pairs: the codes (angle in the low m bits of each
+// cbits-bit code, radius level above), the 8 radius scales (sa, sb) and
+// the direction table give x = r cos, y = r sin, stored as adjacent pairs
+// (ADJ) or as the two halves of the row (`pairs` elements apart).
+template <bool ADJ, int OUT>
+__device__ __forceinline__ void polar_chunk(u64 codes, u32 cbits, u32 m, u64 cmask, u32 amask, float4 sa,
+                                            float4 sb, const float2* dirs, u16* out, u32 pairs) {
+    const float s[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
+    float x[8], y[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        u32 c = (u32)((codes >> (cbits * i)) & cmask);
+        float t = __fmul_rn(code_f32(c >> m), s[i]);
+        float2 u = dirs[c & amask];
+        x[i] = __fmul_rn(t, u.x);
+        y[i] = __fmul_rn(t, u.y);
+    }
+    if (ADJ) {
+        st_u4(out, make_uint4(pack2<OUT>(x[0], y[0]), pack2<OUT>(x[1], y[1]), pack2<OUT>(x[2], y[2]),
+                              pack2<OUT>(x[3], y[3])));
+        st_u4(out + 8, make_uint4(pack2<OUT>(x[4], y[4]), pack2<OUT>(x[5], y[5]), pack2<OUT>(x[6], y[6]),
+                                  pack2<OUT>(x[7], y[7])));
+    } else {
+        st_out8<OUT>(out, x);
+        st_out8<OUT>(out + pairs, y);
+    }
+}
+
 template <int C, bool ADJ, int OUT>
 __device__ __forceinline__ void polar_decode(const PageDesc* __restrict__ descs,
                                              const uint2* __restrict__ work, u64* status) {
@@ -81,27 +109,7 @@ __device__ __forceinline__ void polar_decode(const PageDesc* __restrict__ descs,
         // L1/L2 hits).
         float4 a = __ldg(reinterpret_cast<const float4*>(sp[k]));
         float4 b = __ldg(reinterpret_cast<const float4*>(sp[k]) + 1);
-        float s[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        float x[8], y[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            u32 c = (u32)((codes[k] >> (cbits * i)) & cmask);
-            float t = __fmul_rn(code_f32(c >> m), s[i]);
-            float2 u = dirs[c & amask];
-            x[i] = __fmul_rn(t, u.x);
-            y[i] = __fmul_rn(t, u.y);
-        }
-        if (out[k] != nullptr) {
-            if (ADJ) {
-                st_u4(out[k], make_uint4(pack2<OUT>(x[0], y[0]), pack2<OUT>(x[1], y[1]),
-                                         pack2<OUT>(x[2], y[2]), pack2<OUT>(x[3], y[3])));
-                st_u4(out[k] + 8, make_uint4(pack2<OUT>(x[4], y[4]), pack2<OUT>(x[5], y[5]),
-                                             pack2<OUT>(x[6], y[6]), pack2<OUT>(x[7], y[7])));
-            } else {
-                st_out8<OUT>(out[k], x);
-                st_out8<OUT>(out[k] + pairs, y);
-            }
-        }
+        if (out[k] != nullptr) polar_chunk<ADJ, OUT>(codes[k], cbits, m, cmask, amask, a, b, dirs, out[k], pairs);
     }
 }
 
@@ -179,25 +187,7 @@ __device__ __forceinline__ void polar_decode_q(const PageDesc* __restrict__ desc
                     sb = __ldg(spk + 1);
                 }
             }
-            const float s[8] = {sa.x, sa.y, sa.z, sa.w, sb.x, sb.y, sb.z, sb.w};
-            float x[8], y[8];
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                u32 c = (u32)((codes[k] >> (cbits * i)) & cmask);
-                float t = __fmul_rn(code_f32(c >> m), s[i]);
-                float2 u = dirs[c & amask];
-                x[i] = __fmul_rn(t, u.x);
-                y[i] = __fmul_rn(t, u.y);
-            }
-            if (ADJ) {
-                st_u4(out[k], make_uint4(pack2<OUT>(x[0], y[0]), pack2<OUT>(x[1], y[1]),
-                                         pack2<OUT>(x[2], y[2]), pack2<OUT>(x[3], y[3])));
-                st_u4(out[k] + 8, make_uint4(pack2<OUT>(x[4], y[4]), pack2<OUT>(x[5], y[5]),
-                                             pack2<OUT>(x[6], y[6]), pack2<OUT>(x[7], y[7])));
-            } else {
-                st_out8<OUT>(out[k], x);
-                st_out8<OUT>(out[k] + pairs, y);
-            }
+            polar_chunk<ADJ, OUT>(codes[k], cbits, m, cmask, amask, sa, sb, dirs, out[k], pairs);
         }
     }
 }
