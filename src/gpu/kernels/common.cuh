@@ -642,6 +642,15 @@ __device__ __forceinline__ float code8_f32(u64 codes, int i, u32 mask) {
     return __fsub_rn(__uint_as_float(and_or(cw, mask, 0x4b000000u)), 8388608.0f);
 }
 
+// Eight affine values x_i = q_i * s_i + z_i from 8 codes of B bits, each
+// one fused multiply-add: q * s is exact in binary32 (a code below 2^8
+// times an f16 scale), so it rounds exactly like (q * s) + z.
+template <int B>
+__device__ __forceinline__ void affine8(u64 codes, u32 mask, const float s[8], const float z[8], float x[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; i++) x[i] = __fmaf_rn(code8_f32<B>(codes, i, mask), s[i], z[i]);
+}
+
 // Eight outputs as one packed 16-byte value, element i negated when bit i
 // of `neg` (< 256) is set by flipping the sign bit of its packed value: the
 // same bits as negating before the conversion (rounding to nearest even is

@@ -51,6 +51,27 @@ __device__ __forceinline__ float innerq_code(u64 codes, int i, int b, u32 mask) 
     return __fsub_rn(__uint_as_float(and_or(cw, mask, 0x4b000000u)), 8388608.0f);
 }
 
+// The slot words of the 8 consecutive groups g0 .. g0 + 7 (g0 a multiple
+// of 8): zw[i] = word 0 of slot g0 + i (the zero point's bits), sw[i] = the
+// word holding element e's sign bit (word e / 32); one 32-byte load when
+// a slot is one word (W = 1).
+__device__ __forceinline__ void innerq_slots8(const u32* slots, u32 g0, u32 W, u32 e, u32 zw[8], u32 sw[8]) {
+    if (W == 1u) {
+        const uint4* sp = reinterpret_cast<const uint4*>(slots) + (g0 >> 2);
+        uint4 a = __ldg(sp), b = __ldg(sp + 1);
+        zw[0] = a.x; zw[1] = a.y; zw[2] = a.z; zw[3] = a.w;
+        zw[4] = b.x; zw[5] = b.y; zw[6] = b.z; zw[7] = b.w;
+#pragma unroll
+        for (int i = 0; i < 8; i++) sw[i] = zw[i];
+    } else {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            zw[i] = __ldg(slots + (g0 + i) * W);
+            sw[i] = __ldg(slots + ((g0 + i) * W + (e >> 5)));
+        }
+    }
+}
+
 template <int B, int OUT>
 __device__ __forceinline__ void innerq_decode_k(const PageDesc* __restrict__ descs,
                                                 const uint2* __restrict__ work, u64* status) {
@@ -177,21 +198,8 @@ __device__ __forceinline__ void innerq_decode_v(const PageDesc* __restrict__ des
         // The slots of the unit's 8 groups (each shared by up to G rows:
         // L1/L2 hits): zero points, or sign words of element e.
         u32 zb[8], sw[8];
+        innerq_slots8(slots, g0s[k], W, es[k], zb, sw);
         const u32 eb = es[k] & 31u;
-        if (W == 1u) {
-            const uint4* p = reinterpret_cast<const uint4*>(slots + g0s[k]);
-            uint4 a = __ldg(p), b = __ldg(p + 1);
-            zb[0] = a.x; zb[1] = a.y; zb[2] = a.z; zb[3] = a.w;
-            zb[4] = b.x; zb[5] = b.y; zb[6] = b.z; zb[7] = b.w;
-#pragma unroll
-            for (int i = 0; i < 8; i++) sw[i] = zb[i];
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                zb[i] = __ldg(slots + (g0s[k] + i) * W);
-                sw[i] = __ldg(slots + (g0s[k] + i) * W + (es[k] >> 5));
-            }
-        }
         u32 s4[4] = {sc[k].x, sc[k].y, sc[k].z, sc[k].w};
         float x[8];
 #pragma unroll
@@ -399,20 +407,7 @@ __device__ __forceinline__ void innerq_vq_body(const PageDesc& d, u32 r0, u64* s
     const uint4 sc = __ldg(reinterpret_cast<const uint4*>(body + d.sec0) + (g0 >> 3));
     const u32 flags = mode == 2u ? __ldg(body + d.sec3 + (g0 >> 3)) : mode == 1u ? 0xffu : 0u;
     u32 zw[8], sw[8];
-    if (W == 1u) {
-        const uint4* sp = reinterpret_cast<const uint4*>(slots) + (g0 >> 2);
-        uint4 a = __ldg(sp), b = __ldg(sp + 1);
-        zw[0] = a.x; zw[1] = a.y; zw[2] = a.z; zw[3] = a.w;
-        zw[4] = b.x; zw[5] = b.y; zw[6] = b.z; zw[7] = b.w;
-#pragma unroll
-        for (int i = 0; i < 8; i++) sw[i] = zw[i];
-    } else {
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            zw[i] = __ldg(slots + (g0 + i) * W);
-            sw[i] = __ldg(slots + ((g0 + i) * W + (e >> 5)));
-        }
-    }
+    innerq_slots8(slots, g0, W, e, zw, sw);
     // Per group: f32 scale, addend (Z, or -0 for a symmetric group) and the
     // sign bits of tokens e .. e + 3 (bits 0..3; 0 when asymmetric). Pair
     // i's sign bits go to np[i]: group 2i in bits 0..3, group 2i + 1 in
@@ -434,8 +429,7 @@ __device__ __forceinline__ void innerq_vq_body(const PageDesc& d, u32 r0, u64* s
     for (int k = 0; k < 4; k++) {
         if (out[k] == nullptr) continue;
         float x[8];
-#pragma unroll
-        for (int i = 0; i < 8; i++) x[i] = __fmaf_rn(code8_f32<B>(codes[k], i, mask), s[i], z[i]);
+        affine8<B>(codes[k], mask, s, z, x);
         const u32 m = 0x80008000u;
         if (MODE == 0) {
             st_u4(out[k], make_uint4(pack2<OUT>(x[0], x[1]), pack2<OUT>(x[2], x[3]), pack2<OUT>(x[4], x[5]),

@@ -203,10 +203,7 @@ __device__ __forceinline__ void kivi_decode_q(const PageDesc* __restrict__ descs
             for (int k = 0; k < 4; k++) {
                 if (out[k] == nullptr) continue;
                 float x[8];
-                // q * s is exact (a code below 2^8 times an f16), so the fused
-                // multiply-add rounds exactly like (q * s) + z.
-#pragma unroll
-                for (int i = 0; i < 8; i++) x[i] = __fmaf_rn(code8_f32<B>(codes[k], i, mask), s[i], z[i]);
+                affine8<B>(codes[k], mask, s, z, x);
                 st_out8<OUT>(out[k], x);
             }
         } else {
