@@ -680,14 +680,24 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             Ok(if head_dim.is_multiple_of(16) && c <= 8 {
                 let pairing = if adjacent { "adj" } else { "half" };
                 let cc = if matches!(c, 4 | 6 | 8) { c } else { 0 };
-                chunked(
-                    "polar",
-                    &format!("decode_polar_{pairing}"),
-                    &format!("_c{cc}_{o}"),
-                    head_dim,
-                    16,
-                    POLAR_UNITS,
-                )
+                if adjacent {
+                    // The per-unit kernel: measured faster than a quad
+                    // kernel for adjacent pairs (tests/benches/gpu.md).
+                    choice(
+                        "polar",
+                        format!("decode_polar_adj_c{cc}_{o}"),
+                        units(16, POLAR_UNITS),
+                    )
+                } else {
+                    chunked(
+                        "polar",
+                        &format!("decode_polar_{pairing}"),
+                        &format!("_c{cc}_{o}"),
+                        head_dim,
+                        16,
+                        POLAR_UNITS,
+                    )
+                }
             } else {
                 choice(
                     "polar",
@@ -819,7 +829,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
         }
         v.push(("kivi", format!("decode_kivi_any_{o}")));
         v.push(("innerq", format!("decode_innerq_any_{o}")));
-        for pairing in ["half", "adj", "halfq", "adjq"] {
+        for pairing in ["half", "adj", "halfq"] {
             for c in [0, 4, 6, 8] {
                 v.push(("polar", format!("decode_polar_{pairing}_c{c}_{o}")));
             }

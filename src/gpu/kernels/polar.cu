@@ -131,12 +131,13 @@ extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c6_f16(POLA
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c8_f16(POLAR_ARGS) { polar_decode<8, true, OUT_F16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adj_c0_f16(POLAR_ARGS) { polar_decode<0, true, OUT_F16>(descs, work, status); }
 
-// Quad kernels `decode_polar_{half|adj}q_c{C}_{out}` (D / 16 a power of
-// two <= 256, C <= 8; see Quad in common.cuh): a thread decodes chunk j
+// Quad kernels `decode_polar_halfq_c{C}_{out}` (rotate_half pairing, D / 16
+// a power of two <= 256, C <= 8; see Quad in common.cuh; adjacent pairs use
+// the per-unit kernel, which measured faster for them): a thread decodes chunk j
 // (pairs j0 = 8j .. j0 + 7) of 4 consecutive rows. The chunk's 8 radius
 // scales (per plane and pair) are loaded once for the quad (reloaded for a
 // row of another plane), the codes of the 4 rows first.
-template <int C, bool ADJ, int OUT>
+template <int C, int OUT>
 __device__ __forceinline__ void polar_decode_q(const PageDesc* __restrict__ descs,
                                                const uint2* __restrict__ work, u64* status) {
     __shared__ float2 dirs[256];
@@ -171,7 +172,7 @@ __device__ __forceinline__ void polar_decode_q(const PageDesc* __restrict__ desc
         float4 sa = __ldg(sp), sb = __ldg(sp + 1);
         u32 sp_plane = q.p;
         u16* out[4];
-        quad_dst(d, q, ADJ ? 2u * j0 : j0, out, status);
+        quad_dst(d, q, j0, out, status);
         const u32 amask = (1u << m) - 1u;
         const u64 cmask = (1ull << cbits) - 1ull;
 #pragma unroll
@@ -187,27 +188,19 @@ __device__ __forceinline__ void polar_decode_q(const PageDesc* __restrict__ desc
                     sb = __ldg(spk + 1);
                 }
             }
-            polar_chunk<ADJ, OUT>(codes[k], cbits, m, cmask, amask, sa, sb, dirs, out[k], pairs);
+            polar_chunk<false, OUT>(codes[k], cbits, m, cmask, amask, sa, sb, dirs, out[k], pairs);
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c4_bf16(POLAR_ARGS) { polar_decode_q<4, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c6_bf16(POLAR_ARGS) { polar_decode_q<6, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c8_bf16(POLAR_ARGS) { polar_decode_q<8, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c0_bf16(POLAR_ARGS) { polar_decode_q<0, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c4_bf16(POLAR_ARGS) { polar_decode_q<4, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c6_bf16(POLAR_ARGS) { polar_decode_q<6, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c8_bf16(POLAR_ARGS) { polar_decode_q<8, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c0_bf16(POLAR_ARGS) { polar_decode_q<0, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c4_f16(POLAR_ARGS) { polar_decode_q<4, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c6_f16(POLAR_ARGS) { polar_decode_q<6, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c8_f16(POLAR_ARGS) { polar_decode_q<8, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c0_f16(POLAR_ARGS) { polar_decode_q<0, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c4_f16(POLAR_ARGS) { polar_decode_q<4, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c6_f16(POLAR_ARGS) { polar_decode_q<6, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c8_f16(POLAR_ARGS) { polar_decode_q<8, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_adjq_c0_f16(POLAR_ARGS) { polar_decode_q<0, true, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c4_bf16(POLAR_ARGS) { polar_decode_q<4, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c6_bf16(POLAR_ARGS) { polar_decode_q<6, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c8_bf16(POLAR_ARGS) { polar_decode_q<8, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c0_bf16(POLAR_ARGS) { polar_decode_q<0, OUT_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c4_f16(POLAR_ARGS) { polar_decode_q<4, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c6_f16(POLAR_ARGS) { polar_decode_q<6, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c8_f16(POLAR_ARGS) { polar_decode_q<8, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_polar_halfq_c0_f16(POLAR_ARGS) { polar_decode_q<0, OUT_F16>(descs, work, status); }
 
 // Fallback: one pair per unit (Grid::Units with w = 2), any even head_dim,
 // C <= 16; p2 = 1 for the adjacent pairing.
