@@ -534,15 +534,8 @@ impl Octopus {
     }
 
     fn quantizer_for(&self, t: &TensorInfo) -> Result<TripletQuantizer> {
-        self.quantizer(t.head_dim).ok_or_else(|| {
-            Error::param(format!(
-                "{}: no triplet-norm codebook for head_dim {} ({}); the codec must be prepared \
-                 for the cache (Codec::prepare)",
-                self.name(),
-                t.head_dim,
-                t.describe()
-            ))
-        })
+        self.quantizer(t.head_dim)
+            .ok_or_else(|| sphere::no_codebook(&self.name(), "triplet-norm codebook", t))
     }
 
     /// Compressed-domain scores `q . k_t` for every token of `plane` of a

@@ -359,6 +359,18 @@ pub fn write_dim_tables<'t>(
     }
 }
 
+/// The error of an octopus / turbo codec asked to code a tensor whose
+/// head_dim has no `what` codebook: the codec was not prepared for the
+/// cache (`Codec::prepare`).
+pub fn no_codebook(codec: &str, what: &str, t: &TensorInfo) -> Error {
+    Error::param(format!(
+        "{codec}: no {what} for head_dim {} ({}); the codec must be prepared for the cache \
+         (Codec::prepare)",
+        t.head_dim,
+        t.describe()
+    ))
+}
+
 /// Checks that `t` can be coded (`family` names the codec in messages).
 ///
 /// # Errors

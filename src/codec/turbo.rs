@@ -150,15 +150,8 @@ impl Turbo {
     }
 
     fn quantizer_for(&self, t: &TensorInfo) -> Result<ScalarQuantizer> {
-        self.quantizer(t.head_dim).ok_or_else(|| {
-            Error::param(format!(
-                "{}: no codebook for head_dim {} ({}); the codec must be prepared for the cache \
-                 (Codec::prepare)",
-                self.name(),
-                t.head_dim,
-                t.describe()
-            ))
-        })
+        self.quantizer(t.head_dim)
+            .ok_or_else(|| sphere::no_codebook(&self.name(), "codebook", t))
     }
 
     /// Compressed-domain scores `q . k_t` for every token of `plane` of a

@@ -221,11 +221,7 @@ impl Emulator {
         out: OutType,
         layout: &HostLayout,
     ) -> Result<Vec<u16>> {
-        let info = archive
-            .tensors()
-            .get(tensor)
-            .cloned()
-            .ok_or_else(|| Error::param(format!("no tensor {tensor}")))?;
+        let info = host::tensor_info(archive, tensor)?;
         let len = host::layout_len(&info, layout)?;
         let (lo, hi) = host::token_range(&info, layout);
         let staged: Vec<Staged<'_>> = archive

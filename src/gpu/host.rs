@@ -10,6 +10,18 @@ use crate::plan::PlannedPage;
 
 use super::{HostLayout, OutType, POISON};
 
+/// The tensor table entry `tensor` of `archive`.
+///
+/// # Errors
+/// [`Error::Parameter`] when the file has no tensor `tensor`.
+pub fn tensor_info(archive: &Archive<'_>, tensor: usize) -> Result<TensorInfo> {
+    archive
+        .tensors()
+        .get(tensor)
+        .cloned()
+        .ok_or_else(|| Error::param(format!("no tensor {tensor}")))
+}
+
 /// Elements of a [`HostLayout`] output for `info`.
 ///
 /// # Errors

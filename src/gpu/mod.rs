@@ -108,7 +108,9 @@ pub use spec::OutType;
 use crate::cache::Tensor;
 use crate::codec::Codec;
 use crate::decode::Archive;
-use crate::error::{Error, Result};
+#[cfg(doc)]
+use crate::error::Error;
+use crate::error::Result;
 use crate::format::Section;
 use crate::plan::PlannedPage;
 
@@ -275,11 +277,7 @@ impl Device {
         out: OutType,
         layout: &HostLayout,
     ) -> Result<Vec<u16>> {
-        let info = archive
-            .tensors()
-            .get(tensor)
-            .cloned()
-            .ok_or_else(|| Error::param(format!("no tensor {tensor}")))?;
+        let info = host::tensor_info(archive, tensor)?;
         let len = host::layout_len(&info, layout)?;
         match self {
             Device::Cpu => host::decode_tensor(archive, tensor, out, layout),
