@@ -1,7 +1,7 @@
-//! Shared numeric kernels used by the codecs: element-type conversion, bit
-//! packing, mixed-radix digit packing, the fast Walsh-Hadamard transform,
-//! asymmetric (affine) and group-wise quantization, quaternion arithmetic,
-//! a seeded integer PRNG, random sign-flipped rotations, Lloyd-Max
+//! Shared numeric kernels used by the codecs: element-type conversion
+//! (bf16, fp16, fp8 E4M3FN / E5M2), bit packing, mixed-radix digit packing,
+//! the fast Walsh-Hadamard transform, asymmetric (affine) and group-wise
+//! quantization, quaternion arithmetic, a seeded integer PRNG, random sign-flipped rotations, Lloyd-Max
 //! codebooks, the octahedral map and the QJL residual sketch.
 //!
 //! Every kernel has a portable scalar implementation that defines its exact
@@ -13,6 +13,7 @@
 pub mod affine;
 pub mod bitpack;
 pub mod convert;
+pub mod fp8;
 pub mod group;
 pub mod lloyd_max;
 pub mod octahedral;
