@@ -10,8 +10,7 @@ use crate::cache::{KvCache, Tensor};
 use crate::codec::{Codec, PageIn, raw::Raw};
 use crate::error::{Error, Result};
 use crate::format::{
-    CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Trailer, VERSION_MAJOR, VERSION_MINOR,
-    Writer,
+    CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Trailer, VERSION_MAJOR, Writer,
 };
 use crate::plan::{Layout, PlannedPage, plan};
 
@@ -215,7 +214,7 @@ pub fn compress<W: Write + Send>(
     }
     let header = FileHeader {
         version_major: VERSION_MAJOR,
-        version_minor: VERSION_MINOR,
+        version_minor: FileHeader::required_minor(&infos),
         align_log2: opts.align_log2,
         tensors: infos,
         codecs: table,

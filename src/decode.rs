@@ -19,7 +19,7 @@ pub struct Selection {
     /// Cache slots `[start, end)` of each layer (clamped to the layer's
     /// token count); `None` for all.
     pub tokens: Option<Range<u32>>,
-    /// Only K or only V; `None` for both.
+    /// Only K, only V or only MLA latents; `None` for all.
     pub kind: Option<Kind>,
 }
 
@@ -96,7 +96,8 @@ impl<'a> Archive<'a> {
     }
 
     /// Decodes the selected part of the cache. Output tensors keep their
-    /// names; `dtype` overrides the element type (default: source dtype).
+    /// names; `dtype` overrides the element type (default: source dtype; an
+    /// fp8 request takes its scale from the source, [`DType::for_source`]).
     /// Only pages overlapping the selection are read.
     ///
     /// # Errors
@@ -129,7 +130,7 @@ impl<'a> Archive<'a> {
             };
             let out_info = TensorInfo {
                 tokens: hi - lo,
-                dtype: dtype.unwrap_or(info.dtype),
+                dtype: dtype.map_or(info.dtype, |d| d.for_source(info.dtype)),
                 ..info
             };
             let data = TensorData::zeros(out_info.dtype, out_info.elements() as usize);

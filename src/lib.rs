@@ -33,7 +33,7 @@ pub mod eval;
 pub mod format;
 pub mod kernels;
 
-pub use cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
+pub use cache::{DType, Fp8, Fp8Format, Kind, KvCache, Tensor, TensorData, TensorInfo};
 pub use error::{Error, Location, Result};
 pub mod compress;
 pub mod decode;

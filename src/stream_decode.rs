@@ -75,6 +75,10 @@ impl Outputs {
                             (*base as *mut f32).add(start),
                             len,
                         )),
+                        DType::Fp8(f) => ElemsMut::Fp8(
+                            f,
+                            std::slice::from_raw_parts_mut((*base as *mut u8).add(start), len),
+                        ),
                     }
                 }
             })
@@ -87,6 +91,7 @@ fn data_ptr(d: &mut TensorData) -> *mut u8 {
         TensorData::Bf16(v) => v.as_mut_ptr() as *mut u8,
         TensorData::F16(v) => v.as_mut_ptr() as *mut u8,
         TensorData::F32(v) => v.as_mut_ptr() as *mut u8,
+        TensorData::Fp8(_, v) => v.as_mut_ptr(),
     }
 }
 
@@ -121,7 +126,7 @@ pub fn decode_stream<R: Read>(
         .iter()
         .map(|t| {
             let info = TensorInfo {
-                dtype: dtype.unwrap_or(t.dtype),
+                dtype: dtype.map_or(t.dtype, |d| d.for_source(t.dtype)),
                 ..t.clone()
             };
             let data = TensorData::zeros(info.dtype, info.elements() as usize);

@@ -31,15 +31,8 @@ fn prefix(c: &KvCache, keep: impl Fn(u32) -> u32, ids: usize) -> KvCache {
             for p in 0..t.info.planes() {
                 v.extend_from_slice(&src[p * tt * d..(p * tt + n as usize) * d]);
             }
-            let data = match t.data {
-                TensorData::Bf16(_) => {
-                    TensorData::Bf16(v.iter().map(|&x| half::bf16::from_f32(x)).collect())
-                }
-                TensorData::F16(_) => {
-                    TensorData::F16(v.iter().map(|&x| half::f16::from_f32(x)).collect())
-                }
-                TensorData::F32(_) => TensorData::F32(v),
-            };
+            let mut data = TensorData::zeros(t.info.dtype, v.len());
+            data.as_elems_mut().store(0, &v);
             Tensor::new(info, data).unwrap()
         })
         .collect();

@@ -48,7 +48,7 @@ fn oracle(archive: &Archive<'_>, tensor: usize, out: OutType, layout: &HostLayou
     let bits: Vec<u16> = match &c.tensors[0].data {
         TensorData::Bf16(v) => v.iter().map(|x| x.to_bits()).collect(),
         TensorData::F16(v) => v.iter().map(|x| x.to_bits()).collect(),
-        TensorData::F32(_) => unreachable!(),
+        TensorData::F32(_) | TensorData::Fp8(..) => unreachable!(),
     };
     let d = info.head_dim as usize;
     let t_all = info.tokens as usize;

@@ -19,7 +19,7 @@
 //! (f32 per row), ZERO stream 0 (f32 per row), INDEX stream 0 (`b`-bit
 //! codes, row-major, LSB-first).
 
-use crate::cache::{Kind, TensorInfo};
+use crate::cache::{Kind, Role, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::{affine, bitpack, wht};
@@ -153,10 +153,11 @@ fn bdr_from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
 }
 
 impl Affine {
-    /// The rotation block applied to tensors of `kind`.
+    /// The rotation block applied to tensors of `kind` (`:k` rotates keys
+    /// and MLA latents, which take the key role, and leaves values plain).
     fn block_for(&self, kind: Kind) -> Option<usize> {
-        match (self.block, kind) {
-            (Some(_), Kind::Value) if self.keys_only => None,
+        match (self.block, kind.role()) {
+            (Some(_), Role::Value) if self.keys_only => None,
             (b, _) => b.map(|b| b as usize),
         }
     }

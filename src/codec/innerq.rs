@@ -35,7 +35,7 @@
 
 use std::sync::Arc;
 
-use crate::cache::{Kind, KvCache, TensorInfo};
+use crate::cache::{Kind, KvCache, Role, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::{bitpack, group};
@@ -268,9 +268,9 @@ fn from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
 
 impl InnerQ {
     fn bits_for(&self, kind: Kind) -> u8 {
-        match kind {
-            Kind::Key => self.key_bits,
-            Kind::Value => self.value_bits,
+        match kind.role() {
+            Role::Key => self.key_bits,
+            Role::Value => self.value_bits,
         }
     }
 
@@ -281,9 +281,9 @@ impl InnerQ {
 
     fn groups(&self, kind: Kind, planes: usize, tokens: usize, head_dim: usize) -> Groups {
         Groups {
-            axis: match kind {
-                Kind::Key => Axis::Channels,
-                Kind::Value => Axis::Tokens,
+            axis: match kind.role() {
+                Role::Key => Axis::Channels,
+                Role::Value => Axis::Tokens,
             },
             size: usize::from(self.group),
             planes,
@@ -299,7 +299,7 @@ impl InnerQ {
     /// A message when normalization is on but the codec was not prepared or
     /// has no matching entry for the tensor's layer and shape.
     fn factors_for(&self, t: &TensorInfo) -> std::result::Result<Option<&NormEntry>, String> {
-        if !self.normalize || t.kind != Kind::Key {
+        if !self.normalize || t.kind.role() != Role::Key {
             return Ok(None);
         }
         let norms = self.norms.as_ref().ok_or_else(|| {
@@ -462,7 +462,7 @@ impl Codec for InnerQ {
     }
 
     fn check(&self, t: &TensorInfo) -> Result<()> {
-        if t.kind == Kind::Key && !t.head_dim.is_multiple_of(u32::from(self.group)) {
+        if t.kind.role() == Role::Key && !t.head_dim.is_multiple_of(u32::from(self.group)) {
             return Err(Error::param(format!(
                 "{} groups keys over {} channels, but {} ({}) has head_dim {}",
                 self.name(),
@@ -484,7 +484,11 @@ impl Codec for InnerQ {
             return Ok(None);
         }
         let mut entries = Vec::new();
-        for t in cache.tensors.iter().filter(|t| t.info.kind == Kind::Key) {
+        for t in cache
+            .tensors
+            .iter()
+            .filter(|t| t.info.kind.role() == Role::Key)
+        {
             let i = &t.info;
             let (d, total) = (i.head_dim as usize, i.tokens);
             // The body as crate::plan cuts it: after the sink window, before
@@ -606,7 +610,7 @@ impl Codec for InnerQ {
         let gr = self.groups(kind, out.planes.len(), tokens, d);
         let n = gr.count();
         let w = self.words();
-        if kind == Kind::Key && !d.is_multiple_of(usize::from(self.group)) {
+        if kind.role() == Role::Key && !d.is_multiple_of(usize::from(self.group)) {
             return Err(page.error(format!(
                 "key page with head_dim {d}, not a multiple of the group size {}",
                 self.group

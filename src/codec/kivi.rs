@@ -15,7 +15,7 @@
 
 use half::f16;
 
-use crate::cache::{Kind, TensorInfo};
+use crate::cache::{Kind, Role, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::{bitpack, group};
@@ -100,9 +100,9 @@ fn from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
 impl Kivi {
     fn groups(&self, kind: Kind, planes: usize, tokens: usize, head_dim: usize) -> Groups {
         Groups {
-            axis: match kind {
-                Kind::Key => Axis::Tokens,
-                Kind::Value => Axis::Channels,
+            axis: match kind.role() {
+                Role::Key => Axis::Tokens,
+                Role::Value => Axis::Channels,
             },
             size: self.group as usize,
             planes,
@@ -131,7 +131,7 @@ impl Codec for Kivi {
     }
 
     fn check(&self, t: &TensorInfo) -> Result<()> {
-        if t.kind == Kind::Value && !t.head_dim.is_multiple_of(u32::from(self.group)) {
+        if t.kind.role() == Role::Value && !t.head_dim.is_multiple_of(u32::from(self.group)) {
             return Err(Error::param(format!(
                 "{} groups values over {} channels, but {} ({}) has head_dim {}",
                 self.name(),
@@ -192,7 +192,7 @@ impl Codec for Kivi {
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
         let d = out.tensor.head_dim as usize;
         let n_el = out.rows() * d;
-        if out.tensor.kind == Kind::Value && !d.is_multiple_of(usize::from(self.group)) {
+        if out.tensor.kind.role() == Role::Value && !d.is_multiple_of(usize::from(self.group)) {
             return Err(page.error(format!(
                 "value page with head_dim {d}, not a multiple of the group size {}",
                 self.group

@@ -700,7 +700,9 @@ impl Codec for Octopus {
 
     fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
         match self.options.values {
-            Values::Groups { bits, group } if page.tensor.kind == crate::cache::Kind::Value => {
+            Values::Groups { bits, group }
+                if page.tensor.kind.role() == crate::cache::Role::Value =>
+            {
                 sphere::encode_group_page(bits, group, page)
             }
             _ => {
@@ -712,7 +714,9 @@ impl Codec for Octopus {
 
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
         match self.options.values {
-            Values::Groups { bits, group } if out.tensor.kind == crate::cache::Kind::Value => {
+            Values::Groups { bits, group }
+                if out.tensor.kind.role() == crate::cache::Role::Value =>
+            {
                 sphere::decode_group_page(bits, group, page, out)
             }
             _ => {

@@ -1,7 +1,7 @@
 //! `raw`: lossless passthrough at source precision (format/codecs/raw.md).
 //! Sink and recent windows are stored as `raw` pages.
 
-use crate::cache::{ElemsMut, TensorInfo};
+use crate::cache::TensorInfo;
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 
@@ -11,7 +11,9 @@ use super::{Codec, PageIn, PageOut, expect_section};
 pub const ID: u16 = 0;
 
 /// The `raw` codec: one RAW section with every element of the page in the
-/// tensor's source dtype, plane-major `[planes, tokens, head_dim]`.
+/// tensor's source dtype, plane-major `[planes, tokens, head_dim]`. fp8
+/// tensors keep their 8-bit codes (bit-exact; the scale is the tensor
+/// table's), MLA latents are rows like any other.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Raw;
 
@@ -20,7 +22,7 @@ pub const FAMILY: super::Family = super::Family {
     id: ID,
     name: "raw",
     syntax: "raw",
-    summary: "lossless passthrough at source precision (bf16/fp16/fp32)",
+    summary: "lossless passthrough at source precision (bf16/fp16/fp32/fp8)",
     parse: |s| (s == "raw").then(|| Ok(Box::new(Raw) as Box<dyn Codec>)),
     from_params: |p| {
         if !p.is_empty() {
@@ -55,11 +57,7 @@ impl Codec for Raw {
         let dtype = page.tensor.dtype;
         let mut data = Vec::with_capacity(n * dtype.size());
         for p in &page.planes {
-            let bytes: &[u8] = match p {
-                crate::cache::Elems::Bf16(v) => bytemuck::cast_slice(v),
-                crate::cache::Elems::F16(v) => bytemuck::cast_slice(v),
-                crate::cache::Elems::F32(v) => bytemuck::cast_slice(v),
-            };
+            let bytes = p.bytes();
             if cfg!(target_endian = "little") {
                 data.extend_from_slice(bytes);
             } else {
@@ -95,12 +93,9 @@ impl Codec for Raw {
         for (p, plane) in out.planes.iter_mut().enumerate() {
             let src = &bytes[p * plane_bytes..(p + 1) * plane_bytes];
             if plane.dtype() == src_t && cfg!(target_endian = "little") {
-                let dst: &mut [u8] = match plane {
-                    ElemsMut::Bf16(v) => bytemuck::cast_slice_mut(v),
-                    ElemsMut::F16(v) => bytemuck::cast_slice_mut(v),
-                    ElemsMut::F32(v) => bytemuck::cast_slice_mut(v),
-                };
-                dst.copy_from_slice(src);
+                // Same type (for fp8: same format and scale): the stored
+                // bytes are the output, bit for bit.
+                plane.bytes_mut().copy_from_slice(src);
                 continue;
             }
             let data = crate::cache::TensorData::from_le_bytes(src_t, src)?;

@@ -20,7 +20,7 @@
 
 use half::f16;
 
-use crate::cache::{Kind, TensorInfo};
+use crate::cache::{Kind, Role, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::{bitpack, qjl, rotation, wht};
@@ -329,7 +329,7 @@ pub fn check_dim_key(d: u32, prev: Option<u32>) -> Result<()> {
 
 /// True when tensors of `kind` are coded with the unit quantizer.
 pub fn unit_coded(opts: &Options, kind: Kind) -> bool {
-    kind == Kind::Key || opts.values == Values::Same
+    kind.role() == Role::Key || opts.values == Values::Same
 }
 
 /// head_dims of the tensors of `cache` that the unit quantizer codes (the
@@ -679,7 +679,7 @@ pub fn encode_unit_page(
 ) -> Result<Vec<Section>> {
     let d = page.head_dim();
     let rows = page.rows();
-    let with_qjl = opts.qjl && page.tensor.kind == Kind::Key;
+    let with_qjl = opts.qjl && page.tensor.kind.role() == Role::Key;
     let streams = q.streams();
     let mut codes: Vec<Vec<u8>> = streams.iter().map(|&(_, n)| vec![0u8; rows * n]).collect();
     let mut gammas = Vec::with_capacity(rows);
@@ -758,7 +758,7 @@ fn read_unit_page<'p>(
     rows: usize,
 ) -> Result<UnitPage<'p>> {
     let d = q.dim();
-    let with_qjl = opts.qjl && kind == Kind::Key;
+    let with_qjl = opts.qjl && kind.role() == Role::Key;
     let streams = q.streams();
     let gammas = expect_section(page, SectionKind::Scale, 0, ElemType::F32, rows)?;
     for r in 0..rows {
@@ -911,7 +911,7 @@ fn value_groups(bits: u8, g: u16) -> super::kivi::Kivi {
 /// # Errors
 /// [`Error::Parameter`] naming the page for NaN/inf or an fp16 overflow.
 pub fn encode_group_page(bits: u8, g: u16, page: &PageIn<'_>) -> Result<Vec<Section>> {
-    debug_assert_eq!(page.tensor.kind, Kind::Value);
+    debug_assert_eq!(page.tensor.kind.role(), Role::Value);
     super::Codec::encode(&value_groups(bits, g), page)
 }
 
@@ -927,7 +927,7 @@ pub fn decode_group_page(
     page: &PageView<'_>,
     out: &mut PageOut<'_>,
 ) -> Result<()> {
-    debug_assert_eq!(out.tensor.kind, Kind::Value);
+    debug_assert_eq!(out.tensor.kind.role(), Role::Value);
     expect_section_count(page, 3)?;
     super::Codec::decode(&value_groups(bits, g), page, out)
 }
@@ -939,7 +939,7 @@ pub fn bits_per_element(opts: &Options, t: &TensorInfo, code_bits: usize) -> f64
     match (unit_coded(opts, t.kind), opts.values) {
         (false, Values::Groups { bits, group }) => f64::from(bits) + 32.0 / f64::from(group),
         _ => {
-            let qjl = if opts.qjl && t.kind == Kind::Key {
+            let qjl = if opts.qjl && t.kind.role() == Role::Key {
                 16.0 + d
             } else {
                 0.0

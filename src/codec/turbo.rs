@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use crate::cache::{Kind, KvCache, TensorInfo};
+use crate::cache::{KvCache, Role, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{PageView, Section};
 use crate::kernels::lloyd_max::{self, Density};
@@ -269,7 +269,7 @@ impl Codec for Turbo {
 
     fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
         match self.options.values {
-            Values::Groups { bits, group } if page.tensor.kind == Kind::Value => {
+            Values::Groups { bits, group } if page.tensor.kind.role() == Role::Value => {
                 sphere::encode_group_page(bits, group, page)
             }
             _ => {
@@ -281,7 +281,7 @@ impl Codec for Turbo {
 
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
         match self.options.values {
-            Values::Groups { bits, group } if out.tensor.kind == Kind::Value => {
+            Values::Groups { bits, group } if out.tensor.kind.role() == Role::Value => {
                 sphere::decode_group_page(bits, group, page, out)
             }
             _ => {
@@ -304,6 +304,7 @@ impl Codec for Turbo {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::Kind;
     use crate::codec::registry;
     use crate::format::CodecEntry;
 

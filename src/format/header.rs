@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::cache::{DType, Kind, TensorInfo};
+use crate::cache::{DType, Fp8, Kind, TensorInfo};
 use crate::error::{Error, Location, Result};
 
 use super::bytes::{Cursor, PutLe, crc32};
@@ -72,6 +72,9 @@ impl FileHeader {
             body.put_u32(t.tokens);
             body.put_u32(t.head_dim);
             body.put_str(&t.name);
+            if let Some(scale) = t.dtype.scale() {
+                body.put_u32(scale.to_bits());
+            }
         }
         for c in &self.codecs {
             body.put_u16(c.id);
@@ -227,7 +230,7 @@ impl FileHeader {
             let kind = Kind::from_code(kind_code)
                 .ok_or_else(|| c.err(format!("{what}: unknown kind code {kind_code}")))?;
             let dtype_code = c.u8(&what)?;
-            let dtype = DType::from_code(dtype_code)
+            let mut dtype = DType::from_code(dtype_code)
                 .ok_or_else(|| c.err(format!("{what}: unknown dtype code {dtype_code}")))?;
             c.zeros(2, &what)?;
             let batch = c.u32(&what)?;
@@ -235,6 +238,12 @@ impl FileHeader {
             let tokens = c.u32(&what)?;
             let head_dim = c.u32(&what)?;
             let name = c.string(&what)?;
+            if let DType::Fp8(f) = dtype {
+                let scale = f32::from_bits(c.u32(&what)?);
+                let f = Fp8::new(f.format(), scale)
+                    .map_err(|e| c.err(format!("{what} ({name}): {e}")))?;
+                dtype = DType::Fp8(f);
+            }
             tensors.push(TensorInfo {
                 name,
                 layer,
@@ -285,10 +294,33 @@ impl FileHeader {
         Ok(h)
     }
 
+    /// The lowest minor version of format 1 that can hold `tensors`: 1 when
+    /// any tensor is fp8 or an MLA latent (format 1.1), else 0.
+    pub fn required_minor(tensors: &[TensorInfo]) -> u16 {
+        let v1_1 = |t: &TensorInfo| matches!(t.dtype, DType::Fp8(_)) || t.kind == Kind::Latent;
+        u16::from(tensors.iter().any(v1_1))
+    }
+
     /// Structural rules shared by writer and reader (format/SPEC.md,
     /// "Header validation").
     fn validate(&self) -> Result<()> {
         let err = |m: String| Err(Error::format(Location::Header, m));
+        if self.version_minor < Self::required_minor(&self.tensors) {
+            let t = self
+                .tensors
+                .iter()
+                .find(|t| Self::required_minor(std::slice::from_ref(t)) > self.version_minor)
+                .expect("some tensor needs the newer minor");
+            return err(format!(
+                "tensor {} ({}, {}) needs format 1.1 (fp8 element types and MLA latents), \
+                 but the header says {}.{}",
+                t.name,
+                t.describe(),
+                t.dtype.name(),
+                self.version_major,
+                self.version_minor
+            ));
+        }
         if !(6..=12).contains(&self.align_log2) {
             return err(format!(
                 "alignment 2^{} is outside 2^6..2^12",
@@ -331,6 +363,16 @@ impl FileHeader {
                     return err(format!(
                         "tensor table not strictly ordered by (layer, kind): {} after {}",
                         t.describe(),
+                        p.describe()
+                    ));
+                }
+                // Latent sorts after K and V, so a K or V of the same layer
+                // is the record just before it.
+                if t.kind == Kind::Latent && p.layer == t.layer {
+                    return err(format!(
+                        "layer {} has both an MLA latent and {}: a layer holds either a latent \
+                         or K and V",
+                        t.layer,
                         p.describe()
                     ));
                 }

@@ -38,8 +38,12 @@ pub use writer::Writer;
 pub const MAGIC: [u8; 8] = [0x89, b'K', b'V', b'P', b'\r', b'\n', 0x1A, b'\n'];
 /// Major format version written and read by this crate.
 pub const VERSION_MAJOR: u16 = 1;
-/// Minor format version written by this crate. Readers accept any minor.
-pub const VERSION_MINOR: u16 = 0;
+/// Newest minor format version this crate reads and writes (1.1 adds fp8
+/// element types and MLA latent tensors). Readers accept any minor; a
+/// writer emits the lowest minor the file needs
+/// ([`FileHeader::required_minor`]), so files without 1.1 features stay
+/// 1.0, byte for byte.
+pub const VERSION_MINOR: u16 = 1;
 /// Default frame alignment in bytes (`2^6`).
 pub const DEFAULT_ALIGN_LOG2: u8 = 6;
 /// Alignment of sections inside a page body, bytes.

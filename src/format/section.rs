@@ -85,6 +85,10 @@ pub enum ElemType {
     /// Opaque bytes with a structure defined by the section kind or codec.
     /// Code 6.
     Bytes,
+    /// fp8 E4M3FN codes (format 1.1). Code 7. The scale is the tensor's.
+    F8E4M3,
+    /// fp8 E5M2 codes (format 1.1). Code 8. The scale is the tensor's.
+    F8E5M2,
 }
 
 impl ElemType {
@@ -98,6 +102,8 @@ impl ElemType {
             ElemType::U16 => (4, 16),
             ElemType::U32 => (5, 32),
             ElemType::Bytes => (6, 8),
+            ElemType::F8E4M3 => (7, 8),
+            ElemType::F8E5M2 => (8, 8),
         }
     }
 
@@ -112,6 +118,8 @@ impl ElemType {
             4 => ElemType::U16,
             5 => ElemType::U32,
             6 => ElemType::Bytes,
+            7 => ElemType::F8E4M3,
+            8 => ElemType::F8E5M2,
             _ => return None,
         };
         (t.code_bits().1 == bits).then_some(t)
@@ -129,6 +137,10 @@ impl ElemType {
             crate::cache::DType::Bf16 => ElemType::Bf16,
             crate::cache::DType::F16 => ElemType::F16,
             crate::cache::DType::F32 => ElemType::F32,
+            crate::cache::DType::Fp8(f) => match f.format() {
+                crate::cache::Fp8Format::E4M3Fn => ElemType::F8E4M3,
+                crate::cache::Fp8Format::E5M2 => ElemType::F8E5M2,
+            },
         }
     }
 
@@ -142,6 +154,8 @@ impl ElemType {
             ElemType::U16 => "u16".into(),
             ElemType::U32 => "u32".into(),
             ElemType::Bytes => "bytes".into(),
+            ElemType::F8E4M3 => "f8e4m3".into(),
+            ElemType::F8E5M2 => "f8e5m2".into(),
         }
     }
 }

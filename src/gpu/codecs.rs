@@ -12,7 +12,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::cache::{Kind, TensorInfo};
+use crate::cache::{Role, TensorInfo};
 use crate::codec::outliers::OutlierTable;
 use crate::codec::sphere::{self, Values};
 use crate::codec::{self, Codec, expect_section};
@@ -72,7 +72,7 @@ fn bad_params(codec: &dyn Codec) -> Error {
 /// [`Error::Parameter`] for a parameter block that does not parse.
 pub fn of(codec: &dyn Codec, t: &TensorInfo) -> Result<KernelCodec> {
     let p = codec.params();
-    let key = t.kind == Kind::Key;
+    let key = t.kind.role() == Role::Key;
     match codec.id() {
         codec::hqmq::ID => {
             if p.len() != 24 {
@@ -858,6 +858,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::Kind;
 
     #[test]
     fn families_from_parameter_blocks() {

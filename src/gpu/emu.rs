@@ -299,6 +299,8 @@ impl Emulator {
             TensorData::Bf16(v) => arena.place(bytemuck::cast_slice(v)),
             TensorData::F16(v) => arena.place(bytemuck::cast_slice(v)),
             TensorData::F32(v) => arena.place(bytemuck::cast_slice(v)),
+            // Refused by the plan below (`spec::supported`).
+            TensorData::Fp8(_, v) => arena.place(v),
         };
         let layout = super::encplan::plan(src, info, codec, pages, &mut |b| Ok(arena.place(b)))?;
         let bodies = arena.place(&layout.host);

@@ -99,7 +99,7 @@ pub fn decode_tensor(
         let bits: &[u16] = match &scratch {
             TensorData::Bf16(v) => bytemuck::cast_slice(v),
             TensorData::F16(v) => bytemuck::cast_slice(v),
-            TensorData::F32(_) => unreachable!("OutType is 16-bit"),
+            TensorData::F32(_) | TensorData::Fp8(..) => unreachable!("OutType is 16-bit"),
         };
         for p in 0..info.planes() {
             let (b, h) = (p / info.heads as usize, p % info.heads as usize);

@@ -269,7 +269,8 @@ impl Device {
     /// # Errors
     /// [`Error::Format`] for a corrupted page; [`Error::Parameter`] for a
     /// bad layout; [`Error::Unsupported`] for a codec without GPU kernels
-    /// (CUDA only); [`Error::Io`] for a CUDA failure.
+    /// or an fp8 / MLA latent tensor (emulator and CUDA; the CPU device
+    /// decodes them); [`Error::Io`] for a CUDA failure.
     pub fn decode_tensor(
         &self,
         archive: &Archive<'_>,
@@ -279,6 +280,9 @@ impl Device {
     ) -> Result<Vec<u16>> {
         let info = host::tensor_info(archive, tensor)?;
         let len = host::layout_len(&info, layout)?;
+        if !matches!(self, Device::Cpu) {
+            spec::supported(&info)?;
+        }
         match self {
             Device::Cpu => host::decode_tensor(archive, tensor, out, layout),
             Device::Emulated(e) => e.decode_tensor(archive, tensor, out, layout),
@@ -328,13 +332,17 @@ impl Device {
     /// # Errors
     /// [`Error::Parameter`] for values the codec cannot represent (NaN,
     /// inf), naming the page; [`Error::Unsupported`] for a codec without a
-    /// GPU encoder (CUDA only); [`Error::Io`] for a CUDA failure.
+    /// GPU encoder (CUDA only) or an fp8 / MLA latent tensor (emulator and
+    /// CUDA); [`Error::Io`] for a CUDA failure.
     pub fn encode_tensor(
         &self,
         tensor: &Tensor,
         codec: &dyn Codec,
         pages: &[PlannedPage],
     ) -> Result<Vec<Vec<Section>>> {
+        if !matches!(self, Device::Cpu) {
+            spec::supported(&tensor.info)?;
+        }
         match self {
             Device::Cpu => host::encode_tensor(tensor, codec, pages),
             Device::Emulated(e) => e.encode_tensor(tensor, codec, pages),
@@ -360,6 +368,9 @@ impl Device {
                         plan.launch()?;
                         plan.finish()?;
                         plan.sections()?
+                    }
+                    crate::cache::TensorData::Fp8(..) => {
+                        unreachable!("fp8 tensors are refused above (spec::supported)")
                     }
                 };
                 Ok(plan)

@@ -159,6 +159,7 @@ impl KernelCodec {
     /// # Errors
     /// [`Error::Unsupported`] for a codec that has no GPU kernels yet.
     pub fn of(codec: &dyn Codec, tensor: &TensorInfo) -> Result<KernelCodec> {
+        supported(tensor)?;
         let p = codec.params();
         match codec.id() {
             codec::raw::ID => Ok(KernelCodec::Raw { src: tensor.dtype }),
@@ -169,7 +170,7 @@ impl KernelCodec {
             codec::affine::BDR_ID if p.len() == 8 => {
                 let h = u32::from(u16::from_le_bytes([p[0], p[1]]));
                 let keys_only = p[3] & 1 == 1;
-                let rotated = !(keys_only && tensor.kind == crate::cache::Kind::Value);
+                let rotated = !(keys_only && tensor.kind.role() == crate::cache::Role::Value);
                 if rotated && !tensor.head_dim.is_multiple_of(h) {
                     return Err(Error::param(format!(
                         "{}: head_dim {} is not a multiple of the bdr block {h}",
@@ -205,6 +206,33 @@ impl KernelCodec {
     }
 }
 
+/// Checks that the GPU kernels take tensors like `t`: bf16, fp16 or fp32
+/// K or V tensors. fp8 tensors and MLA latents (format 1.1) are decoded and
+/// encoded on the CPU only.
+///
+/// # Errors
+/// [`Error::Unsupported`] naming the tensor and what the kernels lack.
+pub fn supported(t: &TensorInfo) -> Result<()> {
+    if let DType::Fp8(_) = t.dtype {
+        return Err(Error::Unsupported(format!(
+            "{} ({}) is stored as {}: the GPU kernels read bf16, fp16 and fp32 pages only; \
+             decode or encode it on the CPU",
+            t.name,
+            t.describe(),
+            t.dtype.name()
+        )));
+    }
+    if t.kind == crate::cache::Kind::Latent {
+        return Err(Error::Unsupported(format!(
+            "{} ({}) is an MLA latent: the GPU kernels take K and V tensors only; \
+             decode or encode it on the CPU",
+            t.name,
+            t.describe()
+        )));
+    }
+    Ok(())
+}
+
 /// Element type of a GPU decode output: bf16 or f16 (the serving engines'
 /// KV types). Stored as `u16` bit patterns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -235,22 +263,28 @@ impl OutType {
     /// The output type for a [`DType`].
     ///
     /// # Errors
-    /// [`Error::Parameter`] for f32 (GPU decode writes 16-bit elements).
+    /// [`Error::Parameter`] for f32 and fp8 (GPU decode writes 16-bit
+    /// elements).
     pub fn from_dtype(d: DType) -> Result<OutType> {
         match d {
             DType::Bf16 => Ok(OutType::Bf16),
             DType::F16 => Ok(OutType::F16),
-            DType::F32 => Err(Error::param("GPU decode writes bf16 or fp16, not fp32")),
+            DType::F32 | DType::Fp8(_) => Err(Error::param(format!(
+                "GPU decode writes bf16 or fp16, not {}",
+                d.name()
+            ))),
         }
     }
 }
 
-/// Kernel-name suffix of a source element type.
+/// Kernel-name suffix of a source element type (fp8 has no kernels: see
+/// [`supported`]; its name is returned for messages).
 pub fn src_suffix(d: DType) -> &'static str {
     match d {
         DType::Bf16 => "bf16",
         DType::F16 => "f16",
         DType::F32 => "f32",
+        DType::Fp8(_) => d.name(),
     }
 }
 

@@ -1,8 +1,20 @@
 //! safetensors import and export of KV caches in the HF layout:
 //! `past_key_values.{layer}.key` / `past_key_values.{layer}.value`, shape
-//! `[batch, kv_heads, tokens, head_dim]`, bf16/fp16/fp32. Optional
+//! `[batch, kv_heads, tokens, head_dim]`, bf16/fp16/fp32 (`BF16`, `F16`,
+//! `F32`) or fp8 (`F8_E4M3` = E4M3FN, `F8_E5M2`). Optional
 //! `queries.{layer}` tensors `[batch, q_heads, tokens, head_dim]` (post-RoPE
 //! query vectors for attention checks) are returned separately.
+//!
+//! MLA (DeepSeek-style) caches hold one `past_key_values.{layer}.latent`
+//! tensor per layer instead of K and V: `[batch, 1, tokens, latent_dim]`
+//! (or 3-axis `[batch, tokens, latent_dim]`, read as one head), the
+//! compressed KV followed by the RoPE key part.
+//!
+//! fp8 tensors carry their per-tensor scale (dequantized value = code *
+//! scale) in a scalar tensor named after them with `_scale` appended, e.g.
+//! `past_key_values.3.key_scale` (shape `[]` or `[1]`, F32/BF16/F16; vLLM
+//! calls these `k_scale` / `v_scale`). A missing scale means 1 (vLLM's
+//! default); a scale for a tensor that is not fp8 is refused.
 //!
 //! Metadata keys are carried through compress/decompress unchanged, except
 //! `kvpack.token_ids` (a JSON list of integers), which becomes the cache's
@@ -13,7 +25,7 @@ use std::io::Write;
 
 use safetensors::{Dtype, SafeTensors};
 
-use crate::cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
+use crate::cache::{DType, Fp8, Fp8Format, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use crate::error::{Error, Location, Result};
 
 /// Metadata key holding the token ids of the cached prefix.
@@ -43,28 +55,44 @@ pub struct Loaded {
     pub ignored: Vec<String>,
 }
 
+/// Suffix of the scalar tensor holding an fp8 tensor's scale.
+pub const SCALE_SUFFIX: &str = "_scale";
+
 fn dtype_of(d: Dtype, name: &str) -> Result<DType> {
     match d {
         Dtype::BF16 => Ok(DType::Bf16),
         Dtype::F16 => Ok(DType::F16),
         Dtype::F32 => Ok(DType::F32),
+        Dtype::F8_E4M3 => Ok(DType::Fp8(Fp8::unscaled(Fp8Format::E4M3Fn))),
+        Dtype::F8_E5M2 => Ok(DType::Fp8(Fp8::unscaled(Fp8Format::E5M2))),
         other => Err(Error::param(format!(
-            "tensor {name} has dtype {other:?}; kvpack supports BF16, F16 and F32 KV caches"
+            "tensor {name} has dtype {other:?}; kvpack supports BF16, F16, F32, F8_E4M3 (E4M3FN) \
+             and F8_E5M2 KV caches"
         ))),
     }
 }
 
-fn shape4(shape: &[usize], name: &str) -> Result<[usize; 4]> {
-    <[usize; 4]>::try_from(shape).map_err(|_| {
-        Error::param(format!(
-            "tensor {name} has shape {shape:?}; expected 4 axes [batch, kv_heads, tokens, head_dim]"
-        ))
-    })
+fn shape4(shape: &[usize], name: &str, kind: Option<Kind>) -> Result<[usize; 4]> {
+    match (shape, kind) {
+        (&[b, t, d], Some(Kind::Latent)) => Ok([b, 1, t, d]),
+        _ => <[usize; 4]>::try_from(shape).map_err(|_| {
+            Error::param(format!(
+                "tensor {name} has shape {shape:?}; expected 4 axes [batch, kv_heads, tokens, head_dim]{}",
+                if kind == Some(Kind::Latent) {
+                    " or 3 axes [batch, tokens, latent_dim]"
+                } else {
+                    ""
+                }
+            ))
+        }),
+    }
 }
 
-/// Splits `past_key_values.{layer}.{key|value}` or `queries.{layer}`.
+/// Splits `past_key_values.{layer}.{key|value|latent}[_scale]` or
+/// `queries.{layer}`.
 enum Name {
     Kv(u32, Kind),
+    Scale(u32, Kind),
     Query(u32),
     Other,
 }
@@ -72,19 +100,29 @@ enum Name {
 fn classify(name: &str) -> Result<Name> {
     if let Some(rest) = name.strip_prefix("past_key_values.") {
         let (l, what) = rest.split_once('.').unwrap_or((rest, ""));
+        let (what, scale) = match what.strip_suffix(SCALE_SUFFIX) {
+            Some(w) => (w, true),
+            None => (what, false),
+        };
         let kind = match what {
             "key" => Kind::Key,
             "value" => Kind::Value,
+            "latent" => Kind::Latent,
             _ => {
                 return Err(Error::param(format!(
-                    "tensor {name}: expected past_key_values.{{layer}}.key or .value"
+                    "tensor {name}: expected past_key_values.{{layer}}.key, .value or .latent \
+                     (or one of them with {SCALE_SUFFIX} appended)"
                 )));
             }
         };
         let layer = l
             .parse()
             .map_err(|_| Error::param(format!("tensor {name}: layer {l:?} is not a number")))?;
-        return Ok(Name::Kv(layer, kind));
+        return Ok(if scale {
+            Name::Scale(layer, kind)
+        } else {
+            Name::Kv(layer, kind)
+        });
     }
     if let Some(l) = name.strip_prefix("queries.")
         && let Ok(layer) = l.parse()
@@ -99,8 +137,9 @@ fn classify(name: &str) -> Result<Name> {
 /// # Errors
 /// [`Error::Format`] (location: the input) for a malformed safetensors
 /// file; [`Error::Parameter`] for unsupported dtypes, wrong ranks, missing
-/// K or V of a layer, K/V shape mismatches, bad `kvpack.token_ids`, or no
-/// K/V tensors at all.
+/// K or V of a layer, K/V shape mismatches, a layer with both a latent and
+/// K/V, a scale that is not a positive finite scalar or belongs to no fp8
+/// tensor, bad `kvpack.token_ids`, or no K/V/latent tensors at all.
 pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
     let st = SafeTensors::deserialize(bytes).map_err(|e| {
         Error::format(
@@ -111,6 +150,7 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
     let (_, meta) = SafeTensors::read_metadata(bytes)
         .map_err(|e| Error::format(Location::Input(source.to_string()), e.to_string()))?;
     let mut kv: BTreeMap<(u32, Kind), Tensor> = BTreeMap::new();
+    let mut scales: BTreeMap<(u32, Kind), (String, f32)> = BTreeMap::new();
     let mut queries = Vec::new();
     let mut ignored = Vec::new();
     let mut names: Vec<_> = st.names().into_iter().map(str::to_string).collect();
@@ -122,7 +162,7 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
         match classify(name)? {
             Name::Kv(layer, kind) => {
                 let dtype = dtype_of(view.dtype(), name)?;
-                let [b, h, t, d] = shape4(view.shape(), name)?;
+                let [b, h, t, d] = shape4(view.shape(), name, Some(kind))?;
                 let fits = |x: usize| {
                     u32::try_from(x).map_err(|_| {
                         Error::param(format!("tensor {name}: dimension {x} too large"))
@@ -147,36 +187,80 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
                 let data = TensorData::from_le_bytes(dtype, view.data())?;
                 kv.insert((layer, kind), Tensor::new(info, data)?);
             }
+            Name::Scale(layer, kind) => {
+                let dtype = dtype_of(view.dtype(), name)?;
+                let vals = TensorData::from_le_bytes(dtype, view.data())?.to_f32();
+                let (&[s], true) = (vals.as_slice(), view.shape().len() <= 1) else {
+                    return Err(Error::param(format!(
+                        "tensor {name} has shape {:?}; an fp8 scale is one number (shape [] or [1])",
+                        view.shape()
+                    )));
+                };
+                scales.insert((layer, kind), (name.clone(), s));
+            }
             Name::Query(layer) => {
                 let dtype = dtype_of(view.dtype(), name)?;
-                let shape = shape4(view.shape(), name)?;
+                let shape = shape4(view.shape(), name, None)?;
                 let data = TensorData::from_le_bytes(dtype, view.data())?.to_f32();
                 queries.push(Queries { layer, shape, data });
             }
             Name::Other => ignored.push(name.clone()),
         }
     }
+    for ((layer, kind), (name, s)) in scales {
+        let t = kv.get_mut(&(layer, kind)).ok_or_else(|| {
+            Error::param(format!(
+                "{name} is the scale of past_key_values.{layer}.{}, which is missing",
+                kind.name()
+            ))
+        })?;
+        let DType::Fp8(f) = t.info.dtype else {
+            return Err(Error::param(format!(
+                "{name}: {} is {}, not fp8; only fp8 tensors carry a scale",
+                t.info.name,
+                t.info.dtype.name()
+            )));
+        };
+        let f = Fp8::new(f.format(), s).map_err(|e| Error::param(format!("{name}: {e}")))?;
+        t.info.dtype = DType::Fp8(f);
+        let TensorData::Fp8(g, _) = &mut t.data else {
+            unreachable!("fp8 info has fp8 data (Tensor::new)")
+        };
+        *g = f;
+    }
     if kv.is_empty() {
         let some: Vec<_> = names.iter().take(5).cloned().collect();
         return Err(Error::param(format!(
-            "{source} has no tensors named past_key_values.{{layer}}.key / .value (found {} tensors{}{})",
+            "{source} has no tensors named past_key_values.{{layer}}.key / .value / .latent (found {} tensors{}{})",
             names.len(),
             if some.is_empty() { "" } else { ": " },
             some.join(", ")
         )));
     }
     for ((layer, kind), t) in &kv {
-        let other = if *kind == Kind::Key {
-            Kind::Value
-        } else {
-            Kind::Key
+        let other = match kind {
+            Kind::Key => Kind::Value,
+            Kind::Value => Kind::Key,
+            Kind::Latent => {
+                if let Some(o) = [Kind::Key, Kind::Value]
+                    .iter()
+                    .find_map(|k| kv.get(&(*layer, *k)))
+                {
+                    return Err(Error::param(format!(
+                        "layer {layer} has both an MLA latent ({}) and {}; a layer holds either \
+                         a latent or K and V",
+                        t.info.name, o.info.name
+                    )));
+                }
+                continue;
+            }
         };
         match kv.get(&(*layer, other)) {
             None => {
                 return Err(Error::param(format!(
                     "{} is present but past_key_values.{layer}.{} is missing",
                     t.info.name,
-                    if other == Kind::Key { "key" } else { "value" }
+                    other.name()
                 )));
             }
             Some(o) => {
@@ -222,11 +306,16 @@ fn st_dtype(d: DType) -> &'static str {
         DType::Bf16 => "BF16",
         DType::F16 => "F16",
         DType::F32 => "F32",
+        DType::Fp8(f) => match f.format() {
+            Fp8Format::E4M3Fn => "F8_E4M3",
+            Fp8Format::E5M2 => "F8_E5M2",
+        },
     }
 }
 
 /// Writes `cache` as a safetensors file (tensor names, shapes and dtypes
-/// from the cache; metadata plus `kvpack.token_ids` when token ids exist).
+/// from the cache; metadata plus `kvpack.token_ids` when token ids exist;
+/// for every fp8 tensor a scalar F32 tensor `{name}_scale` with its scale).
 ///
 /// # Errors
 /// [`Error::Io`] when writing fails.
@@ -255,6 +344,29 @@ pub fn write(cache: &KvCache, w: &mut dyn Write) -> Result<()> {
         );
         off += n;
     }
+    let scales: Vec<f32> = cache
+        .tensors
+        .iter()
+        .filter_map(|t| t.data.dtype().scale())
+        .collect();
+    for (t, _) in cache
+        .tensors
+        .iter()
+        .filter_map(|t| t.data.dtype().scale().map(|s| (t, s)))
+    {
+        let name = format!("{}{SCALE_SUFFIX}", t.info.name);
+        if header.contains_key(&name) {
+            return Err(Error::param(format!(
+                "cannot write the scale of {} as {name}: a tensor of that name exists",
+                t.info.name
+            )));
+        }
+        header.insert(
+            name,
+            serde_json::json!({"dtype": "F32", "shape": [], "data_offsets": [off, off + 4]}),
+        );
+        off += 4;
+    }
     let mut hb = serde_json::to_vec(&header).expect("json");
     hb.resize(hb.len().next_multiple_of(8), b' ');
     let io = |e| Error::io("writing safetensors", e);
@@ -262,15 +374,13 @@ pub fn write(cache: &KvCache, w: &mut dyn Write) -> Result<()> {
     w.write_all(&hb).map_err(io)?;
     for t in &cache.tensors {
         if cfg!(target_endian = "little") {
-            let b: &[u8] = match &t.data {
-                TensorData::Bf16(v) => bytemuck::cast_slice(v),
-                TensorData::F16(v) => bytemuck::cast_slice(v),
-                TensorData::F32(v) => bytemuck::cast_slice(v),
-            };
-            w.write_all(b).map_err(io)?;
+            w.write_all(t.data.as_elems().bytes()).map_err(io)?;
         } else {
             w.write_all(&t.data.to_le_bytes()).map_err(io)?;
         }
+    }
+    for s in scales {
+        w.write_all(&s.to_le_bytes()).map_err(io)?;
     }
     Ok(())
 }

@@ -1,8 +1,9 @@
 //! Shared numeric kernels used by the codecs: element-type conversion
 //! (bf16, fp16, fp8 E4M3FN / E5M2), bit packing, mixed-radix digit packing,
 //! the fast Walsh-Hadamard transform, asymmetric (affine) and group-wise
-//! quantization, quaternion arithmetic, a seeded integer PRNG, random sign-flipped rotations, Lloyd-Max
-//! codebooks, the octahedral map and the QJL residual sketch.
+//! quantization, quaternion arithmetic, a seeded integer PRNG, random
+//! sign-flipped rotations, Lloyd-Max codebooks, the octahedral map and the
+//! QJL residual sketch.
 //!
 //! Every kernel has a portable scalar implementation that defines its exact
 //! result. Where an x86-64 AVX2 path exists it is selected at run time and

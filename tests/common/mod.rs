@@ -4,7 +4,6 @@
 
 use std::path::PathBuf;
 
-use half::{bf16, f16};
 use kvpack::cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use kvpack::compress::{CompressOptions, compress};
 use kvpack::plan::Layout;
@@ -73,11 +72,8 @@ pub fn synthetic(layers: &[LayerSpec], dtype: DType, seed: u64) -> KvCache {
                     (rng.normal() * boost) as f32
                 })
                 .collect();
-            let data = match dtype {
-                DType::Bf16 => TensorData::Bf16(vals.iter().map(|&x| bf16::from_f32(x)).collect()),
-                DType::F16 => TensorData::F16(vals.iter().map(|&x| f16::from_f32(x)).collect()),
-                DType::F32 => TensorData::F32(vals),
-            };
+            let mut data = TensorData::zeros(dtype, n);
+            data.as_elems_mut().store(0, &vals);
             tensors.push(Tensor::new(info, data).unwrap());
         }
     }
@@ -90,6 +86,54 @@ pub fn synthetic(layers: &[LayerSpec], dtype: DType, seed: u64) -> KvCache {
         .map(|i| i * 7 + 1)
         .collect();
     c
+}
+
+/// `cache` with every tensor stored as fp8 of `format`, each with its own
+/// per-tensor scale calibrated on its largest magnitude.
+pub fn to_fp8(cache: &KvCache, format: kvpack::Fp8Format) -> KvCache {
+    let tensors = cache
+        .tensors
+        .iter()
+        .map(|t| {
+            let amax = t.data.to_f32().iter().fold(0f32, |m, x| m.max(x.abs()));
+            t.converted(DType::Fp8(kvpack::Fp8::for_amax(format, amax)))
+        })
+        .collect();
+    KvCache {
+        tensors,
+        ..cache.clone()
+    }
+}
+
+/// An MLA latent cache shaped like DeepSeek-V2-Lite's (kv_lora_rank 512 +
+/// qk_rope_head_dim 64 = 576 per token, one latent per layer), Gaussian
+/// values with the RoPE part 4x larger, `dtype` storage.
+pub fn latent(layers: u32, tokens: u32, dtype: DType, seed: u64) -> KvCache {
+    let mut rng = Rng(seed.max(1));
+    let tensors = (0..layers)
+        .map(|l| {
+            let info = TensorInfo {
+                name: format!("past_key_values.{l}.latent"),
+                layer: l,
+                kind: Kind::Latent,
+                dtype,
+                batch: 1,
+                heads: 1,
+                tokens,
+                head_dim: 576,
+            };
+            let vals: Vec<f32> = (0..info.elements() as usize)
+                .map(|i| (rng.normal() * if i % 576 >= 512 { 4.0 } else { 1.0 }) as f32)
+                .collect();
+            let mut data = TensorData::zeros(dtype, vals.len());
+            data.as_elems_mut().store(0, &vals);
+            Tensor::new(info, data).unwrap()
+        })
+        .collect();
+    KvCache {
+        tensors,
+        ..Default::default()
+    }
 }
 
 /// Compresses into memory.

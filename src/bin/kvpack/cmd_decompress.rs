@@ -23,8 +23,10 @@ pub struct Args {
     /// extension .safetensors].
     #[arg(long, short = 'o')]
     pub output: Option<String>,
-    /// Output element type [default: the source dtype].
-    #[arg(long, value_parser = ["bf16", "fp16", "fp32"])]
+    /// Output element type [default: the source dtype]. fp8 outputs take
+    /// the scale of an fp8 source (scale 1 for other sources) and are
+    /// written with a `{name}_scale` tensor.
+    #[arg(long, value_parser = ["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"])]
     pub dtype: Option<String>,
     /// Only layers A..B (half-open, e.g. 0..4; ..4 and 4.. work too).
     #[arg(long, value_name = "A..B")]
@@ -32,8 +34,8 @@ pub struct Args {
     /// Only cache slots A..B of each layer (e.g. 128..512).
     #[arg(long, value_name = "A..B")]
     pub tokens: Option<String>,
-    /// Only keys (k) or only values (v).
-    #[arg(long, value_parser = ["k", "v"])]
+    /// Only keys (k), only values (v) or only MLA latents (latent).
+    #[arg(long, value_parser = ["k", "v", "latent"])]
     pub kind: Option<String>,
     /// Overwrite the output if it exists.
     #[arg(long, short = 'f')]
@@ -50,10 +52,7 @@ pub fn run(a: Args) -> Result<u8> {
     let sel = Selection {
         layers: a.layers.as_deref().map(parse_range).transpose()?,
         tokens: a.tokens.as_deref().map(parse_range).transpose()?,
-        kind: a
-            .kind
-            .as_deref()
-            .map(|k| if k == "k" { Kind::Key } else { Kind::Value }),
+        kind: a.kind.as_deref().map(Kind::parse).transpose()?,
     };
     let dtype = a.dtype.as_deref().map(DType::parse).transpose()?;
     let input = file::open_input(&a.input)?;

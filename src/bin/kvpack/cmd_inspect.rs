@@ -135,7 +135,7 @@ pub fn run(a: Args) -> Result<u8> {
         .iter()
         .zip(&per)
         .map(|(t, (n, b))| {
-            json!({"name": t.name, "layer": t.layer, "kind": t.kind.letter(), "dtype": t.dtype.name(),
+            json!({"name": t.name, "layer": t.layer, "kind": t.kind.letter(), "dtype": t.dtype.name(), "scale": t.dtype.scale(),
                    "batch": t.batch, "kv_heads": t.heads, "tokens": t.tokens, "head_dim": t.head_dim,
                    "pages": n, "bytes": b,
                    "bits_per_element": if t.elements() == 0 { 0.0 } else { 8.0 * *b as f64 / t.elements() as f64 }})
@@ -245,13 +245,30 @@ pub fn run(a: Args) -> Result<u8> {
             c["nominal_bits_per_element"].as_f64().unwrap_or(0.0)
         );
     }
+    // fp8 tensors show their per-tensor scale; MLA latents are kind L
+    // (heads 1, head_dim = latent width).
+    let fp8 = tensors.iter().any(|t| t.dtype.scale().is_some());
     println!(
-        "  {:>5} {:>2} {:>6} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9}",
-        "layer", "", "dtype", "heads", "head_dim", "tokens", "pages", "bytes", "bits/elem"
+        "  {:>5} {:>2} {:>8} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9}{}",
+        "layer",
+        "",
+        "dtype",
+        "heads",
+        "head_dim",
+        "tokens",
+        "pages",
+        "bytes",
+        "bits/elem",
+        if fp8 { "  scale" } else { "" }
     );
+    if tensors.iter().any(|t| t.kind == Kind::Latent) {
+        println!(
+            "  (L = MLA latent: compressed KV + RoPE key, one per layer; head_dim = latent width)"
+        );
+    }
     for (t, j) in tensors.iter().zip(&tjson) {
         println!(
-            "  {:>5} {:>2} {:>6} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9.3}",
+            "  {:>5} {:>2} {:>8} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9.3}{}",
             t.layer,
             t.kind.letter(),
             t.dtype.name(),
@@ -260,7 +277,11 @@ pub fn run(a: Args) -> Result<u8> {
             t.tokens,
             j["pages"],
             j["bytes"],
-            j["bits_per_element"].as_f64().unwrap_or(0.0)
+            j["bits_per_element"].as_f64().unwrap_or(0.0),
+            t.dtype
+                .scale()
+                .map(|s| format!("  {s:e}"))
+                .unwrap_or_default()
         );
     }
     println!(

@@ -167,6 +167,8 @@ pub fn run(a: Args) -> Result<u8> {
                 "k_rel_mse": mean(kvpack::Kind::Key, |m| m.rel_mse), "v_rel_mse": mean(kvpack::Kind::Value, |m| m.rel_mse),
                 "k_snr_db": mean(kvpack::Kind::Key, |m| m.snr_db), "v_snr_db": mean(kvpack::Kind::Value, |m| m.snr_db),
                 "k_cosine": mean(kvpack::Kind::Key, |m| m.cosine), "v_cosine": mean(kvpack::Kind::Value, |m| m.cosine),
+                "latent_rel_mse": mean(kvpack::Kind::Latent, |m| m.rel_mse), "latent_snr_db": mean(kvpack::Kind::Latent, |m| m.snr_db),
+                "latent_cosine": mean(kvpack::Kind::Latent, |m| m.cosine),
                 "attention_rel_err": attn_mean,
             });
         }
@@ -213,14 +215,23 @@ pub fn run(a: Args) -> Result<u8> {
                     att
                 );
             }
-            println!(
-                "  mean: K cos {:.6} SNR {:.2} dB | V cos {:.6} SNR {:.2} dB | attention rel err {:.5}",
-                mean(kvpack::Kind::Key, |m| m.cosine),
-                mean(kvpack::Kind::Key, |m| m.snr_db),
-                mean(kvpack::Kind::Value, |m| m.cosine),
-                mean(kvpack::Kind::Value, |m| m.snr_db),
-                attn_mean
-            );
+            if rows.iter().any(|r| r.1 == kvpack::Kind::Latent) {
+                println!(
+                    "  mean: latent cos {:.6} SNR {:.2} dB",
+                    mean(kvpack::Kind::Latent, |m| m.cosine),
+                    mean(kvpack::Kind::Latent, |m| m.snr_db),
+                );
+            }
+            if rows.iter().any(|r| r.1 != kvpack::Kind::Latent) {
+                println!(
+                    "  mean: K cos {:.6} SNR {:.2} dB | V cos {:.6} SNR {:.2} dB | attention rel err {:.5}",
+                    mean(kvpack::Kind::Key, |m| m.cosine),
+                    mean(kvpack::Kind::Key, |m| m.snr_db),
+                    mean(kvpack::Kind::Value, |m| m.cosine),
+                    mean(kvpack::Kind::Value, |m| m.snr_db),
+                    attn_mean
+                );
+            }
         }
         for p in &problems {
             println!("  FAILED: {p}");

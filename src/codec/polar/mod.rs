@@ -29,7 +29,7 @@ pub mod score;
 
 use std::sync::Arc;
 
-use crate::cache::{Kind, TensorInfo};
+use crate::cache::{Role, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::bitpack;
@@ -361,16 +361,16 @@ impl Codec for Polar {
     }
 
     fn check(&self, t: &TensorInfo) -> Result<()> {
-        match t.kind {
-            Kind::Key if !t.head_dim.is_multiple_of(2) => Err(Error::param(format!(
+        match t.kind.role() {
+            Role::Key if !t.head_dim.is_multiple_of(2) => Err(Error::param(format!(
                 "{} pairs key channels, but {} ({}) has the odd head_dim {}",
                 self.name(),
                 t.name,
                 t.describe(),
                 t.head_dim
             ))),
-            Kind::Key => Ok(()),
-            Kind::Value => self.value_codec().check(t),
+            Role::Key => Ok(()),
+            Role::Value => self.value_codec().check(t),
         }
     }
 
@@ -379,16 +379,16 @@ impl Codec for Polar {
     }
 
     fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
-        match page.tensor.kind {
-            Kind::Key => self.encode_keys(page),
-            Kind::Value => self.value_codec().encode(page),
+        match page.tensor.kind.role() {
+            Role::Key => self.encode_keys(page),
+            Role::Value => self.value_codec().encode(page),
         }
     }
 
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
-        match out.tensor.kind {
-            Kind::Key => self.decode_keys(page, out),
-            Kind::Value => self.value_codec().decode(page, out),
+        match out.tensor.kind.role() {
+            Role::Key => self.decode_keys(page, out),
+            Role::Value => self.value_codec().decode(page, out),
         }
     }
 
@@ -397,9 +397,9 @@ impl Codec for Polar {
     /// not included because they depend on the page size. Values: as
     /// `int{b}` (`b + 64/head_dim`) or the source precision.
     fn bits_per_element(&self, t: &TensorInfo) -> f64 {
-        match t.kind {
-            Kind::Key => f64::from(self.code_bits()) / 2.0,
-            Kind::Value => self.value_codec().bits_per_element(t),
+        match t.kind.role() {
+            Role::Key => f64::from(self.code_bits()) / 2.0,
+            Role::Value => self.value_codec().bits_per_element(t),
         }
     }
 }
