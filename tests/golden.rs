@@ -3,7 +3,9 @@
 //!
 //! `vectors.json` lists each file with the codec and options that made it,
 //! the SHA-256 of the file and of its decoded output (every tensor's
-//! elements as little-endian f32, in tensor-table order). The test checks
+//! elements as little-endian f32, in tensor-table order), and the format
+//! version the file must declare (1.0 unless the entry says 1.1: fp8 and
+//! MLA latent inputs). The test checks
 //! both digests, and that encoding the committed input again reproduces
 //! the file byte for byte.
 //!
@@ -52,6 +54,15 @@ fn golden_vectors_decode_bit_exactly() {
             .decode(&Selection::default(), None, None)
             .unwrap();
         let dsha = sha256(&decoded_f32_bytes(&decoded));
+        // 1.0 vectors stay 1.0 files; fp8 and latent vectors are 1.1
+        // (format/SPEC.md section 3.1).
+        let version = v["format_version"].as_str().unwrap_or("1.0");
+        assert_eq!(
+            format!("1.{}", u16::from_le_bytes([bytes[10], bytes[11]])),
+            version,
+            "{}: format version",
+            file.display()
+        );
         if write && !have_digest {
             v["file_sha256"] = Value::String(sha256(&bytes));
             v["decoded_f32_sha256"] = Value::String(dsha.clone());
@@ -59,12 +70,14 @@ fn golden_vectors_decode_bit_exactly() {
         assert_eq!(
             sha256(&bytes),
             v["file_sha256"].as_str().unwrap(),
-            "{codec}: file digest changed"
+            "{codec} ({}): file digest changed",
+            file.display()
         );
         assert_eq!(
             dsha,
             v["decoded_f32_sha256"].as_str().unwrap(),
-            "{codec}: decoded output changed"
+            "{codec} ({}): decoded output changed",
+            file.display()
         );
         assert!(
             encoded == bytes,
