@@ -199,6 +199,7 @@ fn latent_caches_through_the_codecs() {
         ("hqmq:s96r4+med3", 0.995),
         ("polar:m4n4", 0.99),
         ("innerq:k2v2", 0.97),
+        ("innerq:k2v2:g64", 0.97),
         ("kivi:2", 0.92),
     ] {
         let bytes = compress_bytes(&cache, codec, Layout::default(), None);
@@ -212,6 +213,7 @@ fn latent_caches_through_the_codecs() {
         ("bdr128", "divisible by 128"),
         ("octopus:b3", "power-of-two"),
         ("turbo:b3", "power-of-two"),
+        ("innerq:k2v2:g128", "over 128 channels"),
     ] {
         let c = kvpack::codec::parse(codec).unwrap();
         let err = kvpack::compress::compress(
