@@ -44,6 +44,8 @@ pub struct Evaluation {
     pub k: KindSummary,
     /// Value errors.
     pub v: KindSummary,
+    /// MLA latent errors; `None` when the cache has no latent tensors.
+    pub latent: Option<KindSummary>,
     /// Mean over layers with queries of the attention-output relative error
     /// `||O - O^|| / ||O||`; `None` when the cache has no queries.
     pub attention: Option<f64>,
@@ -116,6 +118,9 @@ pub fn evaluate(loaded: &Loaded, codec: &dyn Codec, opts: &CompressOptions) -> R
         bytes: bytes.len() as u64,
         k: summarize(&pick(Kind::Key)),
         v: summarize(&pick(Kind::Value)),
+        latent: Some(pick(Kind::Latent))
+            .filter(|l| !l.is_empty())
+            .map(|l| summarize(&l)),
         attention,
         attention_per_layer: per_layer,
         encode_seconds,

@@ -67,6 +67,21 @@ pub fn run(a: Args) -> Result<u8> {
         output::print_json(&serde_json::to_value(&rows)?, false);
         return Ok(crate::EXIT_OK);
     }
+    if rows.iter().any(|r| r.latent.is_some()) {
+        // An MLA cache: one latent per layer, no K/V, no attention check.
+        println!(
+            "{:<18} {:>9} {:>10} {:>7} {:>9}",
+            "codec", "bits/elem", "L relMSE", "L SNR", "L cos"
+        );
+        for r in &rows {
+            let l = r.latent.unwrap_or_default();
+            println!(
+                "{:<18} {:>9.3} {:>10.3e} {:>7.2} {:>9.5}",
+                r.codec, r.bits_per_element, l.rel_mse, l.snr_db, l.cosine
+            );
+        }
+        return Ok(crate::EXIT_OK);
+    }
     println!(
         "{:<18} {:>9} {:>10} {:>10} {:>7} {:>7} {:>9} {:>9} {:>9}",
         "codec",
