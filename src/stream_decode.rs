@@ -75,10 +75,9 @@ impl Outputs {
                             (*base as *mut f32).add(start),
                             len,
                         )),
-                        DType::Fp8(f) => ElemsMut::Fp8(
-                            f,
-                            std::slice::from_raw_parts_mut((*base as *mut u8).add(start), len),
-                        ),
+                        DType::Fp8(f) => {
+                            ElemsMut::Fp8(f, std::slice::from_raw_parts_mut(base.add(start), len))
+                        }
                     }
                 }
             })

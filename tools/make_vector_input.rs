@@ -131,8 +131,11 @@ fn latent() -> KvCache {
     cache
 }
 
+/// A named input and the function that builds it.
+type Input = (&'static str, fn() -> KvCache);
+
 fn main() {
-    let inputs: [(&str, fn() -> KvCache); 4] = [
+    let inputs: [Input; 4] = [
         ("input-small.safetensors", small),
         ("input-fp8-e4m3.safetensors", || fp8(Fp8Format::E4M3Fn)),
         ("input-fp8-e5m2.safetensors", || fp8(Fp8Format::E5M2)),

@@ -105,7 +105,7 @@ const fn to_f32_bits(code: u8, f: Fp8Format) -> u32 {
         while (m << k) & (1 << m_bits) == 0 {
             k += 1;
         }
-        let exp = 1 - f.bias() - k as i32;
+        let exp = 1 - f.bias() - k;
         let frac = (m << k) & ((1 << m_bits) - 1);
         return sign | (((exp + 127) as u32) << 23) | (frac << (23 - m_bits));
     }
@@ -289,7 +289,7 @@ mod tests {
 
     #[test]
     fn narrowing_matches_brute_force_nearest() {
-        let mut s = 0x1234_5678_9ABC_DEFu64;
+        let mut s = 0x0123_4567_89AB_CDEF_u64;
         for f in FORMATS {
             let mut xs: Vec<f32> = Vec::new();
             // Every midpoint between neighbouring codes, and its f32
