@@ -678,8 +678,9 @@ fn zero(c: &mut KvCache) {
 }
 
 /// `tools/hqmq_reference.py`, a pure-Python decoder written from the specs,
-/// reproduces the golden vectors' decoded-output digests (skipped, with a
-/// note, when `python3` is not installed).
+/// reproduces the golden vectors' decoded-output digests, hqmq ones and the
+/// raw fp8 and latent ones of format 1.1 (skipped, with a note, when
+/// `python3` is not installed).
 #[test]
 fn python_reference_decodes_the_golden_vectors() {
     let list: serde_json::Value =
@@ -687,7 +688,11 @@ fn python_reference_decodes_the_golden_vectors() {
             .unwrap();
     let mut checked = 0;
     for v in list["vectors"].as_array().unwrap() {
-        if !v["codec"].as_str().unwrap().starts_with("hqmq") || !v["zstd"].is_null() {
+        // hqmq vectors, and the raw vectors of format 1.1 (fp8 codes and
+        // scales, MLA latents) that the reference also reads.
+        let codec = v["codec"].as_str().unwrap();
+        let raw_1_1 = codec == "raw" && v["format_version"] == "1.1";
+        if !(codec.starts_with("hqmq") || raw_1_1) || !v["zstd"].is_null() {
             continue;
         }
         let file = repo(&format!("format/vectors/{}", v["file"].as_str().unwrap()));
@@ -716,5 +721,5 @@ fn python_reference_decodes_the_golden_vectors() {
         );
         checked += 1;
     }
-    assert!(checked >= 2);
+    assert!(checked >= 7, "{checked} vectors");
 }

@@ -12,9 +12,10 @@ binary32 operands rounds to the correct binary32 value).
       writes the committed codebook test vector that tests/hqmq.rs checks
       the Rust implementation against, bit for bit;
   python3 tools/hqmq_reference.py decode FILE.kvpack
-      decodes a kvpack file of bf16 tensors whose pages are hqmq or raw
-      (uncompressed bodies) and prints the SHA-256 of the decoded output
-      (SPEC section 12), to compare with format/vectors/vectors.json.
+      decodes a kvpack file of bf16 or fp8 (format 1.1, SPEC 4.3) K/V or
+      MLA latent tensors whose pages are hqmq or raw (uncompressed bodies)
+      and prints the SHA-256 of the decoded output (SPEC section 12), to
+      compare with format/vectors/vectors.json.
 """
 
 from __future__ import annotations
@@ -129,6 +130,38 @@ def bf16(bits16: int) -> float:
     return struct.unpack("<f", struct.pack("<I", bits16 << 16))[0]
 
 
+# fp8 (SPEC 4.3): (exponent bits, mantissa bits, bias) of dtype codes 4, 5.
+FP8 = {4: (4, 3, 7), 5: (5, 2, 15)}
+
+
+def fp8_value(code: int, dtype: int) -> float:
+    """The value of an fp8 code, from the SPEC 4.3 table."""
+    eb, mb, bias = FP8[dtype]
+    s = -1.0 if code & 0x80 else 1.0
+    e, m = (code >> mb) & ((1 << eb) - 1), code & ((1 << mb) - 1)
+    if dtype == 4 and e == 15 and m == 7:
+        return math.nan
+    if dtype == 5 and e == 31:
+        return s * math.inf if m == 0 else math.nan
+    if e == 0:
+        return s * 2.0 ** (1 - bias) * (m / 2**mb)
+    return s * 2.0 ** (e - bias) * (1 + m / 2**mb)
+
+
+def fp8_code(x: float, dtype: int) -> int:
+    """Nearest finite fp8 code of a finite x, ties to the even code,
+    saturating (SPEC 4.3), by search over all codes."""
+    best = None
+    for c in range(128):
+        v = fp8_value(c, dtype)
+        if not math.isfinite(v):
+            continue
+        dist = abs(abs(x) - v)
+        if best is None or dist < best[0] or (dist == best[0] and c % 2 == 0):
+            best = (dist, c)
+    return best[1] | (0x80 if math.copysign(1.0, x) < 0 else 0)
+
+
 class Buf:
     def __init__(self, b: bytes, pos: int = 0):
         self.b, self.pos = b, pos
@@ -240,7 +273,8 @@ def decode_file(path: str) -> str:
         layer, kind, dtype, _ = b.u(4), b.u(1), b.u(1), b.u(2)
         batch, heads, tokens, d = b.u(4), b.u(4), b.u(4), b.u(4)
         b.string()
-        tensors.append(dict(layer=layer, kind=kind, dtype=dtype, planes=batch * heads, heads=heads, d=d))
+        scale = struct.unpack("<f", b.take(4))[0] if dtype in FP8 else None
+        tensors.append(dict(layer=layer, kind=kind, dtype=dtype, scale=scale, planes=batch * heads, heads=heads, d=d))
     codecs = []
     for _ in range(n_codecs):
         cid, _ = b.u(2), b.u(2)
@@ -278,8 +312,11 @@ def decode_file(path: str) -> str:
         cid, params = codecs[slot]
         if cid == 0:
             raw = sections[(5, 0)][1]
-            assert t["dtype"] == 1, "this reference reads bf16 raw pages"
-            page = [bf16(int.from_bytes(raw[2 * i : 2 * i + 2], "little")) for i in range(len(raw) // 2)]
+            if t["dtype"] in FP8:
+                page = [mul(fp8_value(c, t["dtype"]), t["scale"]) for c in raw]
+            else:
+                assert t["dtype"] == 1, "this reference reads bf16 and fp8 raw pages"
+                page = [bf16(int.from_bytes(raw[2 * i : 2 * i + 2], "little")) for i in range(len(raw) // 2)]
         elif cid == 3:
             prm = hqmq_params(params)
             page = decode_hqmq_page(prm, sections, t["layer"], t["kind"], t["heads"], planes, nt, d, codebooks)
@@ -294,7 +331,11 @@ def decode_file(path: str) -> str:
     # to nearest even), then widened to f32 for the digest (SPEC 12).
     h = hashlib.sha256()
     for t, v in zip(tensors, values):
-        assert t["dtype"] == 1, "this reference writes bf16 outputs"
+        if t["dtype"] in FP8:
+            s, dt = t["scale"], t["dtype"]
+            h.update(struct.pack(f"<{len(v)}f", *(mul(fp8_value(fp8_code(f32(x / s), dt), dt), s) for x in v)))
+            continue
+        assert t["dtype"] == 1, "this reference writes bf16 and fp8 outputs"
         h.update(struct.pack(f"<{len(v)}f", *(to_bf16(x) for x in v)))
     return h.hexdigest()
 

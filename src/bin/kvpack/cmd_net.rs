@@ -189,7 +189,7 @@ pub fn recv(a: RecvArgs) -> Result<u8> {
                     pages += 1;
                     let t = &sr.header().tensors[p.header.meta.tensor as usize];
                     if p.header.meta.token_start + p.header.meta.tokens == t.tokens
-                        && t.kind == kvpack::Kind::Value
+                        && matches!(t.kind, kvpack::Kind::Value | kvpack::Kind::Latent)
                     {
                         report_layer(t.layer, start.elapsed());
                     }
