@@ -54,8 +54,10 @@ impl FileHeader {
     ///
     /// # Errors
     /// [`Error::Parameter`] when the tensor table is not strictly sorted by
-    /// `(layer, kind)`, names repeat, counts overflow `u32`, or the alignment
-    /// is outside 6..=12.
+    /// `(layer, kind)`, names repeat, a layer has both a latent and K/V, a
+    /// tensor needs a newer minor version than `version_minor` (fp8 and
+    /// latents need 1.1, [`FileHeader::required_minor`]), counts overflow
+    /// `u32`, or the alignment is outside 6..=12.
     pub fn encode(&self) -> Result<Vec<u8>> {
         self.validate().map_err(|e| match e {
             Error::Format { msg, .. } => Error::param(msg),
@@ -170,8 +172,10 @@ impl FileHeader {
     ///
     /// # Errors
     /// [`Error::Format`] naming the field at fault: bad CRC, truncated body,
-    /// unknown dtype or kind, unsorted or duplicate tensors, non-UTF-8
-    /// strings, non-zero padding or reserved bytes.
+    /// unknown dtype or kind code, an fp8 scale that is not a positive
+    /// normal f32, a dtype or kind newer than the header's minor version,
+    /// unsorted or duplicate tensors, a layer with both a latent and K/V,
+    /// non-UTF-8 strings, non-zero padding or reserved bytes.
     pub fn parse(buf: &[u8], limits: &Limits) -> Result<FileHeader> {
         let prefix: &[u8; FRAME_HEADER_LEN] = buf
             .get(..FRAME_HEADER_LEN)
@@ -297,20 +301,20 @@ impl FileHeader {
     /// The lowest minor version of format 1 that can hold `tensors`: 1 when
     /// any tensor is fp8 or an MLA latent (format 1.1), else 0.
     pub fn required_minor(tensors: &[TensorInfo]) -> u16 {
-        let v1_1 = |t: &TensorInfo| matches!(t.dtype, DType::Fp8(_)) || t.kind == Kind::Latent;
-        u16::from(tensors.iter().any(v1_1))
+        tensors.iter().map(Self::tensor_minor).max().unwrap_or(0)
+    }
+
+    /// The minor version that introduced what tensor `t` uses.
+    fn tensor_minor(t: &TensorInfo) -> u16 {
+        u16::from(matches!(t.dtype, DType::Fp8(_)) || t.kind == Kind::Latent)
     }
 
     /// Structural rules shared by writer and reader (format/SPEC.md,
     /// "Header validation").
     fn validate(&self) -> Result<()> {
         let err = |m: String| Err(Error::format(Location::Header, m));
-        if self.version_minor < Self::required_minor(&self.tensors) {
-            let t = self
-                .tensors
-                .iter()
-                .find(|t| Self::required_minor(std::slice::from_ref(t)) > self.version_minor)
-                .expect("some tensor needs the newer minor");
+        let newer = |t: &&TensorInfo| Self::tensor_minor(t) > self.version_minor;
+        if let Some(t) = self.tensors.iter().find(newer) {
             return err(format!(
                 "tensor {} ({}, {}) needs format 1.1 (fp8 element types and MLA latents), \
                  but the header says {}.{}",

@@ -11,7 +11,9 @@ use kvpack::io::{file, safetensors};
 use crate::output;
 
 /// Compress a safetensors KV cache (HF layout: past_key_values.{layer}.key /
-/// .value, [batch, kv_heads, tokens, head_dim], bf16/fp16/fp32) into a
+/// .value, [batch, kv_heads, tokens, head_dim], bf16/fp16/fp32, or fp8
+/// F8_E4M3 / F8_E5M2 with {name}_scale tensors; MLA caches:
+/// past_key_values.{layer}.latent, [batch, 1, tokens, latent_dim]) into a
 /// .kvpack file.
 #[derive(ClapArgs, Debug)]
 pub struct Args {
