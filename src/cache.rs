@@ -712,6 +712,14 @@ impl Tensor {
         }
     }
 
+    /// The same tensor stored as fp8 of `format` with the per-tensor scale
+    /// calibrated on its largest magnitude ([`Fp8::for_amax`]), as vLLM's
+    /// dynamic per-tensor fp8 scaling does.
+    pub fn to_fp8(&self, format: Fp8Format) -> Tensor {
+        let amax = self.data.to_f32().iter().fold(0f32, |m, x| m.max(x.abs()));
+        self.converted(DType::Fp8(Fp8::for_amax(format, amax)))
+    }
+
     /// The `[tokens, head_dim]` slice of plane `p` restricted to tokens
     /// `[t0, t0 + n)`.
     ///

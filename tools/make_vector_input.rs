@@ -17,7 +17,7 @@
 use std::path::Path;
 
 use half::bf16;
-use kvpack::cache::{DType, Fp8, Fp8Format, Kind, KvCache, Tensor, TensorData, TensorInfo};
+use kvpack::cache::{DType, Fp8Format, Kind, KvCache, Tensor, TensorData, TensorInfo};
 
 const DIR: &str = "format/vectors";
 
@@ -69,22 +69,24 @@ fn small() -> KvCache {
             tensors.push(Tensor::new(info, TensorData::Bf16(vals)).unwrap());
         }
     }
+    cache(tensors, "golden-synthetic", 1000)
+}
+
+/// A cache of `tensors` for `model`, with 37 token ids from `first_id`.
+fn cache(tensors: Vec<Tensor>, model: &str, first_id: u32) -> KvCache {
     let mut cache = KvCache {
         tensors,
         ..Default::default()
     };
-    cache
-        .metadata
-        .insert("kvpack.model".into(), "golden-synthetic".into());
-    cache.token_ids = (0..37).map(|i| 1000 + i).collect();
+    cache.metadata.insert("kvpack.model".into(), model.into());
+    cache.token_ids = (0..37).map(|i| first_id + i).collect();
     cache
 }
 
 fn fp8(format: Fp8Format) -> KvCache {
     let mut c = small();
     for t in &mut c.tensors {
-        let amax = t.data.to_f32().iter().fold(0f32, |m, x| m.max(x.abs()));
-        *t = t.converted(DType::Fp8(Fp8::for_amax(format, amax)));
+        *t = t.to_fp8(format);
     }
     c
 }
@@ -120,15 +122,7 @@ fn latent() -> KvCache {
             .collect();
         tensors.push(Tensor::new(info, TensorData::Bf16(vals)).unwrap());
     }
-    let mut cache = KvCache {
-        tensors,
-        ..Default::default()
-    };
-    cache
-        .metadata
-        .insert("kvpack.model".into(), "golden-synthetic-mla-576".into());
-    cache.token_ids = (0..37).map(|i| 2000 + i).collect();
-    cache
+    cache(tensors, "golden-synthetic-mla-576", 2000)
 }
 
 /// A named input and the function that builds it.

@@ -91,14 +91,7 @@ pub fn synthetic(layers: &[LayerSpec], dtype: DType, seed: u64) -> KvCache {
 /// `cache` with every tensor stored as fp8 of `format`, each with its own
 /// per-tensor scale calibrated on its largest magnitude.
 pub fn to_fp8(cache: &KvCache, format: kvpack::Fp8Format) -> KvCache {
-    let tensors = cache
-        .tensors
-        .iter()
-        .map(|t| {
-            let amax = t.data.to_f32().iter().fold(0f32, |m, x| m.max(x.abs()));
-            t.converted(DType::Fp8(kvpack::Fp8::for_amax(format, amax)))
-        })
-        .collect();
+    let tensors = cache.tensors.iter().map(|t| t.to_fp8(format)).collect();
     KvCache {
         tensors,
         ..cache.clone()
