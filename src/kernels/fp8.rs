@@ -146,31 +146,27 @@ pub fn from_f32(x: f32, f: Fp8Format) -> u8 {
             };
     }
     let m_bits = f.mantissa_bits();
-    let a = x.abs();
+    let a_bits = x.to_bits() & 0x7FFF_FFFF;
+    let a = f32::from_bits(a_bits);
     if a >= f.max() {
         return sign | f.max_code();
     }
-    // Quantum of the binade of `a`, clamped at the subnormal range; a
-    // division by a power of two is exact, so the rounding below is the
-    // only one.
     let emin = 1 - f.bias();
-    let e = (((a.to_bits() >> 23) & 0xFF) as i32 - 127).max(emin);
-    let quantum = f32::from_bits(((e - m_bits as i32 + 127) as u32) << 23);
-    let r = (a / quantum).round_ties_even() * quantum;
-    if r >= f.max() {
-        return sign | f.max_code();
+    if a_bits < (((emin + 127) as u32) << 23) {
+        // Below the smallest normal: a multiple of the smallest subnormal
+        // 2^(emin - M). Scaling by a power of two is exact, so the rounding
+        // to an integer is the only one; 2^M (rounding up into the normal
+        // range) is the code of the smallest normal, as wanted.
+        let scaled = a * f32::from_bits(((m_bits as i32 - emin + 127) as u32) << 23);
+        return sign | scaled.round_ties_even() as u8;
     }
-    if r == 0.0 {
-        return sign;
-    }
-    let re = ((r.to_bits() >> 23) & 0xFF) as i32 - 127;
-    if re < emin {
-        // Subnormal: r is a multiple of the smallest subnormal, below 2^emin.
-        let q = f32::from_bits(((emin - m_bits as i32 + 127) as u32) << 23);
-        return sign | (r / q) as u8;
-    }
-    let frac = ((r.to_bits() >> (23 - m_bits)) & ((1 << m_bits) - 1)) as u8;
-    sign | (((re + f.bias()) as u8) << m_bits) | frac
+    // Normal: round the f32 bits to M mantissa bits, nearest even (a carry
+    // out of the mantissa increments the exponent, as it should), then
+    // rebias the exponent from 127 to the format's bias.
+    let shift = 23 - m_bits;
+    let rounded = a_bits + ((1 << (shift - 1)) - 1) + ((a_bits >> shift) & 1);
+    let code = (rounded >> shift) - (((127 - f.bias()) as u32) << m_bits);
+    sign | code.min(u32::from(f.max_code())) as u8
 }
 
 /// Dequantizes `src` codes into `dst`: `dst[i] = to_f32(src[i]) * scale`.
