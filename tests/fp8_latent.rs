@@ -620,3 +620,32 @@ fn latents_are_coded_like_keys() {
         }
     }
 }
+
+#[test]
+fn writers_emit_the_lowest_minor_version() {
+    use kvpack::format::{CodecEntry, FileHeader};
+    let header = |cache: &KvCache, minor| FileHeader {
+        version_major: 1,
+        version_minor: minor,
+        align_log2: 6,
+        tensors: cache.tensors.iter().map(|t| t.info.clone()).collect(),
+        codecs: vec![CodecEntry {
+            id: 0,
+            params: Vec::new(),
+        }],
+        metadata: Default::default(),
+        page_tokens: 256,
+        sink_tokens: 0,
+        recent_tokens: 0,
+    };
+    let bf = latent(1, 4, DType::Bf16, 1);
+    let mut kv = bf.clone();
+    kv.tensors[0].info.kind = Kind::Key;
+    let f8 = to_fp8(&kv, Fp8Format::E5M2);
+    for (cache, good) in [(&kv, 0), (&bf, 1), (&f8, 1)] {
+        assert_eq!(FileHeader::required_minor(&header(cache, 0).tensors), good);
+        header(cache, good).encode().unwrap();
+        let e = header(cache, 1 - good).encode().unwrap_err();
+        assert!(matches!(e, kvpack::Error::Parameter(_)), "{e}");
+    }
+}

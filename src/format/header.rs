@@ -55,14 +55,23 @@ impl FileHeader {
     /// # Errors
     /// [`Error::Parameter`] when the tensor table is not strictly sorted by
     /// `(layer, kind)`, names repeat, a layer has both a latent and K/V, a
-    /// tensor needs a newer minor version than `version_minor` (fp8 and
-    /// latents need 1.1, [`FileHeader::required_minor`]), counts overflow
-    /// `u32`, or the alignment is outside 6..=12.
+    /// `version_minor` is not the lowest minor the tensors need (a writer
+    /// MUST emit it, format/SPEC.md section 3: fp8 and latents need 1.1,
+    /// everything else 1.0; use [`FileHeader::required_minor`]), counts
+    /// overflow `u32`, or the alignment is outside 6..=12.
     pub fn encode(&self) -> Result<Vec<u8>> {
         self.validate().map_err(|e| match e {
             Error::Format { msg, .. } => Error::param(msg),
             other => other,
         })?;
+        let minor = Self::required_minor(&self.tensors);
+        if (self.version_major, self.version_minor) != (VERSION_MAJOR, minor) {
+            return Err(Error::param(format!(
+                "a writer emits the lowest version that holds the file: {VERSION_MAJOR}.{minor} \
+                 for these tensors, not {}.{}",
+                self.version_major, self.version_minor
+            )));
+        }
         let mut body = Vec::new();
         for t in &self.tensors {
             body.put_u32(t.layer);
