@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::cache::{KvCache, Tensor};
+use crate::cache::{KvCache, TensorData};
 use crate::codec::{Codec, PageIn, raw::Raw};
 use crate::error::{Error, Result};
 use crate::format::{
@@ -14,6 +14,7 @@ use crate::format::{
     Writer,
 };
 use crate::plan::{Layout, PlannedPage, plan};
+use crate::view::{CacheView, TensorView};
 
 /// How to compress.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,15 +80,31 @@ impl CompressReport {
 /// Encodes planned page `p` of `tensor` with the codec in table slot
 /// `slot` into a frame.
 fn encode_page(
-    tensor: &Tensor,
+    tensor: &TensorView<'_>,
     p: &PlannedPage,
     codec: &dyn Codec,
     slot: usize,
     opts: &CompressOptions,
 ) -> Result<PageFrame> {
-    let planes = (0..tensor.info.planes())
-        .map(|pl| tensor.plane_rows(pl, p.token_start as usize, p.tokens as usize))
-        .collect();
+    let (t0, n) = (p.token_start as usize, p.tokens as usize);
+    let (count, len) = (tensor.info.planes(), n * tensor.info.head_dim as usize);
+    let scratch;
+    let planes = match (0..count)
+        .map(|pl| tensor.plane_rows(pl, t0, n))
+        .collect::<Option<Vec<_>>>()
+    {
+        Some(planes) => planes,
+        None => {
+            // Rows are not contiguous (e.g. token-major memory): gather
+            // this page into kvpack's order.
+            let mut buf = TensorData::zeros(tensor.info.dtype, count * len);
+            tensor.gather(t0, n, &mut buf);
+            scratch = buf;
+            (0..count)
+                .map(|pl| scratch.as_elems().slice(pl * len, len))
+                .collect()
+        }
+    };
     let page = PageIn {
         tensor: &tensor.info,
         token_start: p.token_start,
@@ -105,7 +122,7 @@ fn encode_page(
 }
 
 /// Source bytes of planned page `p`.
-fn page_source_bytes(tensor: &Tensor, p: &PlannedPage) -> u64 {
+fn page_source_bytes(tensor: &TensorView<'_>, p: &PlannedPage) -> u64 {
     let i = &tensor.info;
     i.planes() as u64 * p.tokens as u64 * i.head_dim as u64 * i.dtype.size() as u64
 }
@@ -143,7 +160,7 @@ pub(crate) fn ordered_map<T: Sync, U: Send>(
 /// Returns (elements, source bytes) written.
 fn write_pages<W: Write + Send>(
     w: &mut Writer<W>,
-    tensors: &[Tensor],
+    tensors: &[TensorView<'_>],
     pages: &[PlannedPage],
     codecs: &[&dyn Codec],
     raw_slot: usize,
@@ -189,6 +206,23 @@ pub fn compress<W: Write + Send>(
     out: W,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(W, CompressReport)> {
+    compress_view(&cache.view(), codec, opts, out, progress)
+}
+
+/// Like [`compress`], from tensors borrowed in caller memory in any axis
+/// order ([`CacheView`]): nothing is copied but one page at a time when
+/// the rows are not contiguous. Memory use is a few pages per thread plus
+/// the output writer's.
+///
+/// # Errors
+/// As [`compress`].
+pub fn compress_view<W: Write + Send>(
+    cache: &CacheView<'_>,
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(W, CompressReport)> {
     let start = Instant::now();
     if cache.tensors.is_empty() {
         return Err(Error::param("the cache has no K/V tensors"));
@@ -198,7 +232,7 @@ pub fn compress<W: Write + Send>(
     }
     let prepared = codec.prepare(cache, &opts.layout)?;
     let codec: &dyn Codec = prepared.as_deref().unwrap_or(codec);
-    let infos: Vec<_> = cache.tensors.iter().map(|t| t.info.clone()).collect();
+    let infos = cache.infos();
     let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;
     let raw_pages = pages.iter().filter(|p| p.raw).count();
     let mut codecs: Vec<&dyn Codec> = vec![codec];
@@ -270,7 +304,7 @@ pub fn compress<W: Write + Send>(
 /// start with the stored ones).
 pub fn append<W: Write + Send>(
     existing: &Reader<'_>,
-    longer: &KvCache,
+    longer: &CacheView<'_>,
     unverified_ok: bool,
     opts: &CompressOptions,
     out: W,
@@ -380,7 +414,7 @@ pub fn append<W: Write + Send>(
         sink: h.sink_tokens,
         recent: h.recent_tokens,
     };
-    let infos: Vec<_> = longer.tensors.iter().map(|t| t.info.clone()).collect();
+    let infos = longer.infos();
     let pages = plan(&infos, &idx.token_counts, layout)?;
     let raw_slot = h.codecs.iter().position(|c| c.id == crate::codec::raw::ID);
     if pages.iter().any(|p| p.raw) && raw_slot.is_none() {

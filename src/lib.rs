@@ -43,3 +43,4 @@ pub mod metrics;
 pub mod plan;
 pub mod stream_decode;
 pub mod transport;
+pub mod view;
