@@ -191,3 +191,52 @@ fn views_reject_short_buffers_and_overlap() {
         .unwrap_err();
     assert!(e.to_string().contains("shaped"), "{e}");
 }
+
+#[test]
+fn max_compressed_size_bounds_every_codec_with_raw_fallback() {
+    let fx = fixture().cache;
+    let infos: Vec<_> = fx.tensors.iter().map(|t| t.info.clone()).collect();
+    for codec in [
+        "raw",
+        "int4",
+        "bdr128",
+        "hqmq:s96r4+med3",
+        "hqmq:s5r2+med2",
+        "innerq:k2v2",
+        "octopus:b3",
+        "turbo:b3",
+        "polar:m4n4",
+        "kivi:2",
+    ] {
+        let c = kvpack::codec::parse(codec).unwrap();
+        for zstd in [None, Some(1)] {
+            let opts = CompressOptions {
+                raw_fallback: true,
+                zstd_level: zstd,
+                layout: Layout {
+                    page_tokens: 64,
+                    sink: 4,
+                    recent: 16,
+                },
+                ..Default::default()
+            };
+            let bound = kvpack::compress::max_compressed_size(
+                &infos,
+                &fx.metadata,
+                fx.token_ids.len(),
+                c.as_ref(),
+                &opts,
+            )
+            .unwrap();
+            let (file, _) = compress(&fx, c.as_ref(), &opts, Vec::new(), &|_| {}).unwrap();
+            assert!(
+                file.len() as u64 <= bound,
+                "{codec} zstd {zstd:?}: {} > bound {bound}",
+                file.len()
+            );
+            if codec == "raw" && zstd.is_none() {
+                assert_eq!(file.len() as u64, bound, "raw is the bound");
+            }
+        }
+    }
+}
