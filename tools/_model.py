@@ -219,7 +219,7 @@ def read_text(path: Path) -> str:
 
 
 def protocol_text() -> str:
-    """ANCHORS.md section A text: GPL-3 + "\\n\\n" + GFDL-1.3."""
+    """The perplexity protocol text: GPL-3 + "\\n\\n" + GFDL-1.3."""
     return read_text(GPL3) + "\n\n" + read_text(GFDL13)
 
 
