@@ -240,7 +240,8 @@ def save(
         cache: a ``DynamicCache`` (full-attention ``DynamicLayer`` and
             ``DynamicSlidingWindowLayer`` layers) after a forward pass with
             ``use_cache=True``; K and V of each layer ``[batch, kv_heads,
-            tokens, head_dim]``, bf16/fp16/fp32, any device. Not modified.
+            tokens, head_dim]``, bf16/fp16/fp32, any device (a GPU cache is
+            copied to host memory first). Not modified.
         path: output file; refused if it exists unless ``force``.
         model: the ``PreTrainedModel`` (or its config) that made the cache:
             its identity goes into the file (see :func:`identity`).
@@ -260,9 +261,10 @@ def save(
 
     Raises:
         kvpack.ParameterError: unsupported cache layer kind, empty layer,
-            token count mismatch, a metadata key collision, or a codec that
-            does not fit the shapes (e.g. ``bdr128`` with head_dim 64).
-        kvpack.KvpackIOError: the file cannot be written (or exists without ``force``).
+            token count mismatch, a metadata key collision, a codec that
+            does not fit the shapes (e.g. ``bdr128`` with head_dim 64), or
+            an existing ``path`` without ``force``.
+        kvpack.KvpackIOError: the file cannot be written.
         kvpack.LimitsError: the cache exceeds a configured limit.
     """
     ids = [int(t) for t in token_ids]
@@ -301,7 +303,8 @@ def save(
     if clash:
         raise _param_error(f"metadata keys {clash} are written by kvpack.hf.save itself")
     meta.update(extra)
-    tensors = [(k.detach().contiguous(), v.detach().contiguous()) for k, v in pairs]
+    # kvpack.compress reads host memory in place (no copy for a CPU cache).
+    tensors = [(k.detach().cpu().contiguous(), v.detach().cpu().contiguous()) for k, v in pairs]
     return kvpack.compress(
         tensors,
         codec,
