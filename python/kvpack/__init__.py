@@ -28,8 +28,11 @@ Example::
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as _np
 
 from . import _native
 from .errors import (
@@ -124,6 +127,8 @@ class CompressResult:
 
 
 def _kind(kind: str) -> str:
+    if kind == "K" or kind == "V":
+        return kind
     k = {"k": "K", "key": "K", "keys": "K", "v": "V", "value": "V", "values": "V"}.get(kind.lower())
     if k is None:
         raise ParameterError(f"kind {kind!r}: expected 'K' or 'V'")
@@ -132,11 +137,17 @@ def _kind(kind: str) -> str:
 
 def _source(arr: ArrayLike, dtype: Optional[str]) -> Tuple[ArrayLike, Optional[str]]:
     """An array as DLPack can export it, with a dtype hint for bit patterns."""
-    dt = getattr(arr, "dtype", None)
-    if dt is not None and getattr(dt, "name", None) == "bfloat16" and type(arr).__module__ == "numpy":
-        import numpy as np
-
-        return arr.view(np.uint16), "bf16"  # ml_dtypes bfloat16: pass the bits
+    cls = type(arr)
+    if cls is _np.ndarray:
+        if arr.dtype.kind == "V" and arr.dtype.itemsize == 2:
+            # ml_dtypes.bfloat16 (numpy has no native bfloat16): the bits.
+            return arr.view(_np.uint16), dtype or "bf16"
+        return arr, dtype
+    torch = sys.modules.get("torch")
+    if torch is not None and cls is torch.Tensor and arr.device.type == "cpu":
+        # torch's public C-level export: much cheaper per tensor than its
+        # Python-level __dlpack__ (which checks streams first).
+        return torch.utils.dlpack.to_dlpack(arr), dtype
     return arr, dtype
 
 
@@ -285,18 +296,23 @@ def _to_output(a: "_native.OwnedArray", output: str) -> ArrayLike:
 
         return torch.from_dlpack(a)
     if output == "numpy":
-        import numpy as np
-
         if a.dtype == "bf16":
-            bits = np.from_dlpack(a.as_bits())
-            try:
-                import ml_dtypes
-
-                return bits.view(ml_dtypes.bfloat16)
-            except ImportError:
-                return bits
-        return np.from_dlpack(a)
+            bits = _np.from_dlpack(a.as_bits())
+            bf16 = _ml_bfloat16()
+            return bits if bf16 is None else bits.view(bf16)
+        return _np.from_dlpack(a)
     raise ParameterError(f"output {output!r}: expected 'numpy', 'torch' or 'dlpack'")
+
+
+@functools.lru_cache(maxsize=None)
+def _ml_bfloat16() -> Any:
+    """``ml_dtypes.bfloat16`` when installed, else None (looked up once)."""
+    try:
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    except ImportError:
+        return None
 
 
 def _range(r: Union[None, int, range, Tuple[int, int]], what: str) -> Optional[Tuple[int, int]]:

@@ -82,8 +82,6 @@ const VERSIONED: &CStr = c"dltensor_versioned";
 
 /// `kDLCPU`.
 pub const DEVICE_CPU: i32 = 1;
-/// `kDLCUDA`.
-pub const DEVICE_CUDA: i32 = 2;
 /// `kDLCUDAHost` (pinned host memory, readable by the CPU).
 pub const DEVICE_CUDA_HOST: i32 = 3;
 
@@ -240,7 +238,7 @@ impl Imported {
 }
 
 /// Calls `obj.__dlpack__(...)` and borrows the tensor it describes.
-/// `stream` is passed to the producer for CUDA tensors (the consumer's
+/// `stream` is passed to the producer (for CUDA tensors: the consumer's
 /// stream, so the producer orders its pending work before ours).
 ///
 /// # Errors
@@ -248,33 +246,45 @@ impl Imported {
 /// kvpack cannot read (negative strides, more than 8 dimensions).
 pub fn import(obj: &Bound<'_, PyAny>, stream: Option<isize>) -> PyResult<Imported> {
     let py = obj.py();
-    if !obj.hasattr("__dlpack__")? {
-        return Err(PyTypeError::new_err(format!(
-            "expected an array or tensor supporting DLPack (numpy >= 1.22, torch, cupy), got {}",
-            obj.get_type().name()?
-        )));
+    // SAFETY: PyCapsule_IsValid accepts any object and checks type and
+    // name; the GIL is held.
+    let is_capsule = unsafe {
+        ffi::PyCapsule_IsValid(obj.as_ptr(), LEGACY.as_ptr()) == 1
+            || ffi::PyCapsule_IsValid(obj.as_ptr(), VERSIONED.as_ptr()) == 1
+    };
+    if is_capsule {
+        // An unused capsule made by the caller (e.g.
+        // `torch.utils.dlpack.to_dlpack`): read it in place.
+        return from_capsule(obj.clone());
     }
-    let device = obj.call_method0("__dlpack_device__").ok();
-    let is_cuda = device
-        .as_ref()
-        .and_then(|d| d.extract::<(i32, i32)>().ok())
-        .is_some_and(|(t, _)| t == DEVICE_CUDA);
+    let method = pyo3::intern!(py, "__dlpack__");
     let kwargs = PyDict::new(py);
-    if is_cuda {
-        // -1 in the producer's eyes means "no synchronisation needed"; the
-        // CUDA callers pass their stream.
-        kwargs.set_item("stream", stream.unwrap_or(1))?;
+    if let Some(s) = stream {
+        // The consumer's CUDA stream: the producer orders its pending work
+        // on the tensor before work on this stream.
+        kwargs.set_item(pyo3::intern!(py, "stream"), s)?;
     }
-    kwargs.set_item("max_version", PyTuple::new(py, [1, 0])?)?;
-    let capsule = match obj.call_method("__dlpack__", (), Some(&kwargs)) {
+    kwargs.set_item(pyo3::intern!(py, "max_version"), PyTuple::new(py, [1, 0])?)?;
+    let capsule = match obj.call_method(method, (), Some(&kwargs)) {
         Ok(c) => c,
+        Err(e) if e.is_instance_of::<pyo3::exceptions::PyAttributeError>(py) => {
+            return Err(PyTypeError::new_err(format!(
+                "expected an array or tensor supporting DLPack (numpy >= 1.22, torch, cupy), got {}",
+                obj.get_type().name()?
+            )));
+        }
         Err(e) if e.is_instance_of::<PyTypeError>(py) => {
             // A producer that predates DLPack 1.0 keyword arguments.
-            kwargs.del_item("max_version")?;
-            obj.call_method("__dlpack__", (), Some(&kwargs))?
+            kwargs.del_item(pyo3::intern!(py, "max_version"))?;
+            obj.call_method(method, (), Some(&kwargs))?
         }
         Err(e) => return Err(e),
     };
+    from_capsule(capsule)
+}
+
+/// Borrows the tensor of an unused DLPack capsule.
+fn from_capsule(capsule: Bound<'_, PyAny>) -> PyResult<Imported> {
     let cap = capsule.as_ptr();
     // SAFETY: PyCapsule_IsValid/GetPointer accept any object pointer and
     // check the type and name; the GIL is held.

@@ -338,6 +338,62 @@ fn tensor_table(
     .py_err()
 }
 
+/// Times the library's own decode of the kvpack file in `data`, with no
+/// Python in the loop: every tensor into preallocated Rust buffers of
+/// `dtype` (default: source), `runs` times. Returns seconds per run. For
+/// comparing the Python path against the Rust library on the same data in
+/// the same process (`tools/bench_python.py`).
+#[pyfunction]
+#[pyo3(signature = (data, runs, dtype=None))]
+fn bench_decode_into(
+    py: Python<'_>,
+    data: &Bound<'_, PyBytes>,
+    runs: usize,
+    dtype: Option<&str>,
+) -> PyResult<Vec<f64>> {
+    let bytes = data.as_bytes();
+    let dtype = dtype.map(DType::parse).transpose().py_err()?;
+    py.detach(|| {
+        let a = crate::decode::Archive::open(bytes)?;
+        let infos: Vec<TensorInfo> = a
+            .tensors()
+            .into_iter()
+            .map(|i| TensorInfo {
+                dtype: dtype.unwrap_or(i.dtype),
+                ..i
+            })
+            .collect();
+        let mut bufs: Vec<crate::cache::TensorData> = infos
+            .iter()
+            .map(|i| crate::cache::TensorData::zeros(i.dtype, i.elements() as usize))
+            .collect();
+        let mut times = Vec::with_capacity(runs);
+        for _ in 0..runs {
+            let t0 = std::time::Instant::now();
+            let outs = infos
+                .iter()
+                .zip(bufs.iter_mut())
+                .enumerate()
+                .map(|(tensor, (i, b))| {
+                    Ok(crate::decode::Destination {
+                        tensor,
+                        first_token: 0,
+                        view: crate::view::TensorViewMut::new(
+                            i.clone(),
+                            b.as_elems_mut(),
+                            crate::view::Strides::head_major(i),
+                        )?,
+                    })
+                })
+                .collect::<crate::Result<Vec<_>>>()?;
+            a.decode_into(outs, None)?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        Ok(times)
+    })
+    .py_err()
+}
+
 /// The registered codec families: `(id, name, syntax, summary)`.
 #[pyfunction]
 fn codec_families() -> Vec<(u16, &'static str, &'static str, &'static str)> {
@@ -364,6 +420,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_bytes_into, m)?)?;
     m.add_function(wrap_pyfunction!(codec_families, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_table, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_decode_into, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_codec, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
