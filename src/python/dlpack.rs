@@ -375,7 +375,22 @@ unsafe extern "C" fn delete_managed(m: *mut DLManagedTensor) {
     // destructor when nobody consumed it).
     let m = unsafe { Box::from_raw(m) };
     let ctx = unsafe { Box::from_raw(m.manager_ctx as *mut ExportCtx) };
-    Python::attach(move |_py| drop(ctx));
+    let owner = ctx._owner.into_ptr();
+    // Consumers may call this from any thread, with or without the GIL,
+    // and (torch) while the interpreter is shutting down. Never panic here
+    // (this is an `extern "C"` callback): take the GIL through the C API
+    // while the interpreter runs; once it is finalizing, leave the
+    // reference (the process is exiting and frees everything).
+    // SAFETY: `owner` is a strong reference owned by `ctx`;
+    // Py_IsInitialized may be called at any time; the GIL is taken before
+    // the reference count changes.
+    unsafe {
+        if ffi::Py_IsInitialized() != 0 {
+            let g = ffi::PyGILState_Ensure();
+            ffi::Py_DecRef(owner);
+            ffi::PyGILState_Release(g);
+        }
+    }
 }
 
 unsafe extern "C" fn capsule_destructor(cap: *mut ffi::PyObject) {

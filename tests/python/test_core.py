@@ -225,3 +225,26 @@ def test_codec_list():
     names = [n for n, _, _ in kvpack.codecs()]
     for n in ["raw", "int", "bdr", "hqmq", "octopus", "turbo", "polar", "innerq", "kivi"]:
         assert n in names
+
+
+def test_outputs_alive_at_interpreter_exit_do_not_crash():
+    """Regression: torch frees DLPack tensors during interpreter shutdown,
+    when the deleter can no longer take the GIL; it must not abort."""
+    import subprocess
+    import sys
+
+    code = (
+        "import kvpack, numpy as np\n"
+        "k = np.ones((1, 2, 64, 32), np.float16)\n"
+        "ar = kvpack.open(kvpack.compress([(k, k)], 'int4').data)\n"
+        "keep_np = ar.decode()\n"
+        "try:\n"
+        "    import torch\n"
+        "    keep_t = ar.decode(output='torch')\n"
+        "except ImportError:\n"
+        "    pass\n"
+        "print('done')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "done"
