@@ -345,6 +345,30 @@ def test_fp16_chunk_round_trips_exactly(objects, chunks):
     assert out.dtype == torch.float16 and torch.equal(out, chunk16)
 
 
+def test_batched_tasks_on_two_workers(objects, chunks):
+    """Two concurrent batch tasks (two chunks each) on LMCache's thread pool."""
+    chunk, head_dim = chunks["gemma3-270m"]
+    variants = [chunk, chunk.flip(2), chunk * 0.5, chunk.roll(1, dims=1)]
+    variants = [v.contiguous() for v in variants]
+    proc = processor(codec="bdr128", head_dim=head_dim, max_workers=2)
+    try:
+        size = proc.estimate_serialized_size(layout_of(chunk))
+        srcs = [objects.kv(v) for v in variants]
+        bufs = [objects.buffer(size) for _ in variants]
+        keys = [key_of(40 + i) for i in range(len(variants))]
+        tasks = [proc.submit_serialize(srcs[i : i + 2], bufs[i : i + 2], keys[i : i + 2]) for i in (0, 2)]
+        assert all(wait_result(proc.query_serialize_result, t) for t in tasks)
+        for v, buf in zip(variants, bufs):
+            assert bytes(buf.byte_array) == kvpack.encode_chunk(v, "bdr128", head_dim=head_dim)
+        outs = [objects.empty_kv(chunk.shape, chunk.dtype) for _ in variants]
+        tasks = [proc.submit_deserialize(bufs[i : i + 2], outs[i : i + 2], keys[i : i + 2]) for i in (0, 2)]
+        assert all(wait_result(proc.query_deserialize_result, t) for t in tasks)
+        for v, out in zip(variants, outs):
+            assert torch.equal(out.tensor, direct_decode(v, "bdr128", head_dim)[0])
+    finally:
+        proc.close()
+
+
 def test_both_call_signatures(objects, chunks):
     """LMCache 0.5.x passes ``key``; other callers (and other releases) do not."""
     chunk, head_dim = chunks["gemma3-270m"]
