@@ -47,11 +47,11 @@ back exactly that many bytes (its local-disk back end counts a shorter file
 as a miss), although the serde contract lets ``serialize`` return fewer. So
 the size of a layout is what every stored object of it occupies:
 
-- ``"auto"``: once per layout and process, the serializer encodes two probe
-  chunks of that layout (zeros, and seeded Gaussian noise with outliers).
-  When both give the same size, the codec's output size depends on the
-  shapes only, and that exact size is the layout's size: objects are stored
-  without padding. (Measured for raw, int2-8, bdr*, hqmq without ``+med``,
+- ``"auto"``: the serializer encodes two probe chunks of the first layout
+  it meets (zeros, and seeded Gaussian noise with outliers). When both give
+  the same size, the codec's output size depends on the shapes only, and
+  each layout's size is the exact size of its encoding (one probe encoding
+  per layout and process): objects are stored without padding. (Measured for raw, int2-8, bdr*, hqmq without ``+med``,
   octopus, turbo, polar, innerq and kivi.) Otherwise (``+med`` outlier
   tables, a zstd stage) the layout's size is the guaranteed bound
   :func:`kvpack.chunk_max_size`, about the uncompressed size.
@@ -319,20 +319,26 @@ def file_length(buffer: np.ndarray) -> int:
     return end
 
 
-def _probe_chunks(shape: tuple[int, ...], dtype: str) -> tuple[Any, Any]:
-    """Zeros and seeded Gaussian noise with outlier channels, ``shape``/``dtype``."""
+def _probe_chunk(shape: tuple[int, ...], dtype: str, noise: bool) -> Any:
+    """Zeros, or seeded Gaussian noise with outlier channels, ``shape``/``dtype``."""
     import torch  # LMCache chunks are torch tensors
 
     torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    noise = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    noise[..., ::17] *= 64.0
-    return torch.zeros(shape, dtype=torch_dtype), noise.to(torch_dtype)
+    if not noise:
+        return torch.zeros(shape, dtype=torch_dtype)
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    values[..., ::17] *= 64.0
+    return values.to(torch_dtype)
 
 
 class LayoutSizes:
     """Stored size of every chunk of a layout (see the module docstring).
 
-    Thread safe; each layout is probed once.
+    With ``"size": "auto"`` the first layout is probed with two chunks
+    (zeros and noise); whether they encode to the same size tells whether
+    the codec's output size depends on the shapes only. Later layouts then
+    cost one probe encoding (shape-determined codecs) or none (the bound).
+    Thread safe; each layout is sized once.
 
     Args:
         config: the validated serde config (codec, windows, ``size`` mode).
@@ -342,6 +348,8 @@ class LayoutSizes:
         self.config = config
         self._lock = threading.Lock()
         self._sizes: dict[tuple[tuple[int, ...], str], tuple[int, int]] = {}
+        # None until the first probe: does the codec's size depend on shapes only?
+        self._shape_determined: bool | None = None if config.size == "auto" else False
 
     def get(self, shape: tuple[int, ...], dtype: str) -> tuple[int, int]:
         """(size, bound) of chunks shaped ``shape`` in ``dtype``, bytes.
@@ -358,14 +366,18 @@ class LayoutSizes:
             cached = self._sizes.get(layout)
             if cached is None:
                 bound = self.config.max_size(shape, dtype)
-                size = bound
-                if self.config.size == "auto":
-                    scratch = np.empty(bound, dtype=np.uint8)
-                    probed = {self.config.encode(chunk, scratch) for chunk in _probe_chunks(shape, dtype)}
-                    if len(probed) == 1:
-                        size = probed.pop()
-                cached = self._sizes[layout] = (size, bound)
+                cached = self._sizes[layout] = (self._probe(shape, dtype, bound), bound)
             return cached
+
+    def _probe(self, shape: tuple[int, ...], dtype: str, bound: int) -> int:
+        if self._shape_determined is False:
+            return bound
+        scratch = np.empty(bound, dtype=np.uint8)
+        size = self.config.encode(_probe_chunk(shape, dtype, noise=False), scratch)
+        if self._shape_determined is None:
+            noisy = self.config.encode(_probe_chunk(shape, dtype, noise=True), scratch)
+            self._shape_determined = noisy == size
+        return size if self._shape_determined else bound
 
 
 class KvpackSerializer:
