@@ -42,19 +42,20 @@ key             default    meaning
 ==============  =========  ===================================================
 
 Sizes. LMCache 0.5.6 gives every object of one chunk layout (shape and
-dtype) the same size, ``estimate_serialized_size``, and its L2 back ends read
-back exactly that many bytes (its local-disk back end counts a shorter file
-as a miss), although the serde contract lets ``serialize`` return fewer. So
-the size of a layout is what every stored object of it occupies:
+dtype) the same size, ``estimate_serialized_size``, and reads back exactly
+that many bytes (its local-disk back end counts a shorter file as a miss),
+although the serde contract lets ``serialize`` return fewer. So the size of
+a layout is what every stored object of it occupies:
 
 - ``"auto"``: the serializer encodes two probe chunks of the first layout
   it meets (zeros, and seeded Gaussian noise with outliers). When both give
   the same size, the codec's output size depends on the shapes only, and
   each layout's size is the exact size of its encoding (one probe encoding
-  per layout and process): objects are stored without padding. (Measured for raw, int2-8, bdr*, hqmq without ``+med``,
-  octopus, turbo, polar, innerq and kivi.) Otherwise (``+med`` outlier
-  tables, a zstd stage) the layout's size is the guaranteed bound
-  :func:`kvpack.chunk_max_size`, about the uncompressed size.
+  per layout and process): objects are stored without padding. (Measured
+  for raw, int2-8, bdr*, hqmq without ``+med``, octopus, turbo, polar,
+  innerq and kivi.) Otherwise (the ``+med`` outlier tables of hqmq) the
+  layout's size is the guaranteed bound :func:`kvpack.chunk_max_size`,
+  about the uncompressed size.
 - ``"bound"``: always :func:`kvpack.chunk_max_size`.
 
 With ``pad`` the serializer zero-fills the object after the kvpack file up
