@@ -75,13 +75,14 @@ Key = Tuple[int, str]
 
 
 class TensorInfo(NamedTuple):
-    """One K or V tensor of a kvpack file (shape ``[batch, kv_heads,
-    tokens, head_dim]``; ``tokens`` is the latest commit's count)."""
+    """One K, V or MLA latent tensor of a kvpack file (shape ``[batch,
+    kv_heads, tokens, head_dim]``, a latent ``[batch, 1, tokens,
+    latent_dim]``; ``tokens`` is the latest commit's count)."""
 
     name: str
     layer: int
-    kind: str  #: "K" or "V"
-    dtype: str  #: source element type: "bf16", "fp16" or "fp32"
+    kind: str  #: "K", "V" or "L" (MLA latent, format 1.1)
+    dtype: str  #: source element type: "bf16", "fp16", "fp32", "fp8_e4m3" or "fp8_e5m2"
     batch: int
     kv_heads: int
     tokens: int
@@ -127,11 +128,13 @@ class CompressResult:
 
 
 def _kind(kind: str) -> str:
-    if kind == "K" or kind == "V":
+    if kind in ("K", "V", "L"):
         return kind
-    k = {"k": "K", "key": "K", "keys": "K", "v": "V", "value": "V", "values": "V"}.get(kind.lower())
+    k = {"k": "K", "key": "K", "keys": "K", "v": "V", "value": "V", "values": "V", "l": "L", "latent": "L"}.get(
+        kind.lower()
+    )
     if k is None:
-        raise ParameterError(f"kind {kind!r}: expected 'K' or 'V'")
+        raise ParameterError(f"kind {kind!r}: expected 'K', 'V' or 'L' (MLA latent)")
     return k
 
 
@@ -399,11 +402,13 @@ class Archive:
 
         Args:
             layers: a layer, a ``range`` or ``(start, stop)``; all if None.
-            kind: ``"K"``, ``"V"`` or None for both.
+            kind: ``"K"``, ``"V"``, ``"L"`` (MLA latents) or None for all.
             tokens: ``(start, stop)`` cache slots of each layer (clamped to
                 the layer's token count); all if None.
-            dtype: output element type ``"bf16"``, ``"fp16"`` or
-                ``"fp32"`` (default: the source's).
+            dtype: output element type ``"bf16"``, ``"fp16"``, ``"fp32"``,
+                ``"fp8_e4m3"`` or ``"fp8_e5m2"`` (default: the source's).
+                fp8 outputs come back as uint8 codes quantized with the
+                source tensor's scale (scale 1 for a non-fp8 source).
             output: ``"numpy"`` (bf16 as ``ml_dtypes.bfloat16`` when
                 installed, else uint16 bit patterns), ``"torch"`` or
                 ``"dlpack"``. The arrays own Rust memory: no copy.
