@@ -334,14 +334,17 @@ impl FilePlan {
     }
 }
 
-/// An upper bound, exact to the byte for the file's structure, of the size
-/// of [`compress`] output for tensors shaped like `infos` with `metadata`
-/// and `token_ids` token ids, when `opts.raw_fallback` is set: the header
-/// (with the codec's parameter block), every planned page at its `raw`
-/// frame size, the index and the trailer. Computed without the data (the
-/// codec is prepared on zeros; parameter block sizes depend only on
-/// shapes). Without `raw_fallback` a codec with data-dependent side tables
-/// (e.g. `hqmq:...+med3` outliers) may exceed it.
+/// An upper bound of the size in bytes of [`compress`] output for tensors
+/// shaped like `infos` with `metadata` and `token_ids` token ids, when
+/// `opts.raw_fallback` is set, computed without the data: the header (with
+/// the codec's parameter block, prepared on zeros: parameter block sizes
+/// depend only on shapes), the index, the trailer, and per page the smaller
+/// of its `raw` frame and, for codecs whose page size depends only on the
+/// shape ([`Codec::size_depends_only_on_shape`]), the codec's own frame.
+/// For such codecs without zstd the bound is the exact size; zstd only
+/// makes pages smaller; codecs with data-dependent side tables (e.g.
+/// `hqmq:...+med3` outliers) are bounded by the raw size. Without
+/// `raw_fallback` such a codec may exceed it.
 ///
 /// # Errors
 /// [`Error::Parameter`] when the codec cannot encode these shapes or a
@@ -371,16 +374,33 @@ pub fn max_compressed_size(
         token_ids: Vec::new(),
     };
     let file = FilePlan::new(&view, codec, opts)?;
+    let coder = file.codec(codec);
     let raw_slot = file.header.codecs.len() - 1;
-    let mut w = Writer::new(std::io::sink(), &file.header)?;
-    // Uncompressed raw frames: a zstd frame is kept only when smaller.
+    // Uncompressed frames: a zstd frame is kept only when smaller.
     let plain = CompressOptions {
         zstd_level: None,
         ..*opts
     };
-    for p in &file.pages {
-        let t = &view.tensors[p.tensor as usize];
-        w.write_page(&encode_page(t, p, &Raw, raw_slot, &plain)?)?;
+    let frames: Vec<PageFrame> = file
+        .pages
+        .par_iter()
+        .map(|p| {
+            let t = &view.tensors[p.tensor as usize];
+            let raw = encode_page(t, p, &Raw, raw_slot, &plain)?;
+            if p.raw || !coder.size_depends_only_on_shape() {
+                return Ok(raw);
+            }
+            let own = encode_page(t, p, coder, 0, &plain)?;
+            Ok(if own.bytes.len() < raw.bytes.len() {
+                own
+            } else {
+                raw
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut w = Writer::new(std::io::sink(), &file.header)?;
+    for f in &frames {
+        w.write_page(f)?;
     }
     let (_, trailer) = w.commit(&vec![0; token_ids])?;
     Ok(trailer.header_len + trailer.commit_end)

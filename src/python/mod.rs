@@ -222,6 +222,15 @@ fn compress<'py>(
                     &none,
                 )
             })
+            .map_err(|e| match e {
+                // A full caller buffer is the caller's sizing, not the OS.
+                crate::Error::Io { source, .. }
+                    if source.kind() == std::io::ErrorKind::WriteZero =>
+                {
+                    crate::Error::param(source.to_string())
+                }
+                e => e,
+            })
             .py_err()?;
         return Ok((report_dict(py, &report)?, None, Some(w.pos)));
     }
