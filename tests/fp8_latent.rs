@@ -649,3 +649,19 @@ fn writers_emit_the_lowest_minor_version() {
         assert!(matches!(e, kvpack::Error::Parameter(_)), "{e}");
     }
 }
+
+/// Regression (found by tests/roundtrip.rs's random shapes): a tensor with
+/// 0 tokens and several heads has zero strides in the head-major layout and
+/// must still decode (no elements can overlap).
+#[test]
+fn zero_token_tensors_with_several_heads_decode() {
+    let spec = |tokens| LayerSpec {
+        batch: 2,
+        heads: 3,
+        tokens,
+        head_dim: 8,
+    };
+    let cache = synthetic(&[spec(0), spec(5)], DType::Bf16, 3);
+    let bytes = compress_bytes(&cache, "raw", Layout::default(), None);
+    assert_eq!(decode_all(&bytes, None).tensors, cache.tensors);
+}
