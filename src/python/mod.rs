@@ -113,6 +113,14 @@ impl Write for SliceWriter<'_> {
     }
 }
 
+/// What `compress` returns: the report, the file as `bytes` (no path or
+/// out buffer given), the bytes written into `out`.
+type Compressed<'py> = (
+    Bound<'py, pyo3::types::PyDict>,
+    Option<Bound<'py, PyBytes>>,
+    Option<usize>,
+);
+
 /// Compresses tensors given as `(layer, kind, array[, dtype_hint])`:
 /// `array` is a host tensor `[batch, kv_heads, tokens, head_dim]` (or 3-d
 /// without batch) of bf16/fp16/fp32 in any strides with a contiguous
@@ -141,11 +149,7 @@ fn compress<'py>(
     raw_fallback: bool,
     metadata: Option<BTreeMap<String, String>>,
     token_ids: Option<Vec<u32>>,
-) -> PyResult<(
-    Bound<'py, pyo3::types::PyDict>,
-    Option<Bound<'py, PyBytes>>,
-    Option<usize>,
-)> {
+) -> PyResult<Compressed<'py>> {
     let codec = crate::codec::parse(codec).py_err()?;
     let opts = Opts {
         page_tokens,
