@@ -253,7 +253,24 @@ impl Emulator {
                 slots: arena.place(bytemuck::cast_slice(slots)),
                 slots_len: slots.len() as u64,
                 slot_stride: info.tokens,
+                addr: None,
             },
+            HostLayout::Blocks {
+                layout,
+                shape,
+                block_ids,
+            } => {
+                let slots = super::paged::slot_mapping(block_ids, shape, info.tokens)?;
+                let (off, len, addr) = shape.image_target(*layout, info.kind);
+                DstSpec::Paged {
+                    ptr: out_at + 2 * off,
+                    len,
+                    slots: arena.place(bytemuck::cast_slice(&slots)),
+                    slots_len: slots.len() as u64,
+                    slot_stride: 0,
+                    addr: Some(addr),
+                }
+            }
         };
         let mut groups = BTreeMap::new();
         for (s, &body) in staged.iter().zip(&bodies) {

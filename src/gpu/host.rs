@@ -42,6 +42,19 @@ pub fn layout_len(info: &TensorInfo, layout: &HostLayout) -> Result<usize> {
             }
             Ok(*num_slots as usize * info.heads as usize * row)
         }
+        HostLayout::Blocks { shape, .. } => {
+            if info.batch != 1 || info.heads != shape.kv_heads || info.head_dim != shape.head_dim {
+                return Err(Error::param(format!(
+                    "{} ({}) does not fit a paged cache of {} kv heads x head_dim {}                      (batch 1 needed)",
+                    info.name,
+                    info.describe(),
+                    shape.kv_heads,
+                    shape.head_dim
+                )));
+            }
+            usize::try_from(2 * shape.kv_elements())
+                .map_err(|_| Error::param("paged cache too large for this host"))
+        }
     }
 }
 
@@ -55,7 +68,7 @@ pub fn token_range(info: &TensorInfo, layout: &HostLayout) -> (u32, u32) {
             (*first_token).min(info.tokens),
             first_token.saturating_add(*tokens).min(info.tokens),
         ),
-        HostLayout::Paged { .. } => (0, info.tokens),
+        HostLayout::Paged { .. } | HostLayout::Blocks { .. } => (0, info.tokens),
     }
 }
 
@@ -76,6 +89,17 @@ pub fn decode_tensor(
     let mut dst = vec![POISON; len];
     let d = info.head_dim as usize;
     let (lo, hi) = token_range(info, layout);
+    let blocks = match layout {
+        HostLayout::Blocks {
+            layout,
+            shape,
+            block_ids,
+        } => Some((
+            shape.image_target(*layout, info.kind),
+            super::paged::slot_mapping(block_ids, shape, info.tokens)?,
+        )),
+        _ => None,
+    };
     for pi in archive.reader().pages_overlapping(t, lo, hi) {
         let view = archive.reader().page(pi)?;
         let m = view.header.meta;
@@ -127,6 +151,10 @@ pub fn decode_tensor(
                             )));
                         }
                         (s as usize * info.heads as usize + h) * d
+                    }
+                    HostLayout::Blocks { .. } => {
+                        let ((off, _, addr), slots) = blocks.as_ref().expect("set above");
+                        (off + addr.offset(slots[tok] as u64, h as u32)) as usize
                     }
                 };
                 let src = (p * n + r) * d;

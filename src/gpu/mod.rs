@@ -83,6 +83,7 @@ pub mod body;
 pub mod codecs;
 pub mod encplan;
 pub mod host;
+pub mod paged;
 pub mod side;
 pub mod sources;
 pub mod spec;
@@ -166,6 +167,17 @@ pub enum Dst<'a> {
         /// `[batch, tokens]` mapping).
         slot_stride: u32,
     },
+    /// One of K or V of a paged cache in any [`paged::PagedLayout`]: token
+    /// `t` of the (batch 1) tensor goes to slot `slots[t]` (a negative slot
+    /// is skipped), addressed as [`paged::PagedAddr`] says.
+    Blocks {
+        /// The cache.
+        cache: &'a paged::PagedCache,
+        /// Which of K or V this tensor fills.
+        kind: crate::cache::Kind,
+        /// The slot mapping, one i64 per token ([`paged::slot_mapping`]).
+        slots: &'a GpuBuffer<i64>,
+    },
 }
 
 /// One tensor of a decode: its index in the file's tensor table and where
@@ -215,6 +227,18 @@ pub enum HostLayout {
         num_slots: u32,
         /// The slot mapping, `batch * tokens` entries.
         slots: Vec<i64>,
+    },
+    /// A paged cache image of one layer ([`paged::PagedShape::image_target`]:
+    /// the tensor of a joint layout, or K then V for HND,
+    /// `2 * kv_elements` elements); the tensor (batch 1) fills its K or V
+    /// part, token `t` in block `block_ids[t / block_size]`.
+    Blocks {
+        /// The layout.
+        layout: paged::PagedLayout,
+        /// The geometry (kv_heads and head_dim must match the tensor).
+        shape: paged::PagedShape,
+        /// The block table ([`paged::slot_mapping`]).
+        block_ids: Vec<i64>,
     },
 }
 
@@ -288,6 +312,7 @@ impl Device {
                 let gp = GpuPages::upload(gpu, archive, &pages)?;
                 let buf = gpu.upload(&vec![POISON; len])?;
                 let slots;
+                let cache;
                 let dst = match layout {
                     HostLayout::Contiguous {
                         first_token,
@@ -303,6 +328,32 @@ impl Device {
                             cache: &buf,
                             slots: &slots,
                             slot_stride: info.tokens,
+                        }
+                    }
+                    HostLayout::Blocks {
+                        layout,
+                        shape,
+                        block_ids,
+                    } => {
+                        slots = gpu.upload(&paged::slot_mapping(block_ids, shape, info.tokens)?)?;
+                        let at = buf.device_ptr();
+                        let v = (!layout.joint()).then_some(at + 2 * shape.kv_elements());
+                        // SAFETY: `buf` is a live allocation of
+                        // 2 * kv_elements elements (host::layout_len), K
+                        // then V for HND, alive until after `finish`.
+                        cache = unsafe {
+                            paged::PagedCache::from_raw(
+                                *layout,
+                                out.dtype(),
+                                &shape.dims(*layout),
+                                at,
+                                v,
+                            )?
+                        };
+                        Dst::Blocks {
+                            cache: &cache,
+                            kind: info.kind,
+                            slots: &slots,
                         }
                     }
                 };
