@@ -6,12 +6,12 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::cache::{KvCache, Tensor};
+use crate::cache::{KvCache, Tensor, TensorInfo};
 use crate::codec::{Codec, PageIn, raw::Raw};
 use crate::error::{Error, Result};
 use crate::format::{
-    CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Trailer, VERSION_MAJOR, VERSION_MINOR,
-    Writer,
+    CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Section, Trailer, VERSION_MAJOR,
+    VERSION_MINOR, Writer,
 };
 use crate::plan::{Layout, PlannedPage, plan};
 
@@ -76,37 +76,37 @@ impl CompressReport {
     }
 }
 
-/// Encodes planned page `p` of `tensor` with the codec in table slot
-/// `slot` into a frame.
-fn encode_page(
-    tensor: &Tensor,
-    p: &PlannedPage,
-    codec: &dyn Codec,
-    slot: usize,
-    opts: &CompressOptions,
-) -> Result<PageFrame> {
+/// The sections of planned page `p` of `tensor` encoded by `codec`.
+fn encode_sections(tensor: &Tensor, p: &PlannedPage, codec: &dyn Codec) -> Result<Vec<Section>> {
     let planes = (0..tensor.info.planes())
         .map(|pl| tensor.plane_rows(pl, p.token_start as usize, p.tokens as usize))
         .collect();
-    let page = PageIn {
+    codec.encode(&PageIn {
         tensor: &tensor.info,
         token_start: p.token_start,
         tokens: p.tokens,
         planes,
-    };
-    let sections = codec.encode(&page)?;
+    })
+}
+
+/// The frame of planned page `p` with codec table slot `slot`.
+fn page_frame(
+    p: &PlannedPage,
+    sections: &[Section],
+    slot: usize,
+    opts: &CompressOptions,
+) -> Result<PageFrame> {
     let meta = PageMeta {
         tensor: p.tensor,
         token_start: p.token_start,
         tokens: p.tokens,
         codec: slot as u16,
     };
-    PageFrame::encode(meta, &sections, opts.zstd_level, 1 << opts.align_log2)
+    PageFrame::encode(meta, sections, opts.zstd_level, 1 << opts.align_log2)
 }
 
-/// Source bytes of planned page `p`.
-fn page_source_bytes(tensor: &Tensor, p: &PlannedPage) -> u64 {
-    let i = &tensor.info;
+/// Source bytes of planned page `p` of a tensor described by `i`.
+fn page_source_bytes(i: &TensorInfo, p: &PlannedPage) -> u64 {
     i.planes() as u64 * p.tokens as u64 * i.head_dim as u64 * i.dtype.size() as u64
 }
 
@@ -138,21 +138,21 @@ pub(crate) fn ordered_map<T: Sync, U: Send>(
     pending.into_iter().try_for_each(&mut sink)
 }
 
-/// Encodes `pages` of `tensors` on all threads and writes them in order.
-/// Window pages use the codec of table slot `raw_slot`, others slot 0.
-/// Returns (elements, source bytes) written.
+/// Encodes `pages` on all threads (`encode(page, codec table slot)` gives
+/// its sections) and writes them in order. Window pages use table slot
+/// `raw_slot`, others slot 0. Returns (elements, source bytes) written.
 fn write_pages<W: Write + Send>(
     w: &mut Writer<W>,
-    tensors: &[Tensor],
+    infos: &[TensorInfo],
     pages: &[PlannedPage],
-    codecs: &[&dyn Codec],
+    encode: &(dyn Fn(&PlannedPage, usize) -> Result<Vec<Section>> + Sync),
     raw_slot: usize,
     opts: &CompressOptions,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(u64, u64)> {
     let total: u64 = pages
         .iter()
-        .map(|p| page_source_bytes(&tensors[p.tensor as usize], p))
+        .map(|p| page_source_bytes(&infos[p.tensor as usize], p))
         .sum();
     let mut source_bytes = 0u64;
     let mut elements = 0u64;
@@ -161,19 +161,120 @@ fn write_pages<W: Write + Send>(
         total / pages.len().max(1) as u64,
         |p| {
             let slot = if p.raw { raw_slot } else { 0 };
-            encode_page(&tensors[p.tensor as usize], p, codecs[slot], slot, opts).map(|f| (f, *p))
+            page_frame(p, &encode(p, slot)?, slot, opts).map(|f| (f, *p))
         },
         |(frame, p)| {
             w.write_page(&frame)?;
-            let t = &tensors[p.tensor as usize];
-            let b = page_source_bytes(t, &p);
+            let i = &infos[p.tensor as usize];
+            let b = page_source_bytes(i, &p);
             source_bytes += b;
-            elements += b / t.info.dtype.size() as u64;
+            elements += b / i.dtype.size() as u64;
             progress(source_bytes);
             Ok(())
         },
     )?;
     Ok((elements, source_bytes))
+}
+
+/// The header of a new file holding `infos` encoded by `codec` (plus the
+/// `raw` codec in table slot 1 when `raw_pages`), and the codec table.
+fn new_header<'c>(
+    infos: Vec<TensorInfo>,
+    metadata: &std::collections::BTreeMap<String, String>,
+    codec: &'c dyn Codec,
+    opts: &CompressOptions,
+    raw_pages: bool,
+) -> (FileHeader, Vec<&'c dyn Codec>) {
+    let mut codecs: Vec<&dyn Codec> = vec![codec];
+    let mut table = vec![CodecEntry {
+        id: codec.id(),
+        params: codec.params(),
+    }];
+    if raw_pages && codec.id() != crate::codec::raw::ID {
+        codecs.push(&Raw);
+        table.push(CodecEntry {
+            id: Raw.id(),
+            params: Raw.params(),
+        });
+    }
+    let header = FileHeader {
+        version_major: VERSION_MAJOR,
+        version_minor: VERSION_MINOR,
+        align_log2: opts.align_log2,
+        tensors: infos,
+        codecs: table,
+        metadata: metadata.clone(),
+        page_tokens: opts.layout.page_tokens,
+        sink_tokens: opts.layout.sink,
+        recent_tokens: opts.layout.recent,
+    };
+    (header, codecs)
+}
+
+/// Writes a new kvpack file of tensors `infos` whose codec pages were
+/// encoded elsewhere (e.g. on the GPU): `sections(i)` returns the sections
+/// of `pages[i]` as `codec`'s encoder would. `pages` must be the plan of
+/// `infos` under `opts.layout` without window (raw) pages. Frames (and
+/// zstd) are built on all threads; the result is a file the CPU reader
+/// opens.
+///
+/// # Errors
+/// [`Error::Parameter`] when `pages` is not that plan or has window pages;
+/// the error of `sections`; [`Error::Io`] when writing fails.
+#[allow(clippy::too_many_arguments)]
+pub fn write_encoded<W: Write + Send>(
+    infos: Vec<TensorInfo>,
+    metadata: &std::collections::BTreeMap<String, String>,
+    token_ids: &[u32],
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    pages: &[PlannedPage],
+    sections: &(dyn Fn(usize) -> Result<Vec<Section>> + Sync),
+    out: W,
+) -> Result<(W, CompressReport)> {
+    let start = Instant::now();
+    if pages != plan(&infos, &vec![0; infos.len()], opts.layout)?.as_slice()
+        || pages.iter().any(|p| p.raw)
+    {
+        return Err(Error::param(
+            "encoded pages are not the layout's plan without window pages",
+        ));
+    }
+    let elements: u64 = infos.iter().map(|i| i.elements()).sum();
+    let source: u64 = infos
+        .iter()
+        .map(|i| i.elements() * i.dtype.size() as u64)
+        .sum();
+    let (header, _) = new_header(infos.clone(), metadata, codec, opts, false);
+    let mut w = Writer::new(out, &header)?;
+    // Planned pages are distinct by (tensor, token_start).
+    let index: std::collections::BTreeMap<(u32, u32), usize> = pages
+        .iter()
+        .enumerate()
+        .map(|(i, p)| ((p.tensor, p.token_start), i))
+        .collect();
+    write_pages(
+        &mut w,
+        &infos,
+        pages,
+        &|p, _| sections(index[&(p.tensor, p.token_start)]),
+        0,
+        opts,
+        &|_| {},
+    )?;
+    let (out, trailer) = w.commit(token_ids)?;
+    Ok((
+        out,
+        CompressReport {
+            codec: codec.name(),
+            pages: pages.len(),
+            raw_pages: 0,
+            elements,
+            source_bytes: source,
+            output_bytes: trailer.header_len + trailer.commit_end,
+            seconds: start.elapsed().as_secs_f64(),
+        },
+    ))
 }
 
 /// Compresses a whole cache into `out` as a new kvpack file (one commit).
@@ -201,35 +302,13 @@ pub fn compress<W: Write + Send>(
     let infos: Vec<_> = cache.tensors.iter().map(|t| t.info.clone()).collect();
     let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;
     let raw_pages = pages.iter().filter(|p| p.raw).count();
-    let mut codecs: Vec<&dyn Codec> = vec![codec];
-    let mut table = vec![CodecEntry {
-        id: codec.id(),
-        params: codec.params(),
-    }];
-    if raw_pages > 0 && codec.id() != crate::codec::raw::ID {
-        codecs.push(&Raw);
-        table.push(CodecEntry {
-            id: Raw.id(),
-            params: Raw.params(),
-        });
-    }
-    let header = FileHeader {
-        version_major: VERSION_MAJOR,
-        version_minor: VERSION_MINOR,
-        align_log2: opts.align_log2,
-        tensors: infos,
-        codecs: table,
-        metadata: cache.metadata.clone(),
-        page_tokens: opts.layout.page_tokens,
-        sink_tokens: opts.layout.sink,
-        recent_tokens: opts.layout.recent,
-    };
+    let (header, codecs) = new_header(infos, &cache.metadata, codec, opts, raw_pages > 0);
     let mut w = Writer::new(out, &header)?;
     write_pages(
         &mut w,
-        &cache.tensors,
+        &header.tensors,
         &pages,
-        &codecs,
+        &|p, slot| encode_sections(&cache.tensors[p.tensor as usize], p, codecs[slot]),
         codecs.len() - 1,
         opts,
         progress,
@@ -400,9 +479,9 @@ pub fn append<W: Write + Send>(
     let refs: Vec<&dyn Codec> = codecs.iter().map(|c| c.as_ref()).collect();
     let (elements, source_bytes) = write_pages(
         &mut w,
-        &longer.tensors,
+        &infos,
         &pages,
-        &refs,
+        &|p, slot| encode_sections(&longer.tensors[p.tensor as usize], p, refs[slot]),
         raw_slot.unwrap_or(0),
         &opts,
         progress,

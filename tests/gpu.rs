@@ -766,6 +766,20 @@ fn decode_paged_layouts_match_cpu() {
                     block_ids: ids.clone(),
                 };
                 for out in [OutType::Bf16, OutType::F16] {
+                    // The whole-layer call (Gpu::decode_paged on CUDA): K
+                    // and V into one image.
+                    let mut want = oracle(&archive, 0, out, &l);
+                    for (w, v) in want.iter_mut().zip(oracle(&archive, 1, out, &l)) {
+                        if v != POISON {
+                            *w = v;
+                        }
+                    }
+                    let got = dev
+                        .decode_paged(&archive, 0, pl, &shape, &ids, out)
+                        .unwrap_or_else(|e| panic!("{codec} {pl:?} on {}: {e}", dev.name()));
+                    let label = format!("{codec} on {}: layer {out:?} {pl:?}", dev.name());
+                    inexact += assert_close(&got, &want, &label);
+                    n += got.len();
                     for t in 0..archive.tensors().len() {
                         let want = oracle(&archive, t, out, &l);
                         let got = dev
@@ -786,6 +800,178 @@ fn decode_paged_layouts_match_cpu() {
             inexact,
             0,
             "paged decode on {} is not bit-exact",
+            dev.name()
+        );
+    }
+}
+
+/// A paged cache image (K then V for HND) of random bf16/fp16 values.
+fn random_image(rng: &mut Rng, shape: &PagedShape, dtype: DType) -> Vec<u16> {
+    (0..2 * shape.kv_elements())
+        .map(|_| {
+            let x = (rng.normal() * 0.7) as f32;
+            match dtype {
+                DType::Bf16 => bf16::from_f32(x).to_bits(),
+                _ => f16::from_f32(x).to_bits(),
+            }
+        })
+        .collect()
+}
+
+/// Encode from the three paged layouts through a shuffled block table:
+/// the GPU encoders (int, bdr, hqmq) and the host fallback (every other
+/// codec) write files byte-identical to the CPU's, which the CPU reader
+/// opens and decodes to the gathered rows (raw: exactly).
+#[test]
+fn encode_paged_layouts_match_cpu_bytes() {
+    let all = ["raw", "int4", "bdr32", "hqmq:s96r4", "kivi:2", "polar:m4n4"];
+    let devs = devices();
+    let mut rng = Rng(909);
+    for (dtype, heads, head_dim, tokens, codecs) in [
+        (DType::Bf16, 2, 64, 75, &all[..]),
+        (DType::F16, 3, 32, 40, &all[..]),
+        // head_dim not a multiple of 8: the element-wise gather.
+        (DType::F16, 2, 6, 20, &all[..2]),
+    ] {
+        let shape = PagedShape {
+            num_blocks: 9,
+            block_size: 16,
+            kv_heads: heads,
+            head_dim,
+        };
+        let image = random_image(&mut rng, &shape, dtype);
+        let ids = block_table(&mut rng, 9, 9);
+        for pl in [
+            PagedLayout::FlashAttn,
+            PagedLayout::FlashInfer,
+            PagedLayout::Hnd,
+        ] {
+            for &codec in codecs {
+                let c = kvpack::codec::parse(codec).unwrap();
+                let opts = kvpack::compress::CompressOptions {
+                    layout: layout(32, 0, 0),
+                    ..Default::default()
+                };
+                let want = Device::Cpu
+                    .encode_paged(
+                        &image,
+                        pl,
+                        &shape,
+                        dtype,
+                        &ids,
+                        tokens,
+                        c.as_ref(),
+                        3,
+                        &opts,
+                    )
+                    .unwrap();
+                let archive = Archive::open(&want).unwrap();
+                assert_eq!(archive.tensors().len(), 2);
+                assert_eq!(archive.tensors()[1].name, "past_key_values.3.value");
+                if codec == "raw" {
+                    // The stored rows are the cache's rows of the block table.
+                    let gathered =
+                        kvpack::gpu::paged::gather_host(&image, pl, &shape, &ids, tokens).unwrap();
+                    for (t, g) in gathered.iter().enumerate() {
+                        let l = HostLayout::Contiguous {
+                            first_token: 0,
+                            tokens,
+                        };
+                        let out = OutType::from_dtype(dtype).unwrap();
+                        assert_eq!(&oracle(&archive, t, out, &l), g, "{pl:?} tensor {t}");
+                    }
+                }
+                for dev in &devs[1..] {
+                    let got = dev
+                        .encode_paged(
+                            &image,
+                            pl,
+                            &shape,
+                            dtype,
+                            &ids,
+                            tokens,
+                            c.as_ref(),
+                            3,
+                            &opts,
+                        )
+                        .unwrap_or_else(|e| panic!("{codec} {pl:?} on {}: {e}", dev.name()));
+                    assert!(
+                        got == want,
+                        "{codec} {pl:?} {dtype:?} on {}: file differs from the CPU's",
+                        dev.name()
+                    );
+                }
+            }
+        }
+    }
+    for dev in &devs {
+        println!(
+            "paged encode on {}: files byte-identical to the CPU's",
+            dev.name()
+        );
+    }
+}
+
+/// Bad block tables and shapes are refused with a parameter error, on
+/// every device, before anything runs.
+#[test]
+fn paged_inputs_are_validated() {
+    let cache = synthetic(&[spec(1, 2, 40, 64)], DType::Bf16, 3);
+    let file = compress_bytes(&cache, "int4", layout(16, 0, 0), None);
+    let archive = Archive::open(&file).unwrap();
+    let shape = PagedShape {
+        num_blocks: 4,
+        block_size: 16,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let wrong_heads = PagedShape {
+        kv_heads: 4,
+        ..shape
+    };
+    for dev in devices() {
+        for (ids, sh, layer) in [
+            (vec![0, 1], shape, 0),     // 40 tokens need 3 blocks
+            (vec![0, 1, 4], shape, 0),  // id past the cache
+            (vec![0, 1, 1], shape, 0),  // repeated block
+            (vec![0, -1, 2], shape, 0), // negative id
+            (vec![0, 1, 2], wrong_heads, 0),
+            (vec![0, 1, 2], shape, 1), // no layer 1
+        ] {
+            let e = dev
+                .decode_paged(
+                    &archive,
+                    layer,
+                    PagedLayout::FlashAttn,
+                    &sh,
+                    &ids,
+                    OutType::Bf16,
+                )
+                .unwrap_err();
+            assert!(
+                matches!(e, kvpack::Error::Parameter(_)),
+                "{} {ids:?}: {e}",
+                dev.name()
+            );
+        }
+        let image = vec![0u16; 2 * shape.kv_elements() as usize];
+        let c = kvpack::codec::parse("int4").unwrap();
+        let e = dev
+            .encode_paged(
+                &image,
+                PagedLayout::Hnd,
+                &shape,
+                DType::Bf16,
+                &[0, 1],
+                40,
+                c.as_ref(),
+                0,
+                &Default::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, kvpack::Error::Parameter(_)),
+            "{}: {e}",
             dev.name()
         );
     }

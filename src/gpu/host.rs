@@ -83,10 +83,33 @@ pub fn decode_tensor(
     out: OutType,
     layout: &HostLayout,
 ) -> Result<Vec<u16>> {
-    let infos = archive.tensors();
-    let info = &infos[t];
-    let len = layout_len(info, layout)?;
-    let mut dst = vec![POISON; len];
+    let info = tensor_info(archive, t)?;
+    let mut dst = vec![POISON; layout_len(&info, layout)?];
+    decode_tensor_into(archive, t, out, layout, &mut dst)?;
+    Ok(dst)
+}
+
+/// [`decode_tensor`] into `dst` (of [`layout_len`] elements): elements no
+/// page of tensor `t` writes keep their value.
+///
+/// # Errors
+/// As [`super::Device::decode_tensor`], and [`Error::Parameter`] when `dst`
+/// has the wrong length.
+pub fn decode_tensor_into(
+    archive: &Archive<'_>,
+    t: usize,
+    out: OutType,
+    layout: &HostLayout,
+    dst: &mut [u16],
+) -> Result<()> {
+    let info = &tensor_info(archive, t)?;
+    if dst.len() != layout_len(info, layout)? {
+        return Err(Error::param(format!(
+            "output of {} elements for a layout of {}",
+            dst.len(),
+            layout_len(info, layout)?
+        )));
+    }
     let d = info.head_dim as usize;
     let (lo, hi) = token_range(info, layout);
     let blocks = match layout {
@@ -162,7 +185,7 @@ pub fn decode_tensor(
             }
         }
     }
-    Ok(dst)
+    Ok(())
 }
 
 /// Encodes planned pages of `tensor` with the CPU codec.

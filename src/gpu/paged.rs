@@ -9,8 +9,14 @@
 //! `t % block_size` (vLLM's block table). Plain data: nothing here touches
 //! a device, so it is tested without CUDA.
 
-use crate::cache::{DType, Kind};
+use super::spec::{DstSpec, Grid, KernelChoice, KernelCodec, PageDesc, PageGeom, page_desc};
+use crate::cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
+use crate::codec::Codec;
+use crate::compress::{CompressOptions, CompressReport};
+use crate::decode::Archive;
 use crate::error::{Error, Result};
+use crate::format::Section;
+use crate::plan::PlannedPage;
 
 /// How a paged KV cache tensor is laid out (the layouts vLLM's attention
 /// back ends allocate). All element strides are in elements of the cache's
@@ -311,7 +317,10 @@ impl PagedAddr {
         }
         let a = 1u64 << head_dim.trailing_zeros().min(3);
         let s = self.strides;
-        if s.block % a != 0 || s.token % a != 0 || s.head % a != 0 {
+        if ![s.block, s.token, s.head]
+            .iter()
+            .all(|x| x.is_multiple_of(a))
+        {
             return Err(Error::param(format!(
                 "paged cache strides {s:?} (elements) are not multiples of {a}: rows of \
                  head_dim {head_dim} would be misaligned"
@@ -457,6 +466,278 @@ pub fn slot_mapping(block_ids: &[i64], shape: &PagedShape, tokens: u32) -> Resul
     Ok((0..i64::from(tokens))
         .map(|t| block_ids[(t / bs) as usize] * bs + t % bs)
         .collect())
+}
+
+/// The K and V tensors (table positions) of `layer`.
+///
+/// # Errors
+/// [`Error::Parameter`] when the file lacks either, or a tensor does not
+/// fit `shape` (batch 1, same kv_heads and head_dim).
+pub fn layer_tensors(
+    archive: &Archive<'_>,
+    layer: u32,
+    shape: &PagedShape,
+) -> Result<[(u32, Kind); 2]> {
+    let infos = archive.tensors();
+    let find = |kind: Kind| -> Result<(u32, Kind)> {
+        let (i, info) = infos
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.layer == layer && t.kind == kind)
+            .ok_or_else(|| {
+                Error::param(format!(
+                    "the file has no {} tensor for layer {layer} ({} layers)",
+                    kind.letter(),
+                    infos.iter().map(|t| t.layer + 1).max().unwrap_or(0)
+                ))
+            })?;
+        if info.batch != 1 || info.heads != shape.kv_heads || info.head_dim != shape.head_dim {
+            return Err(Error::param(format!(
+                "{} ({}) does not fit a paged cache of {} kv heads x head_dim {} (batch 1 needed)",
+                info.name,
+                info.describe(),
+                shape.kv_heads,
+                shape.head_dim
+            )));
+        }
+        Ok((i as u32, kind))
+    };
+    Ok([find(Kind::Key)?, find(Kind::Value)?])
+}
+
+/// The tensor table entries of one layer's K and V read out of a paged
+/// cache: batch 1, `shape.kv_heads` heads, `tokens` tokens, named
+/// `past_key_values.{layer}.key` / `.value` (the safetensors convention of
+/// the CLI).
+pub fn layer_infos(shape: &PagedShape, dtype: DType, layer: u32, tokens: u32) -> Vec<TensorInfo> {
+    [(Kind::Key, "key"), (Kind::Value, "value")]
+        .into_iter()
+        .map(|(kind, n)| TensorInfo {
+            name: format!("past_key_values.{layer}.{n}"),
+            layer,
+            kind,
+            dtype,
+            batch: 1,
+            heads: shape.kv_heads,
+            tokens,
+            head_dim: shape.head_dim,
+        })
+        .collect()
+}
+
+/// The gather launch of K and V (`gather_paged_*` in `kernels/raw.cu`):
+/// rows of slots `slots` (device address, `tokens` i64 entries) of the
+/// paged `targets[i]` = (address of (block 0, row 0, head 0), elements from
+/// there, addressing) into the contiguous `[kv_heads, tokens, head_dim]`
+/// buffers at `outs[i]`. Returns the kernel, the two descriptors and the
+/// work list.
+///
+/// # Errors
+/// [`Error::Parameter`] when a target does not hold the cache's rows.
+pub fn gather_plan(
+    shape: &PagedShape,
+    targets: [(u64, u64, PagedAddr); 2],
+    slots: u64,
+    tokens: u32,
+    outs: [u64; 2],
+) -> Result<(KernelChoice, Vec<PageDesc>, Vec<[u32; 2]>)> {
+    let kernel = if shape.head_dim.is_multiple_of(8) {
+        KernelChoice {
+            source: "raw",
+            name: "gather_paged_w8".into(),
+            grid: Grid::Units {
+                w: 8,
+                per_thread: super::spec::UNITS_PER_THREAD,
+            },
+            shared: 0,
+        }
+    } else {
+        KernelChoice {
+            source: "raw",
+            name: "gather_paged_any".into(),
+            grid: Grid::Elements,
+            shared: 0,
+        }
+    };
+    let geom = PageGeom {
+        kc: KernelCodec::Raw { src: DType::Bf16 },
+        token_start: 0,
+        tokens,
+        batch: 1,
+        heads: shape.kv_heads,
+        head_dim: shape.head_dim,
+        sections: [0; 5],
+        extra: 0,
+        side: 0,
+        read: 0,
+    };
+    let (mut descs, mut work) = (Vec::new(), Vec::new());
+    for (i, ((ptr, len, addr), out)) in targets.into_iter().zip(outs).enumerate() {
+        let dst = DstSpec::Paged {
+            ptr,
+            len,
+            slots,
+            slots_len: u64::from(tokens),
+            slot_stride: 0,
+            addr: Some(addr),
+        };
+        if let Some((d, _)) = page_desc(&geom, out, &dst, kernel.grid.unit())? {
+            descs.push(d);
+            kernel
+                .grid
+                .push_items(i as u32, d.rows, tokens, shape.head_dim, &mut work);
+        }
+    }
+    Ok((kernel, descs, work))
+}
+
+/// The kvpack file of one layer gathered to the host (`data[0]` K,
+/// `data[1]` V, each `[kv_heads, tokens, head_dim]` bf16/fp16 bits),
+/// compressed with the CPU codecs: the fallback of a paged encode for
+/// codecs without a GPU encoder (and for layouts with raw windows).
+///
+/// # Errors
+/// As [`crate::compress::compress`].
+pub fn file_from_host(
+    infos: Vec<TensorInfo>,
+    data: [Vec<u16>; 2],
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+) -> Result<(Vec<u8>, CompressReport)> {
+    let tensors = infos
+        .into_iter()
+        .zip(data)
+        .map(|(info, v)| host_tensor(info, v))
+        .collect::<Result<Vec<_>>>()?;
+    let cache = KvCache {
+        tensors,
+        metadata: Default::default(),
+        token_ids: Vec::new(),
+    };
+    crate::compress::compress(&cache, codec, opts, Vec::new(), &|_| {})
+}
+
+/// A tensor of 16-bit elements (`info.dtype` bf16 or fp16) from their bit
+/// patterns.
+///
+/// # Errors
+/// [`Error::Parameter`] for fp32 or a length that does not match `info`.
+pub fn host_tensor(info: TensorInfo, bits: Vec<u16>) -> Result<Tensor> {
+    let d = match info.dtype {
+        DType::Bf16 => TensorData::Bf16(bytemuck::allocation::cast_vec(bits)),
+        DType::F16 => TensorData::F16(bytemuck::allocation::cast_vec(bits)),
+        DType::F32 => return Err(Error::param("paged caches are bf16 or fp16")),
+    };
+    Tensor::new(info, d)
+}
+
+/// True when a paged encode of `infos` planned as `pages` runs on the GPU
+/// (no window pages, and [`super::encplan::gpu_encodes`] for every
+/// tensor); otherwise it takes the host fallback ([`file_from_host`]).
+pub fn encodes_on_gpu(infos: &[TensorInfo], pages: &[PlannedPage], codec: &dyn Codec) -> bool {
+    !pages.iter().any(|p| p.raw) && infos.iter().all(|i| super::encplan::gpu_encodes(codec, i))
+}
+
+/// The sections of every page of `pages`, in order, from
+/// `encode(tensor, its pages in plan order)` called once per tensor.
+///
+/// # Errors
+/// The error of `encode`; [`Error::Parameter`] when it returns the wrong
+/// number of pages.
+pub fn sections_by_tensor(
+    pages: &[PlannedPage],
+    tensors: usize,
+    mut encode: impl FnMut(usize, &[PlannedPage]) -> Result<Vec<Vec<Section>>>,
+) -> Result<Vec<Vec<Section>>> {
+    let mut sections = vec![Vec::new(); pages.len()];
+    for t in 0..tensors {
+        let (at, mine): (Vec<usize>, Vec<PlannedPage>) = pages
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.tensor == t as u32)
+            .map(|(i, p)| (i, *p))
+            .unzip();
+        let got = encode(t, &mine)?;
+        if got.len() != mine.len() {
+            return Err(Error::param(
+                "internal: encoder returned the wrong page count",
+            ));
+        }
+        for (i, s) in at.into_iter().zip(got) {
+            sections[i] = s;
+        }
+    }
+    Ok(sections)
+}
+
+/// The kvpack file of one layer whose pages `pages` (the plan of `infos`)
+/// were encoded on the GPU into `sections` (one list per page).
+///
+/// # Errors
+/// As [`crate::compress::write_encoded`].
+pub fn file_from_sections(
+    infos: Vec<TensorInfo>,
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    pages: &[PlannedPage],
+    sections: Vec<Vec<Section>>,
+) -> Result<(Vec<u8>, CompressReport)> {
+    let sections: Vec<std::sync::Mutex<Option<Vec<Section>>>> = sections
+        .into_iter()
+        .map(|s| std::sync::Mutex::new(Some(s)))
+        .collect();
+    crate::compress::write_encoded(
+        infos,
+        &Default::default(),
+        &[],
+        codec,
+        opts,
+        pages,
+        &|i| {
+            sections[i]
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+                .ok_or_else(|| Error::param("internal: page sections used twice"))
+        },
+        Vec::new(),
+    )
+}
+
+/// Gathers tokens `0..tokens` of K and V out of a host image of a paged
+/// cache ([`PagedShape::image_target`]) into `[kv_heads, tokens,
+/// head_dim]` each: the CPU reference of the GPU gather.
+///
+/// # Errors
+/// [`Error::Parameter`] as [`slot_mapping`], or when `image` does not have
+/// `2 * kv_elements` elements.
+pub fn gather_host(
+    image: &[u16],
+    layout: PagedLayout,
+    shape: &PagedShape,
+    block_ids: &[i64],
+    tokens: u32,
+) -> Result<[Vec<u16>; 2]> {
+    if image.len() as u64 != 2 * shape.kv_elements() {
+        return Err(Error::param(format!(
+            "paged cache image of {} elements, {} expected",
+            image.len(),
+            2 * shape.kv_elements()
+        )));
+    }
+    let slots = slot_mapping(block_ids, shape, tokens)?;
+    let d = shape.head_dim as usize;
+    Ok([Kind::Key, Kind::Value].map(|kind| {
+        let (off, _, addr) = shape.image_target(layout, kind);
+        let mut out = Vec::with_capacity(shape.kv_heads as usize * tokens as usize * d);
+        for h in 0..shape.kv_heads {
+            for &s in &slots {
+                let at = (off + addr.offset(s as u64, h)) as usize;
+                out.extend_from_slice(&image[at..at + d]);
+            }
+        }
+        out
+    }))
 }
 
 #[cfg(test)]
