@@ -94,7 +94,8 @@ mod cuda;
 pub mod emu;
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    DecodePlan, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages, PagedJob, compile_all,
+    DecodePlan, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages, PagedJob,
+    compile_all,
 };
 #[cfg(feature = "cuda")]
 pub use emu::Emulator;
@@ -103,7 +104,8 @@ pub use emu::Emulator;
 mod stub;
 #[cfg(not(feature = "cuda"))]
 pub use stub::{
-    DecodePlan, Emulator, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages, PagedJob,
+    DecodePlan, Emulator, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages,
+    PagedJob,
 };
 
 pub use spec::OutType;

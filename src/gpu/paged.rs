@@ -525,23 +525,9 @@ pub fn layer_infos(shape: &PagedShape, dtype: DType, layer: u32, tokens: u32) ->
         .collect()
 }
 
-/// The gather launch of K and V (`gather_paged_*` in `kernels/raw.cu`):
-/// rows of slots `slots` (device address, `tokens` i64 entries) of the
-/// paged `targets[i]` = (address of (block 0, row 0, head 0), elements from
-/// there, addressing) into the contiguous `[kv_heads, tokens, head_dim]`
-/// buffers at `outs[i]`. Returns the kernel, the two descriptors and the
-/// work list.
-///
-/// # Errors
-/// [`Error::Parameter`] when a target does not hold the cache's rows.
-pub fn gather_plan(
-    shape: &PagedShape,
-    targets: [(u64, u64, PagedAddr); 2],
-    slots: u64,
-    tokens: u32,
-    outs: [u64; 2],
-) -> Result<(KernelChoice, Vec<PageDesc>, Vec<[u32; 2]>)> {
-    let kernel = if shape.head_dim.is_multiple_of(8) {
+/// The gather kernel for rows of `head_dim` elements (`raw.cu`).
+pub fn gather_kernel(head_dim: u32) -> KernelChoice {
+    if head_dim.is_multiple_of(8) {
         KernelChoice {
             source: "raw",
             name: "gather_paged_w8".into(),
@@ -558,7 +544,26 @@ pub fn gather_plan(
             grid: Grid::Elements,
             shared: 0,
         }
-    };
+    }
+}
+
+/// The gather launch of K and V (`gather_paged_*` in `kernels/raw.cu`):
+/// rows of slots `slots` (device address, `tokens` i64 entries) of the
+/// paged `targets[i]` = (address of (block 0, row 0, head 0), elements from
+/// there, addressing) into the contiguous `[kv_heads, tokens, head_dim]`
+/// buffers at `outs[i]`. Returns the kernel, the two descriptors and the
+/// work list.
+///
+/// # Errors
+/// [`Error::Parameter`] when a target does not hold the cache's rows.
+pub fn gather_plan(
+    shape: &PagedShape,
+    targets: [(u64, u64, PagedAddr); 2],
+    slots: u64,
+    tokens: u32,
+    outs: [u64; 2],
+) -> Result<(KernelChoice, Vec<PageDesc>, Vec<[u32; 2]>)> {
+    let kernel = gather_kernel(shape.head_dim);
     let geom = PageGeom {
         kc: KernelCodec::Raw { src: DType::Bf16 },
         token_start: 0,

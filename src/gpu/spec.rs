@@ -513,6 +513,10 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
             }
         }
     }
+    for d in [64, 6] {
+        let k = super::paged::gather_kernel(d);
+        v.push((k.source, k.name));
+    }
     v.extend(super::codecs::all_kernel_names());
     v.sort();
     v.dedup();

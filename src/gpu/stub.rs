@@ -387,7 +387,56 @@ impl PagedJob {
     }
 }
 
+/// A prepared paged gather (never constructed in this build).
+#[derive(Debug)]
+pub struct GatherPlan<'a> {
+    gpu: Gpu,
+    _b: PhantomData<&'a ()>,
+}
+
+impl GatherPlan<'_> {
+    /// Submits the gather.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn launch(&self) -> Result<()> {
+        match self.gpu.never {}
+    }
+
+    /// Waits and checks the status.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn finish(&self) -> Result<()> {
+        match self.gpu.never {}
+    }
+
+    /// Bytes read and written.
+    pub fn bytes(&self) -> (u64, u64) {
+        match self.gpu.never {}
+    }
+
+    /// The kernel's name.
+    pub fn kernel(&self) -> &str {
+        match self.gpu.never {}
+    }
+}
+
 impl Gpu {
+    /// Plans a paged gather.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn plan_gather<'a>(
+        &self,
+        _cache: &PagedCache,
+        _slots: &'a GpuBuffer<i64>,
+        _tokens: u32,
+        _outs: [&'a GpuBuffer<u16>; 2],
+    ) -> Result<GatherPlan<'a>> {
+        match self.never {}
+    }
+
     /// This handle for submitting to a caller's stream.
     ///
     /// # Safety

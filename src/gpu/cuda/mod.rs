@@ -16,7 +16,7 @@ pub use decode::{DecodePlan, GpuPages};
 pub(crate) use decode::{Staged, add_page, check_status, group_args, pack_groups, stage_page};
 pub use encode::EncodePlan;
 pub(crate) use paged::PagedImage;
-pub use paged::PagedJob;
+pub use paged::{GatherPlan, PagedJob};
 pub use stream::FileDecoder;
 
 use std::collections::HashMap;

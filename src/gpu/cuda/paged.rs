@@ -401,30 +401,9 @@ impl Gpu {
         let slots = self.upload(&slot_mapping(block_ids, &shape, num_tokens)?)?;
         let n = infos[0].elements() as usize;
         let gathered = [self.alloc_uninit::<u16>(n)?, self.alloc_uninit::<u16>(n)?];
-        let (kernel, descs, work) = crate::gpu::paged::gather_plan(
-            &shape,
-            [cache.target(Kind::Key), cache.target(Kind::Value)],
-            slots.device_ptr(),
-            num_tokens,
-            [gathered[0].device_ptr(), gathered[1].device_ptr()],
-        )?;
-        let table = self.upload::<u8>(bytemuck::cast_slice(&descs))?;
-        let items = self.upload::<u32>(bytemuck::cast_slice(&work))?;
-        let status = self.upload(&[u64::MAX; 2])?;
-        let args = super::Args {
-            bits: None,
-            h: None,
-            c: None,
-            status: status.device_ptr(),
-        };
-        self.launch_items(
-            &kernel,
-            table.device_ptr(),
-            items.device_ptr(),
-            work.len() as u32,
-            &args,
-        )?;
-        check_status(&status.to_vec()?)?;
+        let gather = self.plan_gather(cache, &slots, num_tokens, [&gathered[0], &gathered[1]])?;
+        gather.launch()?;
+        gather.finish()?;
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
         if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec) {
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
@@ -437,5 +416,112 @@ impl Gpu {
             plan.sections()
         })?;
         crate::gpu::paged::file_from_sections(infos, codec, opts, &pages, sections)
+    }
+}
+
+/// A prepared gather of K and V out of a paged cache into contiguous
+/// `[kv_heads, tokens, head_dim]` buffers (the first step of
+/// [`Gpu::encode_paged`]). Launch it as often as needed; the buffers stay
+/// borrowed.
+pub struct GatherPlan<'a> {
+    gpu: Gpu,
+    kernel: crate::gpu::spec::KernelChoice,
+    table: GpuBuffer<u8>,
+    items: GpuBuffer<u32>,
+    blocks: u32,
+    status: GpuBuffer<u64>,
+    bytes: u64,
+    _borrow: std::marker::PhantomData<&'a ()>,
+}
+
+impl std::fmt::Debug for GatherPlan<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatherPlan")
+            .field("kernel", &self.kernel.name)
+            .field("blocks", &self.blocks)
+            .finish()
+    }
+}
+
+impl Gpu {
+    /// Plans the gather of tokens `0..tokens` of K and V of `cache`, the
+    /// rows of slots `slots` ([`slot_mapping`], one i64 per token), into
+    /// `outs[0]` (K) and `outs[1]` (V), each `[kv_heads, tokens, head_dim]`.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when `slots` has fewer than `tokens` entries or
+    /// an output is too small; [`Error::Io`] for a CUDA failure.
+    pub fn plan_gather<'a>(
+        &self,
+        cache: &PagedCache,
+        slots: &'a GpuBuffer<i64>,
+        tokens: u32,
+        outs: [&'a GpuBuffer<u16>; 2],
+    ) -> Result<GatherPlan<'a>> {
+        let shape = cache.shape();
+        let n = u64::from(shape.kv_heads) * u64::from(tokens) * u64::from(shape.head_dim);
+        if (slots.len() as u64) < u64::from(tokens) || outs.iter().any(|o| (o.len() as u64) < n) {
+            return Err(Error::param(format!(
+                "gather of {tokens} tokens needs {tokens} slots and outputs of {n} elements"
+            )));
+        }
+        let (kernel, descs, work) = crate::gpu::paged::gather_plan(
+            &shape,
+            [cache.target(Kind::Key), cache.target(Kind::Value)],
+            slots.device_ptr(),
+            tokens,
+            [outs[0].device_ptr(), outs[1].device_ptr()],
+        )?;
+        Ok(GatherPlan {
+            gpu: self.clone(),
+            kernel,
+            table: self.upload::<u8>(bytemuck::cast_slice(&descs))?,
+            items: self.upload::<u32>(bytemuck::cast_slice(&work))?,
+            blocks: work.len() as u32,
+            status: self.upload(&[u64::MAX; 2])?,
+            bytes: 2 * n * 2,
+            _borrow: std::marker::PhantomData,
+        })
+    }
+}
+
+impl GatherPlan<'_> {
+    /// Submits the gather (asynchronous).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the launch fails.
+    pub fn launch(&self) -> Result<()> {
+        let args = super::Args {
+            bits: None,
+            h: None,
+            c: None,
+            status: self.status.device_ptr(),
+        };
+        self.gpu.launch_items(
+            &self.kernel,
+            self.table.device_ptr(),
+            self.items.device_ptr(),
+            self.blocks,
+            &args,
+        )
+    }
+
+    /// Waits for the stream and checks the status words.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a failed kernel; [`Error::Parameter`] for a slot
+    /// past the cache.
+    pub fn finish(&self) -> Result<()> {
+        check_status(&self.status.to_vec()?)
+    }
+
+    /// Bytes the kernel reads and writes, `(read, written)`.
+    pub fn bytes(&self) -> (u64, u64) {
+        (self.bytes / 2, self.bytes / 2)
+    }
+
+    /// The kernel's name.
+    pub fn kernel(&self) -> &str {
+        &self.kernel.name
     }
 }
