@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::cache::{KvCache, Tensor, TensorInfo};
+use std::collections::BTreeMap;
+
+use crate::cache::{KvCache, TensorData, TensorInfo};
 use crate::codec::{Codec, PageIn, raw::Raw};
 use crate::error::{Error, Result};
 use crate::format::{
@@ -14,6 +16,7 @@ use crate::format::{
     VERSION_MINOR, Writer,
 };
 use crate::plan::{Layout, PlannedPage, plan};
+use crate::view::{CacheView, Strides, TensorView};
 
 /// How to compress.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +28,11 @@ pub struct CompressOptions {
     pub zstd_level: Option<i32>,
     /// Frame alignment as a power of two (6 = 64 B, 12 = 4096 B).
     pub align_log2: u8,
+    /// Store a page with `raw` when the codec's frame would be larger (data
+    /// dependent side tables such as outliers can exceed the source size).
+    /// The codec table then always holds a `raw` slot, and the file is never
+    /// larger than [`max_compressed_size`]. Default `false`.
+    pub raw_fallback: bool,
 }
 
 impl Default for CompressOptions {
@@ -33,6 +41,7 @@ impl Default for CompressOptions {
             layout: Layout::default(),
             zstd_level: None,
             align_log2: crate::format::DEFAULT_ALIGN_LOG2,
+            raw_fallback: false,
         }
     }
 }
@@ -76,20 +85,45 @@ impl CompressReport {
     }
 }
 
-/// The sections of planned page `p` of `tensor` encoded by `codec`.
-fn encode_sections(tensor: &Tensor, p: &PlannedPage, codec: &dyn Codec) -> Result<Vec<Section>> {
-    let planes = (0..tensor.info.planes())
-        .map(|pl| tensor.plane_rows(pl, p.token_start as usize, p.tokens as usize))
-        .collect();
-    codec.encode(&PageIn {
+/// Encodes planned page `p` of `tensor` with the codec in table slot
+/// `slot` into a frame.
+fn encode_page(
+    tensor: &TensorView<'_>,
+    p: &PlannedPage,
+    codec: &dyn Codec,
+    slot: usize,
+    opts: &CompressOptions,
+) -> Result<PageFrame> {
+    let (t0, n) = (p.token_start as usize, p.tokens as usize);
+    let (count, len) = (tensor.info.planes(), n * tensor.info.head_dim as usize);
+    let scratch;
+    let planes = match (0..count)
+        .map(|pl| tensor.plane_rows(pl, t0, n))
+        .collect::<Option<Vec<_>>>()
+    {
+        Some(planes) => planes,
+        None => {
+            // Rows are not contiguous (e.g. token-major memory): gather
+            // this page into kvpack's order.
+            let mut buf = TensorData::zeros(tensor.info.dtype, count * len);
+            tensor.gather(t0, n, &mut buf);
+            scratch = buf;
+            (0..count)
+                .map(|pl| scratch.as_elems().slice(pl * len, len))
+                .collect()
+        }
+    };
+    let page = PageIn {
         tensor: &tensor.info,
         token_start: p.token_start,
         tokens: p.tokens,
         planes,
-    })
+    };
+    page_frame(p, &codec.encode(&page)?, slot, opts)
 }
 
-/// The frame of planned page `p` with codec table slot `slot`.
+/// The frame of planned page `p` holding `sections`, with codec table slot
+/// `slot`.
 fn page_frame(
     p: &PlannedPage,
     sections: &[Section],
@@ -105,8 +139,9 @@ fn page_frame(
     PageFrame::encode(meta, sections, opts.zstd_level, 1 << opts.align_log2)
 }
 
-/// Source bytes of planned page `p` of a tensor described by `i`.
-fn page_source_bytes(i: &TensorInfo, p: &PlannedPage) -> u64 {
+/// Source bytes of planned page `p`.
+fn page_source_bytes(tensor: &TensorView<'_>, p: &PlannedPage) -> u64 {
+    let i = &tensor.info;
     i.planes() as u64 * p.tokens as u64 * i.head_dim as u64 * i.dtype.size() as u64
 }
 
@@ -138,21 +173,21 @@ pub(crate) fn ordered_map<T: Sync, U: Send>(
     pending.into_iter().try_for_each(&mut sink)
 }
 
-/// Encodes `pages` on all threads (`encode(page, codec table slot)` gives
-/// its sections) and writes them in order. Window pages use table slot
-/// `raw_slot`, others slot 0. Returns (elements, source bytes) written.
+/// Encodes `pages` of `tensors` on all threads and writes them in order.
+/// Window pages use the codec of table slot `raw_slot`, others slot 0.
+/// Returns (elements, source bytes) written.
 fn write_pages<W: Write + Send>(
     w: &mut Writer<W>,
-    infos: &[TensorInfo],
+    tensors: &[TensorView<'_>],
     pages: &[PlannedPage],
-    encode: &(dyn Fn(&PlannedPage, usize) -> Result<Vec<Section>> + Sync),
+    codecs: &[&dyn Codec],
     raw_slot: usize,
     opts: &CompressOptions,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(u64, u64)> {
     let total: u64 = pages
         .iter()
-        .map(|p| page_source_bytes(&infos[p.tensor as usize], p))
+        .map(|p| page_source_bytes(&tensors[p.tensor as usize], p))
         .sum();
     let mut source_bytes = 0u64;
     let mut elements = 0u64;
@@ -160,121 +195,33 @@ fn write_pages<W: Write + Send>(
         pages,
         total / pages.len().max(1) as u64,
         |p| {
+            let t = &tensors[p.tensor as usize];
             let slot = if p.raw { raw_slot } else { 0 };
-            page_frame(p, &encode(p, slot)?, slot, opts).map(|f| (f, *p))
+            let frame = encode_page(t, p, codecs[slot], slot, opts)?;
+            // A raw frame is never smaller than the source bytes, so only
+            // a frame larger than those can lose to raw.
+            if opts.raw_fallback
+                && slot != raw_slot
+                && frame.bytes.len() as u64 > page_source_bytes(t, p)
+            {
+                let raw = encode_page(t, p, codecs[raw_slot], raw_slot, opts)?;
+                if raw.bytes.len() < frame.bytes.len() {
+                    return Ok((raw, *p));
+                }
+            }
+            Ok((frame, *p))
         },
         |(frame, p)| {
             w.write_page(&frame)?;
-            let i = &infos[p.tensor as usize];
-            let b = page_source_bytes(i, &p);
+            let t = &tensors[p.tensor as usize];
+            let b = page_source_bytes(t, &p);
             source_bytes += b;
-            elements += b / i.dtype.size() as u64;
+            elements += b / t.info.dtype.size() as u64;
             progress(source_bytes);
             Ok(())
         },
     )?;
     Ok((elements, source_bytes))
-}
-
-/// The header of a new file holding `infos` encoded by `codec` (plus the
-/// `raw` codec in table slot 1 when `raw_pages`), and the codec table.
-fn new_header<'c>(
-    infos: Vec<TensorInfo>,
-    metadata: &std::collections::BTreeMap<String, String>,
-    codec: &'c dyn Codec,
-    opts: &CompressOptions,
-    raw_pages: bool,
-) -> (FileHeader, Vec<&'c dyn Codec>) {
-    let mut codecs: Vec<&dyn Codec> = vec![codec];
-    let mut table = vec![CodecEntry {
-        id: codec.id(),
-        params: codec.params(),
-    }];
-    if raw_pages && codec.id() != crate::codec::raw::ID {
-        codecs.push(&Raw);
-        table.push(CodecEntry {
-            id: Raw.id(),
-            params: Raw.params(),
-        });
-    }
-    let header = FileHeader {
-        version_major: VERSION_MAJOR,
-        version_minor: VERSION_MINOR,
-        align_log2: opts.align_log2,
-        tensors: infos,
-        codecs: table,
-        metadata: metadata.clone(),
-        page_tokens: opts.layout.page_tokens,
-        sink_tokens: opts.layout.sink,
-        recent_tokens: opts.layout.recent,
-    };
-    (header, codecs)
-}
-
-/// Writes a new kvpack file of tensors `infos` whose codec pages were
-/// encoded elsewhere (e.g. on the GPU): `sections(i)` returns the sections
-/// of `pages[i]` as `codec`'s encoder would. `pages` must be the plan of
-/// `infos` under `opts.layout` without window (raw) pages. Frames (and
-/// zstd) are built on all threads; the result is a file the CPU reader
-/// opens.
-///
-/// # Errors
-/// [`Error::Parameter`] when `pages` is not that plan or has window pages;
-/// the error of `sections`; [`Error::Io`] when writing fails.
-#[allow(clippy::too_many_arguments)]
-pub fn write_encoded<W: Write + Send>(
-    infos: Vec<TensorInfo>,
-    metadata: &std::collections::BTreeMap<String, String>,
-    token_ids: &[u32],
-    codec: &dyn Codec,
-    opts: &CompressOptions,
-    pages: &[PlannedPage],
-    sections: &(dyn Fn(usize) -> Result<Vec<Section>> + Sync),
-    out: W,
-) -> Result<(W, CompressReport)> {
-    let start = Instant::now();
-    if pages != plan(&infos, &vec![0; infos.len()], opts.layout)?.as_slice()
-        || pages.iter().any(|p| p.raw)
-    {
-        return Err(Error::param(
-            "encoded pages are not the layout's plan without window pages",
-        ));
-    }
-    let elements: u64 = infos.iter().map(|i| i.elements()).sum();
-    let source: u64 = infos
-        .iter()
-        .map(|i| i.elements() * i.dtype.size() as u64)
-        .sum();
-    let (header, _) = new_header(infos.clone(), metadata, codec, opts, false);
-    let mut w = Writer::new(out, &header)?;
-    // Planned pages are distinct by (tensor, token_start).
-    let index: std::collections::BTreeMap<(u32, u32), usize> = pages
-        .iter()
-        .enumerate()
-        .map(|(i, p)| ((p.tensor, p.token_start), i))
-        .collect();
-    write_pages(
-        &mut w,
-        &infos,
-        pages,
-        &|p, _| sections(index[&(p.tensor, p.token_start)]),
-        0,
-        opts,
-        &|_| {},
-    )?;
-    let (out, trailer) = w.commit(token_ids)?;
-    Ok((
-        out,
-        CompressReport {
-            codec: codec.name(),
-            pages: pages.len(),
-            raw_pages: 0,
-            elements,
-            source_bytes: source,
-            output_bytes: trailer.header_len + trailer.commit_end,
-            seconds: start.elapsed().as_secs_f64(),
-        },
-    ))
 }
 
 /// Compresses a whole cache into `out` as a new kvpack file (one commit).
@@ -290,25 +237,37 @@ pub fn compress<W: Write + Send>(
     out: W,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(W, CompressReport)> {
+    compress_view(&cache.view(), codec, opts, out, progress)
+}
+
+/// Like [`compress`], from tensors borrowed in caller memory in any axis
+/// order ([`CacheView`]): nothing is copied but one page at a time when
+/// the rows are not contiguous. Memory use is a few pages per thread plus
+/// the output writer's.
+///
+/// # Errors
+/// As [`compress`].
+pub fn compress_view<W: Write + Send>(
+    cache: &CacheView<'_>,
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(W, CompressReport)> {
     let start = Instant::now();
-    if cache.tensors.is_empty() {
-        return Err(Error::param("the cache has no K/V tensors"));
+    let file = FilePlan::new(cache, codec, opts)?;
+    let codec = file.codec(codec);
+    let mut codecs: Vec<&dyn Codec> = vec![codec];
+    if file.header.codecs.len() > 1 {
+        codecs.push(&Raw);
     }
-    for t in &cache.tensors {
-        codec.check(&t.info)?;
-    }
-    let prepared = codec.prepare(cache, &opts.layout)?;
-    let codec: &dyn Codec = prepared.as_deref().unwrap_or(codec);
-    let infos: Vec<_> = cache.tensors.iter().map(|t| t.info.clone()).collect();
-    let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;
-    let raw_pages = pages.iter().filter(|p| p.raw).count();
-    let (header, codecs) = new_header(infos, &cache.metadata, codec, opts, raw_pages > 0);
-    let mut w = Writer::new(out, &header)?;
+    let (header, pages, raw_pages) = (&file.header, &file.pages, file.raw_pages);
+    let mut w = Writer::new(out, header)?;
     write_pages(
         &mut w,
-        &header.tensors,
-        &pages,
-        &|p, slot| encode_sections(&cache.tensors[p.tensor as usize], p, codecs[slot]),
+        &cache.tensors,
+        pages,
+        &codecs,
         codecs.len() - 1,
         opts,
         progress,
@@ -327,6 +286,188 @@ pub fn compress<W: Write + Send>(
             seconds: start.elapsed().as_secs_f64(),
         },
     ))
+}
+
+/// What a new file will hold before any page is encoded: the prepared
+/// codec, the header and the planned pages.
+struct FilePlan {
+    prepared: Option<Box<dyn Codec>>,
+    header: FileHeader,
+    pages: Vec<PlannedPage>,
+    raw_pages: usize,
+}
+
+impl FilePlan {
+    fn new(cache: &CacheView<'_>, codec: &dyn Codec, opts: &CompressOptions) -> Result<FilePlan> {
+        if cache.tensors.is_empty() {
+            return Err(Error::param("the cache has no K/V tensors"));
+        }
+        for t in &cache.tensors {
+            codec.check(&t.info)?;
+        }
+        let prepared = codec.prepare(cache, &opts.layout)?;
+        let c: &dyn Codec = prepared.as_deref().unwrap_or(codec);
+        let mut file = FilePlan::unprepared(cache.infos(), &cache.metadata, c, opts)?;
+        file.prepared = prepared;
+        Ok(file)
+    }
+
+    /// The plan of a file of tensors `infos` encoded by `c` as it is (no
+    /// [`Codec::prepare`]).
+    fn unprepared(
+        infos: Vec<TensorInfo>,
+        metadata: &BTreeMap<String, String>,
+        c: &dyn Codec,
+        opts: &CompressOptions,
+    ) -> Result<FilePlan> {
+        let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;
+        let raw_pages = pages.iter().filter(|p| p.raw).count();
+        let mut table = vec![CodecEntry {
+            id: c.id(),
+            params: c.params(),
+        }];
+        if (raw_pages > 0 || opts.raw_fallback) && c.id() != crate::codec::raw::ID {
+            table.push(CodecEntry {
+                id: Raw.id(),
+                params: Raw.params(),
+            });
+        }
+        let header = FileHeader {
+            version_major: VERSION_MAJOR,
+            version_minor: VERSION_MINOR,
+            align_log2: opts.align_log2,
+            tensors: infos,
+            codecs: table,
+            metadata: metadata.clone(),
+            page_tokens: opts.layout.page_tokens,
+            sink_tokens: opts.layout.sink,
+            recent_tokens: opts.layout.recent,
+        };
+        Ok(FilePlan {
+            prepared: None,
+            header,
+            pages,
+            raw_pages,
+        })
+    }
+
+    /// The codec pages are encoded with: the prepared one, or `codec`.
+    fn codec<'c>(&'c self, codec: &'c dyn Codec) -> &'c dyn Codec {
+        self.prepared.as_deref().unwrap_or(codec)
+    }
+}
+
+/// Writes a new kvpack file of tensors `infos` whose pages were encoded
+/// elsewhere (e.g. on the GPU): `sections(i)` returns the sections of
+/// `pages[i]` as `codec`'s encoder would. `pages` must be the plan of
+/// `infos` under `opts.layout`, without window (raw) pages; `codec` must
+/// need no [`Codec::prepare`] and `opts.raw_fallback` be off. Frames (and
+/// zstd) are built on all threads; the result is the file [`compress`]
+/// writes for the same tensors.
+///
+/// # Errors
+/// [`Error::Parameter`] when `pages` is not that plan, has window pages,
+/// or `raw_fallback` is set; the error of `sections`; [`Error::Io`] when
+/// writing fails.
+#[allow(clippy::too_many_arguments)]
+pub fn write_encoded<W: Write + Send>(
+    infos: Vec<TensorInfo>,
+    metadata: &BTreeMap<String, String>,
+    token_ids: &[u32],
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    pages: &[PlannedPage],
+    sections: &(dyn Fn(usize) -> Result<Vec<Section>> + Sync),
+    out: W,
+) -> Result<(W, CompressReport)> {
+    let start = Instant::now();
+    for i in &infos {
+        codec.check(i)?;
+    }
+    let elements: u64 = infos.iter().map(|i| i.elements()).sum();
+    let source_bytes: u64 = infos
+        .iter()
+        .map(|i| i.elements() * i.dtype.size() as u64)
+        .sum();
+    let file = FilePlan::unprepared(infos, metadata, codec, opts)?;
+    if pages != file.pages.as_slice() || file.raw_pages > 0 || opts.raw_fallback {
+        return Err(Error::param(
+            "encoded pages must be the layout's plan, without window pages or raw fallback",
+        ));
+    }
+    let mut w = Writer::new(out, &file.header)?;
+    let index: Vec<usize> = (0..pages.len()).collect();
+    ordered_map(
+        &index,
+        source_bytes / pages.len().max(1) as u64,
+        |&i| page_frame(&pages[i], &sections(i)?, 0, opts),
+        |frame| w.write_page(&frame),
+    )?;
+    let (out, trailer) = w.commit(token_ids)?;
+    Ok((
+        out,
+        CompressReport {
+            codec: codec.name(),
+            pages: pages.len(),
+            raw_pages: 0,
+            elements,
+            source_bytes,
+            output_bytes: trailer.header_len + trailer.commit_end,
+            seconds: start.elapsed().as_secs_f64(),
+        },
+    ))
+}
+
+/// An upper bound, exact to the byte for the file's structure, of the size
+/// of [`compress`] output for tensors shaped like `infos` with `metadata`
+/// and `token_ids` token ids, when `opts.raw_fallback` is set: the header
+/// (with the codec's parameter block), every planned page at its `raw`
+/// frame size, the index and the trailer. Computed without the data (the
+/// codec is prepared on zeros; parameter block sizes depend only on
+/// shapes). Without `raw_fallback` a codec with data-dependent side tables
+/// (e.g. `hqmq:...+med3` outliers) may exceed it.
+///
+/// # Errors
+/// [`Error::Parameter`] when the codec cannot encode these shapes or a
+/// shape is too large to allocate.
+pub fn max_compressed_size(
+    infos: &[TensorInfo],
+    metadata: &BTreeMap<String, String>,
+    token_ids: usize,
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+) -> Result<u64> {
+    let zeros: Vec<TensorData> = infos
+        .iter()
+        .map(|i| {
+            usize::try_from(i.elements())
+                .map(|n| TensorData::zeros(i.dtype, n))
+                .map_err(|_| Error::param(format!("{}: too many elements", i.describe())))
+        })
+        .collect::<Result<_>>()?;
+    let view = CacheView {
+        tensors: infos
+            .iter()
+            .zip(&zeros)
+            .map(|(i, z)| TensorView::new(i.clone(), z.as_elems(), Strides::head_major(i)))
+            .collect::<Result<_>>()?,
+        metadata: metadata.clone(),
+        token_ids: Vec::new(),
+    };
+    let file = FilePlan::new(&view, codec, opts)?;
+    let raw_slot = file.header.codecs.len() - 1;
+    let mut w = Writer::new(std::io::sink(), &file.header)?;
+    // Uncompressed raw frames: a zstd frame is kept only when smaller.
+    let plain = CompressOptions {
+        zstd_level: None,
+        ..*opts
+    };
+    for p in &file.pages {
+        let t = &view.tensors[p.tensor as usize];
+        w.write_page(&encode_page(t, p, &Raw, raw_slot, &plain)?)?;
+    }
+    let (_, trailer) = w.commit(&vec![0; token_ids])?;
+    Ok(trailer.header_len + trailer.commit_end)
 }
 
 /// Appends the tokens of `longer` that follow those stored in `existing`
@@ -349,7 +490,7 @@ pub fn compress<W: Write + Send>(
 /// start with the stored ones).
 pub fn append<W: Write + Send>(
     existing: &Reader<'_>,
-    longer: &KvCache,
+    longer: &CacheView<'_>,
     unverified_ok: bool,
     opts: &CompressOptions,
     out: W,
@@ -459,7 +600,7 @@ pub fn append<W: Write + Send>(
         sink: h.sink_tokens,
         recent: h.recent_tokens,
     };
-    let infos: Vec<_> = longer.tensors.iter().map(|t| t.info.clone()).collect();
+    let infos = longer.infos();
     let pages = plan(&infos, &idx.token_counts, layout)?;
     let raw_slot = h.codecs.iter().position(|c| c.id == crate::codec::raw::ID);
     if pages.iter().any(|p| p.raw) && raw_slot.is_none() {
@@ -479,9 +620,9 @@ pub fn append<W: Write + Send>(
     let refs: Vec<&dyn Codec> = codecs.iter().map(|c| c.as_ref()).collect();
     let (elements, source_bytes) = write_pages(
         &mut w,
-        &infos,
+        &longer.tensors,
         &pages,
-        &|p, slot| encode_sections(&longer.tensors[p.tensor as usize], p, refs[slot]),
+        &refs,
         raw_slot.unwrap_or(0),
         &opts,
         progress,

@@ -43,3 +43,7 @@ pub mod metrics;
 pub mod plan;
 pub mod stream_decode;
 pub mod transport;
+pub mod view;
+
+#[cfg(feature = "python")]
+mod python;

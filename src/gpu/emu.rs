@@ -404,7 +404,7 @@ impl Emulator {
         ))?;
         let host = outs.map(|o| bytemuck::pod_collect_to_vec::<u8, u16>(arena.at(o, 2 * n)));
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
-        if !paged::encodes_on_gpu(&infos, &pages, codec) {
+        if !paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             return paged::file_from_host(infos, host, codec, opts);
         }
         let tensors = infos

@@ -637,10 +637,18 @@ pub fn host_tensor(info: TensorInfo, bits: Vec<u16>) -> Result<Tensor> {
 }
 
 /// True when a paged encode of `infos` planned as `pages` runs on the GPU
-/// (no window pages, and [`super::encplan::gpu_encodes`] for every
-/// tensor); otherwise it takes the host fallback ([`file_from_host`]).
-pub fn encodes_on_gpu(infos: &[TensorInfo], pages: &[PlannedPage], codec: &dyn Codec) -> bool {
-    !pages.iter().any(|p| p.raw) && infos.iter().all(|i| super::encplan::gpu_encodes(codec, i))
+/// (no window pages, no `raw_fallback`, and
+/// [`super::encplan::gpu_encodes`] for every tensor); otherwise it takes
+/// the host fallback ([`file_from_host`]).
+pub fn encodes_on_gpu(
+    infos: &[TensorInfo],
+    pages: &[PlannedPage],
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+) -> bool {
+    !opts.raw_fallback
+        && !pages.iter().any(|p| p.raw)
+        && infos.iter().all(|i| super::encplan::gpu_encodes(codec, i))
 }
 
 /// The sections of every page of `pages`, in order, from

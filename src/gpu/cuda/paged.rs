@@ -405,7 +405,7 @@ impl Gpu {
         gather.launch()?;
         gather.finish()?;
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
-        if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec) {
+        if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
             return crate::gpu::paged::file_from_host(infos, host, codec, opts);
         }
