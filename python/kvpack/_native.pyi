@@ -137,13 +137,14 @@ def cuda_encode_paged(
     layout: str,
     layer: int,
     stream: int,
+    out: Optional[Array] = None,
     page_tokens: Optional[int] = None,
     sink: Optional[int] = None,
     recent: Optional[int] = None,
     zstd_level: Optional[int] = None,
     align_log2: int = 6,
     raw_fallback: bool = False,
-) -> Tuple[Dict[str, Any], bytes]: ...
+) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]: ...
 def cuda_bench_decode_paged(
     data: bytes,
     kv_cache: Sequence[Array],

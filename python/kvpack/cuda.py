@@ -160,7 +160,8 @@ def encode_paged(
     recent: Optional[int] = None,
     zstd_level: Optional[int] = None,
     raw_fallback: bool = False,
-) -> bytes:
+    out: Any = None,
+) -> Union[bytes, int]:
     """Encodes tokens ``0..num_tokens`` of a paged KV cache (one layer) into
     a complete kvpack file (``kvpack.open`` / ``kvpack inspect`` read it).
 
@@ -183,9 +184,13 @@ def encode_paged(
         stream: CUDA stream (default: the current stream).
         page_tokens, sink, recent, zstd_level, raw_fallback: as for
             :func:`kvpack.compress` (windows default to the codec's own).
+        out: a writable contiguous uint8 host array (e.g. pinned) to write
+            the file into instead of returning ``bytes`` (no copy); size it
+            with :func:`kvpack.max_size` and ``raw_fallback=True``.
 
     Returns:
-        The file's bytes. The call waits for its own work on ``stream``.
+        The file's bytes, or with ``out`` the number of bytes written. The
+        call waits for its own work on ``stream``.
 
     Raises:
         ParameterError: a bad block table, codec or shape; NaN/inf rows
@@ -193,7 +198,7 @@ def encode_paged(
         UnsupportedError: no CUDA in this build or on this machine.
     """
     tensors = _tensors(kv_cache, layout)
-    _, data = _native.cuda_encode_paged(
+    _, data, written = _native.cuda_encode_paged(
         tensors,
         _block_ids(block_ids),
         int(num_tokens),
@@ -206,6 +211,7 @@ def encode_paged(
         recent=recent,
         zstd_level=zstd_level,
         raw_fallback=raw_fallback,
+        out=out,
     )
-    return data
+    return data if out is None else written
 

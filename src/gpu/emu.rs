@@ -405,7 +405,7 @@ impl Emulator {
         let host = outs.map(|o| bytemuck::pod_collect_to_vec::<u8, u16>(arena.at(o, 2 * n)));
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
         if !paged::encodes_on_gpu(&infos, &pages, codec, opts) {
-            return paged::file_from_host(infos, host, codec, opts);
+            return paged::file_from_host(infos, host, codec, opts, Vec::new());
         }
         let tensors = infos
             .iter()
@@ -416,7 +416,7 @@ impl Emulator {
         let sections = paged::sections_by_tensor(&pages, 2, |t, mine| {
             self.encode_tensor(&tensors[t], codec, mine)
         })?;
-        paged::file_from_sections(infos, codec, opts, &pages, sections)
+        paged::file_from_sections(infos, codec, opts, &pages, sections, Vec::new())
     }
 
     /// [`super::Device::encode_tensor`] through the emulated kernels.

@@ -484,7 +484,7 @@ impl Device {
                 }
                 let host = paged::gather_host(image, layout, shape, block_ids, num_tokens)?;
                 let infos = paged::layer_infos(shape, dtype, layer, num_tokens);
-                paged::file_from_host(infos, host, codec, opts)
+                paged::file_from_host(infos, host, codec, opts, Vec::new())
             }
             Device::Emulated(e) => e.encode_paged(
                 image, layout, shape, dtype, block_ids, num_tokens, codec, layer, opts,
@@ -499,8 +499,15 @@ impl Device {
                 unsafe {
                     let cache =
                         paged::PagedCache::from_raw(layout, dtype, &shape.dims(layout), at, v)?;
-                    gpu.with_stream(gpu.raw_stream())
-                        .encode_paged(&cache, block_ids, num_tokens, codec, layer, opts)
+                    gpu.with_stream(gpu.raw_stream()).encode_paged(
+                        &cache,
+                        block_ids,
+                        num_tokens,
+                        codec,
+                        layer,
+                        opts,
+                        Vec::new(),
+                    )
                 }
             }
         };

@@ -598,17 +598,18 @@ pub fn gather_plan(
 
 /// The kvpack file of one layer gathered to the host (`data[0]` K,
 /// `data[1]` V, each `[kv_heads, tokens, head_dim]` bf16/fp16 bits),
-/// compressed with the CPU codecs: the fallback of a paged encode for
+/// written to `out`, compressed with the CPU codecs: the fallback of a paged encode for
 /// codecs without a GPU encoder (and for layouts with raw windows).
 ///
 /// # Errors
 /// As [`crate::compress::compress`].
-pub fn file_from_host(
+pub fn file_from_host<W: std::io::Write + Send>(
     infos: Vec<TensorInfo>,
     data: [Vec<u16>; 2],
     codec: &dyn Codec,
     opts: &CompressOptions,
-) -> Result<(Vec<u8>, CompressReport)> {
+    out: W,
+) -> Result<(W, CompressReport)> {
     let tensors = infos
         .into_iter()
         .zip(data)
@@ -619,7 +620,7 @@ pub fn file_from_host(
         metadata: Default::default(),
         token_ids: Vec::new(),
     };
-    crate::compress::compress(&cache, codec, opts, Vec::new(), &|_| {})
+    crate::compress::compress(&cache, codec, opts, out, &|_| {})
 }
 
 /// A tensor of 16-bit elements (`info.dtype` bf16 or fp16) from their bit
@@ -684,17 +685,19 @@ pub fn sections_by_tensor(
 }
 
 /// The kvpack file of one layer whose pages `pages` (the plan of `infos`)
-/// were encoded on the GPU into `sections` (one list per page).
+/// were encoded on the GPU into `sections` (one list per page), written
+/// to `out`.
 ///
 /// # Errors
 /// As [`crate::compress::write_encoded`].
-pub fn file_from_sections(
+pub fn file_from_sections<W: std::io::Write + Send>(
     infos: Vec<TensorInfo>,
     codec: &dyn Codec,
     opts: &CompressOptions,
     pages: &[PlannedPage],
     sections: Vec<Vec<Section>>,
-) -> Result<(Vec<u8>, CompressReport)> {
+    out: W,
+) -> Result<(W, CompressReport)> {
     let sections: Vec<std::sync::Mutex<Option<Vec<Section>>>> = sections
         .into_iter()
         .map(|s| std::sync::Mutex::new(Some(s)))
@@ -713,7 +716,7 @@ pub fn file_from_sections(
                 .take()
                 .ok_or_else(|| Error::param("internal: page sections used twice"))
         },
-        Vec::new(),
+        out,
     )
 }
 

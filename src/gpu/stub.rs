@@ -468,7 +468,8 @@ impl Gpu {
     ///
     /// # Errors
     /// Unreachable in this build.
-    pub fn encode_paged(
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_paged<W: std::io::Write + Send>(
         &self,
         _cache: &PagedCache,
         _block_ids: &[i64],
@@ -476,7 +477,8 @@ impl Gpu {
         _codec: &dyn Codec,
         _layer: u32,
         _opts: &CompressOptions,
-    ) -> Result<(Vec<u8>, CompressReport)> {
+        _out: W,
+    ) -> Result<(W, CompressReport)> {
         match self.never {}
     }
 }

@@ -194,12 +194,22 @@ pub fn cuda_decode_paged(
     })
 }
 
+/// `(report, bytes | None, bytes written into out | None)`.
+type Encoded<'py> = (
+    Bound<'py, PyDict>,
+    Option<Bound<'py, PyBytes>>,
+    Option<usize>,
+);
+
 /// Encodes tokens `0..num_tokens` of a paged cache on `stream` into a
-/// complete kvpack file (see `kvpack.cuda.encode_paged`). Returns
-/// `(report, bytes)`.
+/// complete kvpack file (see `kvpack.cuda.encode_paged`), returned as
+/// `bytes` or written into `out` (a writable contiguous uint8 host array
+/// of at least `kvpack.max_size` bytes). Returns `(report, bytes | None,
+/// written | None)`.
 #[pyfunction]
 #[pyo3(signature = (kv_cache, block_ids, num_tokens, codec, *, layout, layer, stream,
-    page_tokens=None, sink=None, recent=None, zstd_level=None, align_log2=6, raw_fallback=false))]
+    out=None, page_tokens=None, sink=None, recent=None, zstd_level=None, align_log2=6,
+    raw_fallback=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn cuda_encode_paged<'py>(
     py: Python<'py>,
@@ -210,13 +220,14 @@ pub fn cuda_encode_paged<'py>(
     layout: &str,
     layer: u32,
     stream: u64,
+    out: Option<Bound<'py, PyAny>>,
     page_tokens: Option<u32>,
     sink: Option<u32>,
     recent: Option<u32>,
     zstd_level: Option<i32>,
     align_log2: u8,
     raw_fallback: bool,
-) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyBytes>)> {
+) -> PyResult<Encoded<'py>> {
     let codec = crate::codec::parse(codec).py_err()?;
     let opts = Opts {
         page_tokens,
@@ -231,10 +242,23 @@ pub fn cuda_encode_paged<'py>(
     let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false)?;
     let gpu = gpu_on(ordinal, stream)?;
     let c = codec.as_ref();
+    if let Some(out) = out {
+        let buf = dlpack::import(&out, None)?;
+        let bytes = buf.host_bytes_mut("out")?;
+        let w = super::SliceWriter { buf: bytes, pos: 0 };
+        let (w, report) = py
+            .detach(|| gpu.encode_paged(&cache, &block_ids, num_tokens, c, layer, &opts, w))
+            .py_err()?;
+        return Ok((super::report_dict(py, &report)?, None, Some(w.pos)));
+    }
     let (file, report) = py
-        .detach(|| gpu.encode_paged(&cache, &block_ids, num_tokens, c, layer, &opts))
+        .detach(|| gpu.encode_paged(&cache, &block_ids, num_tokens, c, layer, &opts, Vec::new()))
         .py_err()?;
-    Ok((super::report_dict(py, &report)?, PyBytes::new(py, &file)))
+    Ok((
+        super::report_dict(py, &report)?,
+        Some(PyBytes::new(py, &file)),
+        None,
+    ))
 }
 
 /// Times the Rust library's own `Gpu::decode_paged` (open + stage + upload
@@ -304,7 +328,7 @@ pub fn cuda_bench_encode_paged(
         (0..runs)
             .map(|_| {
                 let t0 = std::time::Instant::now();
-                gpu.encode_paged(&cache, &block_ids, num_tokens, c, 0, &opts)?;
+                gpu.encode_paged(&cache, &block_ids, num_tokens, c, 0, &opts, Vec::new())?;
                 Ok(t0.elapsed().as_secs_f64())
             })
             .collect::<crate::Result<Vec<f64>>>()

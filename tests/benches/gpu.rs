@@ -661,7 +661,7 @@ fn paged(b: &mut Bench, llama: &KvCache) {
         let mut bytes = Vec::new();
         let us = wall_us(9, || {
             bytes = ext
-                .encode_paged(&fa, &ids, tokens, c.as_ref(), 0, &opts)
+                .encode_paged(&fa, &ids, tokens, c.as_ref(), 0, &opts, Vec::new())
                 .unwrap()
                 .0;
         });

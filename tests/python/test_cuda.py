@@ -146,6 +146,9 @@ def test_encode_paged_matches_compress_bytes(layout, dtype, codec):
     data = kvpack.cuda.encode_paged(cache, ids, TOKENS, codec, layout=layout, page_tokens=32)
     want = kvpack.compress([(k, v)], codec, page_tokens=32).data
     assert data == want, f"{codec} {layout} {dtype}: file differs from kvpack.compress"
+    buf = torch.empty(len(want) + 4096, dtype=torch.uint8)
+    n = kvpack.cuda.encode_paged(cache, ids, TOKENS, codec, layout=layout, page_tokens=32, out=buf)
+    assert n == len(want) and bytes(buf[:n].numpy()) == want
     ar = kvpack.open(data)
     assert [t.shape for t in ar.tensors] == [(1, HEADS, TOKENS, HEAD_DIM)] * 2
 

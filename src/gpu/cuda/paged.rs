@@ -363,9 +363,10 @@ impl Gpu {
     /// Encodes tokens `0..num_tokens` of the paged cache `cache` (K and V of
     /// one layer; token `t` in row `t % block_size` of block
     /// `block_ids[t / block_size]`) with `codec` into a complete kvpack
-    /// file (tensors `past_key_values.{layer}.key` / `.value`, batch 1,
-    /// `cache.dtype()`), byte-identical to what the CPU writes for the same
-    /// tensors (`kvpack inspect` and the CPU reader open it).
+    /// file written to `out` (tensors `past_key_values.{layer}.key` /
+    /// `.value`, batch 1, `cache.dtype()`), byte-identical to what the CPU
+    /// writes for the same tensors (`kvpack inspect` and the CPU reader
+    /// open it). Returns `out` and the compression report.
     ///
     /// The rows are first gathered on this handle's stream into contiguous
     /// `[kv_heads, num_tokens, head_dim]` device buffers. Codecs with a GPU
@@ -384,7 +385,8 @@ impl Gpu {
     /// short, out of range or repeats a block, or the codec cannot encode
     /// the tensors (shape, NaN or inf: the row is named);
     /// [`Error::Io`] for a CUDA failure.
-    pub fn encode_paged(
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_paged<W: std::io::Write + Send>(
         &self,
         cache: &PagedCache,
         block_ids: &[i64],
@@ -392,7 +394,8 @@ impl Gpu {
         codec: &dyn crate::codec::Codec,
         layer: u32,
         opts: &crate::compress::CompressOptions,
-    ) -> Result<(Vec<u8>, crate::compress::CompressReport)> {
+        out: W,
+    ) -> Result<(W, crate::compress::CompressReport)> {
         if num_tokens == 0 {
             return Err(Error::param("encode_paged needs at least one token"));
         }
@@ -407,7 +410,7 @@ impl Gpu {
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
         if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
-            return crate::gpu::paged::file_from_host(infos, host, codec, opts);
+            return crate::gpu::paged::file_from_host(infos, host, codec, opts, out);
         }
         let sections = crate::gpu::paged::sections_by_tensor(&pages, 2, |t, mine| {
             let plan = self.plan_encode(&gathered[t], &infos[t], codec, mine)?;
@@ -415,7 +418,7 @@ impl Gpu {
             plan.finish()?;
             plan.sections()
         })?;
-        crate::gpu::paged::file_from_sections(infos, codec, opts, &pages, sections)
+        crate::gpu::paged::file_from_sections(infos, codec, opts, &pages, sections, out)
     }
 }
 
