@@ -26,10 +26,16 @@ const DEVICE_CUDA: i32 = 2;
 /// The cache tensors (one for the joint layouts, K and V for `hnd`),
 /// borrowed through DLPack, described as a [`PagedCache`], with the CUDA
 /// device ordinal.
+///
+/// `stream` (the raw `CUstream` the work goes to) is handed to each
+/// producer's `__dlpack__`, which orders the producer's pending work on
+/// the tensor before that stream (DLPack names the legacy default stream 1,
+/// where a raw handle is 0).
 fn import_cache(
     tensors: &[Bound<'_, PyAny>],
     layout: PagedLayout,
     writable: bool,
+    stream: u64,
 ) -> PyResult<(Vec<Imported>, PagedCache, usize)> {
     let want = if layout.joint() { 1 } else { 2 };
     if tensors.len() != want {
@@ -42,7 +48,15 @@ fn import_cache(
     }
     let imported = tensors
         .iter()
-        .map(|t| dlpack::import(t, None))
+        .map(|t| {
+            let cuda = t
+                .getattr(pyo3::intern!(t.py(), "__dlpack_device__"))
+                .and_then(|f| f.call0())
+                .and_then(|d| d.extract::<(i32, i32)>())
+                .is_ok_and(|(ty, _)| ty == DEVICE_CUDA);
+            let s = if stream == 0 { 1 } else { stream as isize };
+            dlpack::import(t, cuda.then_some(s))
+        })
         .collect::<PyResult<Vec<_>>>()?;
     let first = &imported[0];
     let what = |i: usize| {
@@ -171,7 +185,7 @@ pub fn cuda_decode_paged(
     stream: u64,
 ) -> PyResult<CudaJob> {
     let layout = PagedLayout::parse(layout).py_err()?;
-    let (hold, cache, ordinal) = import_cache(&kv_cache, layout, true)?;
+    let (hold, cache, ordinal) = import_cache(&kv_cache, layout, true, stream)?;
     let gpu = gpu_on(ordinal, stream)?;
     let run = |a: &crate::decode::Archive<'_>| gpu.decode_paged(a, layer, &cache, &block_ids);
     let job = if let Ok(ar) = data.cast::<Archive>() {
@@ -239,7 +253,7 @@ pub fn cuda_encode_paged<'py>(
     }
     .resolve(codec.as_ref())?;
     let layout = PagedLayout::parse(layout).py_err()?;
-    let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false)?;
+    let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false, stream)?;
     let gpu = gpu_on(ordinal, stream)?;
     let c = codec.as_ref();
     if let Some(out) = out {
@@ -279,7 +293,7 @@ pub fn cuda_bench_decode_paged(
     runs: usize,
 ) -> PyResult<Vec<f64>> {
     let layout = PagedLayout::parse(layout).py_err()?;
-    let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, true)?;
+    let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, true, stream)?;
     let gpu = gpu_on(ordinal, stream)?;
     let bytes = data.as_bytes();
     py.detach(|| {
@@ -321,7 +335,7 @@ pub fn cuda_bench_encode_paged(
     }
     .resolve(codec.as_ref())?;
     let layout = PagedLayout::parse(layout).py_err()?;
-    let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false)?;
+    let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false, stream)?;
     let gpu = gpu_on(ordinal, stream)?;
     let c = codec.as_ref();
     py.detach(|| {
