@@ -112,8 +112,9 @@ def decode_paged(
         kv_cache: the layer's cache (see the module docs for the layouts;
             ``(k, v)`` for ``"hnd"``), bfloat16/float16 CUDA tensor(s).
         block_ids: the sequence's block table (list, numpy array or tensor
-            of ints), at least ``ceil(tokens / block_size)`` distinct ids
-            below ``num_blocks``.
+            of ints; a CUDA tensor is read back to the host first, which
+            waits for it), at least ``ceil(tokens / block_size)`` distinct
+            ids below ``num_blocks``.
         layer: layer index in the file.
         layout: ``"flash_attn"``, ``"flashinfer"`` or ``"hnd"``.
         stream: CUDA stream to enqueue on (default: the current stream).
