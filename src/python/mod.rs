@@ -13,6 +13,7 @@
 
 mod archive;
 mod arrays;
+mod cuda;
 mod dlpack;
 mod errors;
 
@@ -435,6 +436,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tensor_table, m)?)?;
     m.add_function(wrap_pyfunction!(bench_decode_into, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_codec, m)?)?;
+    m.add_class::<cuda::CudaJob>()?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_decode_paged, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_encode_paged, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_bench_decode_paged, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_bench_encode_paged, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_built, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "FORMAT_VERSION",
