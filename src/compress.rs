@@ -12,7 +12,7 @@ use crate::cache::{KvCache, TensorData, TensorInfo};
 use crate::codec::{Codec, PageIn, raw::Raw};
 use crate::error::{Error, Result};
 use crate::format::{
-    CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Trailer, VERSION_MAJOR, Writer,
+    CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Section, Trailer, VERSION_MAJOR, Writer,
 };
 use crate::plan::{Layout, PlannedPage, plan};
 use crate::view::{CacheView, Strides, TensorView};
@@ -118,14 +118,24 @@ fn encode_page(
         tokens: p.tokens,
         planes,
     };
-    let sections = codec.encode(&page)?;
+    page_frame(p, &codec.encode(&page)?, slot, opts)
+}
+
+/// The frame of planned page `p` holding `sections`, with codec table slot
+/// `slot`.
+fn page_frame(
+    p: &PlannedPage,
+    sections: &[Section],
+    slot: usize,
+    opts: &CompressOptions,
+) -> Result<PageFrame> {
     let meta = PageMeta {
         tensor: p.tensor,
         token_start: p.token_start,
         tokens: p.tokens,
         codec: slot as u16,
     };
-    PageFrame::encode(meta, &sections, opts.zstd_level, 1 << opts.align_log2)
+    PageFrame::encode(meta, sections, opts.zstd_level, 1 << opts.align_log2)
 }
 
 /// Source bytes of planned page `p`.
@@ -296,7 +306,19 @@ impl FilePlan {
         }
         let prepared = codec.prepare(cache, &opts.layout)?;
         let c: &dyn Codec = prepared.as_deref().unwrap_or(codec);
-        let infos = cache.infos();
+        let mut file = FilePlan::unprepared(cache.infos(), &cache.metadata, c, opts)?;
+        file.prepared = prepared;
+        Ok(file)
+    }
+
+    /// The plan of a file of tensors `infos` encoded by `c` as it is (no
+    /// [`Codec::prepare`]).
+    fn unprepared(
+        infos: Vec<TensorInfo>,
+        metadata: &BTreeMap<String, String>,
+        c: &dyn Codec,
+        opts: &CompressOptions,
+    ) -> Result<FilePlan> {
         let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;
         let raw_pages = pages.iter().filter(|p| p.raw).count();
         let mut table = vec![CodecEntry {
@@ -315,13 +337,13 @@ impl FilePlan {
             align_log2: opts.align_log2,
             tensors: infos,
             codecs: table,
-            metadata: cache.metadata.clone(),
+            metadata: metadata.clone(),
             page_tokens: opts.layout.page_tokens,
             sink_tokens: opts.layout.sink,
             recent_tokens: opts.layout.recent,
         };
         Ok(FilePlan {
-            prepared,
+            prepared: None,
             header,
             pages,
             raw_pages,
@@ -332,6 +354,67 @@ impl FilePlan {
     fn codec<'c>(&'c self, codec: &'c dyn Codec) -> &'c dyn Codec {
         self.prepared.as_deref().unwrap_or(codec)
     }
+}
+
+/// Writes a new kvpack file of tensors `infos` whose pages were encoded
+/// elsewhere (e.g. on the GPU): `sections(i)` returns the sections of
+/// `pages[i]` as `codec`'s encoder would. `pages` must be the plan of
+/// `infos` under `opts.layout`, without window (raw) pages; `codec` must
+/// need no [`Codec::prepare`] and `opts.raw_fallback` be off. Frames (and
+/// zstd) are built on all threads; the result is the file [`compress`]
+/// writes for the same tensors.
+///
+/// # Errors
+/// [`Error::Parameter`] when `pages` is not that plan, has window pages,
+/// or `raw_fallback` is set; the error of `sections`; [`Error::Io`] when
+/// writing fails.
+#[allow(clippy::too_many_arguments)]
+pub fn write_encoded<W: Write + Send>(
+    infos: Vec<TensorInfo>,
+    metadata: &BTreeMap<String, String>,
+    token_ids: &[u32],
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    pages: &[PlannedPage],
+    sections: &(dyn Fn(usize) -> Result<Vec<Section>> + Sync),
+    out: W,
+) -> Result<(W, CompressReport)> {
+    let start = Instant::now();
+    for i in &infos {
+        codec.check(i)?;
+    }
+    let elements: u64 = infos.iter().map(|i| i.elements()).sum();
+    let source_bytes: u64 = infos
+        .iter()
+        .map(|i| i.elements() * i.dtype.size() as u64)
+        .sum();
+    let file = FilePlan::unprepared(infos, metadata, codec, opts)?;
+    if pages != file.pages.as_slice() || file.raw_pages > 0 || opts.raw_fallback {
+        return Err(Error::param(
+            "encoded pages must be the layout's plan, without window pages or raw fallback",
+        ));
+    }
+    let mut w = Writer::new(out, &file.header)?;
+    let index: Vec<usize> = (0..pages.len()).collect();
+    ordered_map(
+        &index,
+        source_bytes / pages.len().max(1) as u64,
+        |&i| page_frame(&pages[i], &sections(i)?, 0, opts),
+        |frame| w.write_page(&frame),
+    )?;
+    let (out, trailer) = w.commit(token_ids)?;
+    Ok((
+        out,
+        CompressReport {
+            codec: codec.name(),
+            pages: pages.len(),
+            raw_pages: 0,
+            elements,
+            source_bytes,
+            output_bytes: trailer.header_len + trailer.commit_end,
+            seconds: start.elapsed().as_secs_f64(),
+        },
+    ))
 }
 
 /// An upper bound of the size in bytes of [`compress`] output for tensors

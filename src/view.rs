@@ -86,13 +86,11 @@ impl Strides {
     /// True when no two distinct elements share an address (required of
     /// a destination: decoding writes every element once).
     fn non_overlapping(&self, info: &TensorInfo) -> bool {
-        // No elements (e.g. a layer with 0 tokens): nothing can overlap,
-        // whatever the strides (head_major gives stride 0 then).
+        // Sort the axes by stride; each must step over everything the
+        // smaller axes span.
         if info.elements() == 0 {
             return true;
         }
-        // Sort the axes by stride; each must step over everything the
-        // smaller axes span.
         let d = info.head_dim as usize;
         let mut axes = [
             (self.token, info.tokens as usize),

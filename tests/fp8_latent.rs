@@ -488,6 +488,26 @@ fn gpu_entry_points_refuse_fp8_and_latents() {
         let e = KernelCodec::of(bdr.as_ref(), t).unwrap_err();
         assert!(matches!(e, kvpack::Error::Unsupported(_)), "{e}");
     }
+    // The paged (vLLM) path: a latent layer or an fp8 K/V is refused before
+    // any device work.
+    let shape = kvpack::gpu::paged::PagedShape {
+        num_blocks: 4,
+        block_size: 16,
+        kv_heads: 1,
+        head_dim: 576,
+    };
+    let lat_file = compress_bytes(&lat, "raw", Layout::default(), None);
+    let e = kvpack::gpu::paged::layer_tensors(&Archive::open(&lat_file).unwrap(), 0, &shape)
+        .unwrap_err();
+    assert!(matches!(e, kvpack::Error::Unsupported(_)), "{e}");
+    let fp8_file = compress_bytes(&fp8, "raw", Layout::default(), None);
+    let shape = kvpack::gpu::paged::PagedShape {
+        head_dim: 256,
+        ..shape
+    };
+    let e = kvpack::gpu::paged::layer_tensors(&Archive::open(&fp8_file).unwrap(), 0, &shape)
+        .unwrap_err();
+    assert!(matches!(e, kvpack::Error::Unsupported(_)), "{e}");
     let e = kvpack::gpu::OutType::from_dtype(fp8.tensors[0].info.dtype).unwrap_err();
     assert!(
         matches!(e, kvpack::Error::Parameter(_)) && e.to_string().contains("fp8_e4m3"),

@@ -245,3 +245,26 @@ fn max_compressed_size_bounds_every_codec_with_raw_fallback() {
         }
     }
 }
+
+#[test]
+fn empty_tensors_are_valid_destinations() {
+    // Regression: a layer with 0 tokens has zero strides, which the overlap
+    // check took for aliasing.
+    let info = kvpack::cache::TensorInfo {
+        name: "t".into(),
+        layer: 0,
+        kind: kvpack::cache::Kind::Key,
+        dtype: DType::F32,
+        batch: 1,
+        heads: 2,
+        tokens: 0,
+        head_dim: 8,
+    };
+    let mut none: Vec<f32> = Vec::new();
+    TensorViewMut::new(
+        info.clone(),
+        ElemsMut::F32(&mut none),
+        Strides::head_major(&info),
+    )
+    .unwrap();
+}
