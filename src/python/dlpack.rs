@@ -103,6 +103,12 @@ pub const F32: DLDataType = DLDataType {
     bits: 32,
     lanes: 1,
 };
+/// Bytes.
+pub const U8: DLDataType = DLDataType {
+    code: 1,
+    bits: 8,
+    lanes: 1,
+};
 /// 16-bit unsigned (bf16 bit patterns for numpy, which has no bf16).
 pub const U16: DLDataType = DLDataType {
     code: 1,

@@ -429,6 +429,7 @@ fn canonical_codec(name: &str) -> PyResult<String> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Archive>()?;
     m.add_class::<OwnedArray>()?;
+    m.add_class::<arrays::OwnedBytes>()?;
     m.add_function(wrap_pyfunction!(compress, m)?)?;
     m.add_function(wrap_pyfunction!(max_size, m)?)?;
     m.add_function(wrap_pyfunction!(decode_bytes_into, m)?)?;
