@@ -42,7 +42,9 @@ use crate::kernels::{bitpack, group};
 use crate::plan::Layout;
 
 use super::groups::{Axis, Groups};
-use super::{Codec, Family, PageIn, PageOut, expect_section, f32_at, pagebuf};
+use super::{
+    Codec, Example, Family, PageIn, PageOut, expect_section, expect_section_count, f32_at, pagebuf,
+};
 
 /// Codec id of `innerq`.
 pub const ID: u16 = 7;
@@ -134,6 +136,20 @@ pub const FAMILY: Family = Family {
     summary: "InnerQ: inner-dimension groups of 32, hybrid sym/asym, key normalization, 32 sink + 96 recent raw",
     parse,
     from_params,
+    examples: &[
+        Example {
+            name: "innerq:k2v2",
+            min_snr_db: 11.0,
+        },
+        Example {
+            name: "innerq:k3v2:sym",
+            min_snr_db: 11.0,
+        },
+        Example {
+            name: "innerq:k4v3:asym:nonorm",
+            min_snr_db: 14.0,
+        },
+    ],
 };
 
 fn valid_group(g: u16) -> bool {
@@ -629,6 +645,7 @@ impl Codec for InnerQ {
             _ => None,
         };
         let index = expect_section(page, SectionKind::Index, 0, ElemType::Packed(bits), n_el)?;
+        expect_section_count(page, 3 + usize::from(mask.is_some()))?;
         let mut codes = vec![0u8; n_el];
         bitpack::unpack_u8(index, u32::from(bits), &mut codes);
         let mut buf = vec![0f32; n_el];

@@ -33,7 +33,7 @@ use crate::kernels::octahedral;
 use crate::plan::Layout;
 
 use super::sphere::{self, Options, UnitQuantizer, Values};
-use super::{Codec, Family, PageIn, PageOut};
+use super::{Codec, Example, Family, PageIn, PageOut};
 
 /// Codec id of `octopus`.
 pub const ID: u16 = 4;
@@ -48,6 +48,28 @@ pub const FAMILY: Family = Family {
     summary: "OCTOPUS: WHT rotation + octahedral triplets, Lloyd-Max (b+1, b-1) split; V int-b groups with :vg{g}",
     parse,
     from_params: |p| Ok(Box::new(Octopus::from_params(p)?)),
+    examples: &[
+        Example {
+            name: "octopus:b2",
+            min_snr_db: 9.0,
+        },
+        Example {
+            name: "octopus:b3",
+            min_snr_db: 14.0,
+        },
+        Example {
+            name: "octopus:b4",
+            min_snr_db: 20.0,
+        },
+        Example {
+            name: "octopus:b3+qjl:vg16",
+            min_snr_db: 15.0,
+        },
+        Example {
+            name: "octopus:b2+qjl",
+            min_snr_db: 9.0,
+        },
+    ],
 };
 
 /// Bits per octahedral coordinate and per triplet norm.

@@ -23,6 +23,27 @@ pub struct Family {
     pub parse: ParseFn,
     /// Rebuilds the codec from its parameter block.
     pub from_params: fn(&[u8]) -> Result<Box<dyn Codec>>,
+    /// Parameter sets that matter (every name variant with its own code
+    /// path). `tests/conformance.rs` runs each through round trip, golden
+    /// re-encode, tampered sections, random shapes and CPU vs GPU: a new
+    /// family gets all of that by listing its examples here.
+    pub examples: &'static [Example],
+}
+
+/// One example parameter set of a [`Family`], with the quality the
+/// conformance suite requires of it.
+#[derive(Debug, Clone, Copy)]
+pub struct Example {
+    /// A full codec name accepted by [`parse`], e.g. `bdr64:k`.
+    pub name: &'static str,
+    /// Smallest reconstruction SNR in dB (`-10 log10(rel_mse)`, see
+    /// [`crate::metrics::TensorError`]) of any tensor of the real fixture
+    /// and of the synthetic test cache, every token coded (no raw
+    /// windows), set at least 1 dB below the value measured when the
+    /// example was added (`cargo test --release --test conformance --
+    /// --nocapture` prints it). `f64::INFINITY` for lossless codecs, which
+    /// must decode bit exactly.
+    pub min_snr_db: f64,
 }
 
 /// Every registered codec family.

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::{bitpack, qjl, rotation, wht};
 
-use super::{PageIn, PageOut, expect_section, f32_at};
+use super::{PageIn, PageOut, expect_section, expect_section_count, f32_at};
 
 /// Smallest supported head_dim.
 pub const MIN_DIM: u32 = 8;
@@ -729,18 +729,6 @@ pub fn encode_unit_page(
         ));
     }
     Ok(out)
-}
-
-/// Checks that the page has exactly `n` sections (after the expected ones
-/// were found).
-fn expect_section_count(page: &PageView<'_>, n: usize) -> Result<()> {
-    if page.sections().len() != n {
-        return Err(page.error(format!(
-            "{} sections, the codec defines {n} for this page",
-            page.sections().len()
-        )));
-    }
-    Ok(())
 }
 
 /// The unpacked content of a unit-coded page.

@@ -23,7 +23,7 @@ use crate::kernels::lloyd_max::{self, Density};
 use crate::plan::Layout;
 
 use super::sphere::{self, Options, UnitQuantizer, Values};
-use super::{Codec, Family, PageIn, PageOut};
+use super::{Codec, Example, Family, PageIn, PageOut};
 
 /// Codec id of `turbo`.
 pub const ID: u16 = 5;
@@ -38,6 +38,16 @@ pub const FAMILY: Family = Family {
     summary: "TurboQuant-MSE: WHT rotation + per-coordinate Lloyd-Max on the Beta marginal (OCTOPUS baseline)",
     parse,
     from_params: |p| Ok(Box::new(Turbo::from_params(p)?)),
+    examples: &[
+        Example {
+            name: "turbo:b3",
+            min_snr_db: 13.0,
+        },
+        Example {
+            name: "turbo:b2+qjl:vg32",
+            min_snr_db: 4.0,
+        },
+    ],
 };
 
 /// The coordinate codebook of one head_dim.

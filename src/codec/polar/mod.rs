@@ -37,7 +37,9 @@ use crate::kernels::polar::{MAX_ANGLE_BITS, NearestDirection, radius, uniform_di
 
 use super::affine::Affine;
 use super::raw::Raw;
-use super::{Codec, Family, PageIn, PageOut, expect_section, f32_at, pagebuf};
+use super::{
+    Codec, Example, Family, PageIn, PageOut, expect_section, expect_section_count, f32_at, pagebuf,
+};
 
 /// Codec id of `polar`.
 pub const ID: u16 = 6;
@@ -103,6 +105,20 @@ pub const FAMILY: Family = Family {
     summary: "PolarQuant: RoPE key pairs as n-bit radius + m-bit angle; values INT4; 128 recent raw",
     parse,
     from_params: |p| Ok(Box::new(Polar::from_params(p)?)),
+    examples: &[
+        Example {
+            name: "polar:m4n4",
+            min_snr_db: 11.0,
+        },
+        Example {
+            name: "polar:m4n2",
+            min_snr_db: 9.0,
+        },
+        Example {
+            name: "polar:m4n2:adjacent:vraw",
+            min_snr_db: 9.0,
+        },
+    ],
 };
 
 fn parse(s: &str) -> Option<Result<Box<dyn Codec>>> {
@@ -421,6 +437,7 @@ fn key_sections<'p>(
         ElemType::Packed(c.code_bits() as u8),
         planes * tokens * pairs,
     )?;
+    expect_section_count(page, 2)?;
     Ok((scales, index))
 }
 
