@@ -34,7 +34,7 @@ pub mod format;
 pub mod kernels;
 
 pub use cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
-pub use error::{Error, Location, Result};
+pub use error::{Error, FormatCause, Location, Result};
 pub mod compress;
 pub mod decode;
 pub mod gpu;

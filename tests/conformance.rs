@@ -9,8 +9,9 @@
 //! * tampered sections with resealed checksums: the writer itself seals a
 //!   page whose sections were dropped, resized, retyped, renumbered, added
 //!   to or overwritten, so every CRC passes and only the codec's decoder can
-//!   notice; structural changes must be a format error, content changes a
-//!   format error or a successful decode, never a panic;
+//!   notice; structural changes must be a format error of cause
+//!   `FormatCause::Codec`, content changes that or a successful decode,
+//!   never a panic;
 //! * random shapes (proptest, small);
 //! * with `--features cuda`: the GPU kernels (through the SIMT emulator
 //!   under `KVPACK_GPU_EMU=1`, and CUDA device 0 when present) against the
@@ -25,6 +26,7 @@ mod common;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use common::*;
+use kvpack::FormatCause;
 use kvpack::cache::{DType, KvCache, TensorInfo};
 use kvpack::codec::registry::{Example, FAMILIES, Family};
 use kvpack::codec::{Codec, PageIn, PageOut};
@@ -462,8 +464,11 @@ fn tampered_sections_are_rejected_by_the_decoder_never_a_panic() {
                 };
                 match catch_unwind(AssertUnwindSafe(|| decode_all(&file))) {
                     Err(_) => failures.push(format!("{what}: the decoder panicked")),
-                    Ok(Err(err)) if err.is_format() => rejected += 1,
-                    Ok(Err(err)) => failures.push(format!("{what}: not a format error: {err}")),
+                    Ok(Err(err)) if err.format_cause() == Some(FormatCause::Codec) => rejected += 1,
+                    Ok(Err(err)) => failures.push(format!(
+                        "{what}: not a codec format error ({:?}): {err}",
+                        err.format_cause()
+                    )),
                     Ok(Ok(_)) if mutation.structural() => {
                         failures.push(format!("{what}: accepted"));
                     }

@@ -1,6 +1,6 @@
 //! The codec registry: codec families by name and by id.
 
-use crate::error::{Error, Location, Result};
+use crate::error::{Error, FormatCause, Location, Result};
 use crate::format::CodecEntry;
 
 use super::Codec;
@@ -85,7 +85,8 @@ pub fn parse(name: &str) -> Result<Box<dyn Codec>> {
 /// [`Error::Format`] at the header for an unknown id or invalid parameters.
 pub fn from_entry(slot: usize, e: &CodecEntry) -> Result<Box<dyn Codec>> {
     let f = FAMILIES.iter().find(|f| f.id == e.id).ok_or_else(|| {
-        Error::format(
+        Error::format_with(
+            FormatCause::UnknownCodec,
             Location::Header,
             format!(
                 "codec slot {slot}: unknown codec id {} (written by a newer kvpack?)",
@@ -94,7 +95,8 @@ pub fn from_entry(slot: usize, e: &CodecEntry) -> Result<Box<dyn Codec>> {
         )
     })?;
     (f.from_params)(&e.params).map_err(|err| {
-        Error::format(
+        Error::format_with(
+            FormatCause::UnknownCodec,
             Location::Header,
             format!("codec slot {slot} ({}): {err}", f.name),
         )
