@@ -1,5 +1,6 @@
-//! `innerq:k{bk}v{bv}`: InnerQ (Tayaranian et al.,
-//! seeds/innerq-inner-dimension-groups.txt; format/codecs/innerq.md).
+//! `innerq:k{bk}v{bv}`: InnerQ (Tayaranian Hosseini et al., "InnerQ:
+//! Hardware-aware Tuning-free Quantization of KV Cache for Large Language
+//! Models", arXiv:2602.23200; format/codecs/innerq.md).
 //!
 //! Group-wise quantization over the *inner* dimension of each decode
 //! product (section 4.4): keys in groups of `G` channels within a token
@@ -31,7 +32,7 @@
 //! Sections per page: SCALE stream 0 (f16 per group), ZERO stream 0 (u32,
 //! `G/32` words per group: the unified zero point / sign slot), AUX stream
 //! 0 (hybrid only: 1-bit mode flags, 1 = symmetric), INDEX stream 0 (`b`-bit
-//! codes in element order). Group order: [`super::groups`].
+//! codes in element order). Group order: `codec/groups.rs`.
 
 use std::sync::Arc;
 

@@ -1,7 +1,8 @@
 //! `octopus:b{b}`: OCTOPUS, octahedral triplet quantization of rotated
-//! unit vectors (format/codecs/octopus.md; paper
-//! `seeds/octopus-octahedral-triplets.txt`, sections 3.1-3.6, appendices
-//! A-E).
+//! unit vectors (format/codecs/octopus.md; Boss et al., "OCTOPUS:
+//! Optimized KV Cache for Transformers via Octahedral Parametrization Under
+//! optimal Squared error quantization", arXiv:2605.21226, sections 3.1-3.6,
+//! appendices A-E).
 //!
 //! Per head vector (`d = head_dim`, a power of two): the norm `γ` (f32) and
 //! the rotated unit vector `u` ([`super::sphere`]); `u` is cut into

@@ -5,7 +5,7 @@
 //! `d` a power of two) is split into its norm `γ = ||x||` (f32) and the
 //! rotated unit vector `u = R x / γ`, `R = H_norm diag(s)` with a random
 //! sign vector `s` drawn per (layer, kv head, K/V) from the file's seed
-//! (OCTOPUS paper, `seeds/octopus-octahedral-triplets.txt`, section 3.1,
+//! (OCTOPUS paper, Boss et al., arXiv:2605.21226, section 3.1,
 //! Eq. 1-2). A [`UnitQuantizer`] codes `u` (OCTOPUS: triplets, section
 //! 3.2-3.5; TurboQuant-MSE: per coordinate, Eq. 3). Optionally K pages
 //! carry the 1-bit QJL sketch of the residual `u - û` (section 3.6,

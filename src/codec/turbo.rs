@@ -1,6 +1,7 @@
 //! `turbo:b{b}`: TurboQuant-MSE, the OCTOPUS paper's main baseline
-//! (format/codecs/turbo.md; `seeds/octopus-octahedral-triplets.txt`
-//! section 3.1-3.2 and appendix C.3; TurboQuant, Zandieh et al. Thm. 1).
+//! (format/codecs/turbo.md; OCTOPUS paper, arXiv:2605.21226, section
+//! 3.1-3.2 and appendix C.3; TurboQuant, Zandieh et al., arXiv:2504.19874,
+//! Thm. 1).
 //!
 //! Per head vector: the norm `γ` (f32) and the rotated unit vector `u`
 //! ([`super::sphere`], the same rotation as `octopus`), then every

@@ -1,5 +1,6 @@
 //! `hqmq:s{S}r{b}[+med{C}]`: Hurwitz-quaternion multiplicative vector
-//! quantization (seeds/hqmq-hurwitz-quaternion.txt; bitstream in
+//! quantization (Swain et al., "Hurwitz Quaternion Multiplicative
+//! Quantization for KV Cache Compression", arXiv:2605.27646; bitstream in
 //! format/codecs/hqmq.md).
 //!
 //! Every head vector (one token of one kv head, `head_dim` values) is cut

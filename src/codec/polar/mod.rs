@@ -1,5 +1,6 @@
-//! `polar:m{m}n{n}`: PolarQuant (Wu et al., seeds/polarquant-wu-polar-keys.txt,
-//! section 3; format/codecs/polar.md).
+//! `polar:m{m}n{n}`: PolarQuant (Wu et al., "PolarQuant: Leveraging Polar
+//! Transformation for Efficient Key Cache Quantization and Decoding
+//! Acceleration", arXiv:2502.00527, section 3; format/codecs/polar.md).
 //!
 //! Post-RoPE keys are cut into 2-D sub-vectors along the RoPE pairing, each
 //! pair `(x, y)` becomes a radius and an angle (section 3.2):
