@@ -11,7 +11,7 @@
 //!
 //! Sections per page: SCALE stream 0 (f16 per group), ZERO stream 0 (f16 per
 //! group), INDEX stream 0 (`b`-bit codes in element order). Group order and
-//! partial token groups: [`super::groups`].
+//! partial token groups: `codec/groups.rs`.
 
 use half::f16;
 

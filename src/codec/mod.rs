@@ -20,13 +20,13 @@
 //! has the full checklist, GPU side included.
 
 pub mod affine;
-pub mod groups;
+pub(crate) mod groups;
 pub mod hqmq;
 pub mod innerq;
 pub mod kivi;
 pub mod octopus;
-pub mod outliers;
-pub mod pagebuf;
+pub(crate) mod outliers;
+pub(crate) mod pagebuf;
 pub mod polar;
 pub mod raw;
 pub mod registry;
