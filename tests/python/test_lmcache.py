@@ -235,8 +235,9 @@ def test_register_is_idempotent_and_refuses_a_taken_name():
     assert "kvpack" in get_registered_serde_types()
     with pytest.raises(ValueError, match="fp8"):
         klm.register("fp8")  # LMCache's own fp8 serde holds that name
-    assert isinstance(klm.KvpackSerializer(None), Serializer)
-    assert isinstance(klm.KvpackDeserializer(None), Deserializer)
+    config = klm.KvpackSerdeConfig.from_dict({"head_dim": 128})
+    assert isinstance(klm.KvpackSerializer(config), Serializer)
+    assert isinstance(klm.KvpackDeserializer(config), Deserializer)
 
 
 @pytest.mark.parametrize(
@@ -269,16 +270,31 @@ def test_estimate_is_the_exact_size_for_shape_determined_codecs(chunks, name, co
         proc.close()
 
 
-@pytest.mark.parametrize(("codec", "size"), [("hqmq:s96r4+med3", "auto"), ("bdr128", "bound")])
-def test_estimate_is_kvpacks_bound_for_data_dependent_codecs_or_on_request(chunks, codec, size):
+@pytest.mark.parametrize("codec", ["hqmq:s96r4+med3", "hqmq:s5r2+med2"])
+def test_estimate_is_kvpacks_bound_for_data_dependent_codecs(chunks, codec):
     chunk, head_dim = chunks["gemma3-270m"]
-    proc = processor(codec=codec, head_dim=head_dim, size=size)
+    proc = processor(codec=codec, head_dim=head_dim)
     try:
         bound = kvpack.chunk_max_size(tuple(chunk.shape), "bf16", codec, head_dim=head_dim)
         assert proc.estimate_serialized_size(layout_of(chunk)) == bound
         assert len(kvpack.encode_chunk(chunk, codec, head_dim=head_dim)) < bound
     finally:
         proc.close()
+
+
+@pytest.mark.parametrize("codec", ["bdr128", "hqmq:s96r4+med3"])
+def test_one_serializer_sizes_each_layout_it_meets(chunks, codec):
+    """Every layout (shape, dtype) gets its own size."""
+    full, head_dim = chunks["gemma3-270m"]
+    tail, _ = chunks["gemma3-270m-tail"]
+    config = klm.KvpackSerdeConfig.from_dict({"codec": codec, "head_dim": head_dim})
+    serializer = klm.KvpackSerializer(config)
+    for chunk in (full, tail, full.to(torch.float16), tail.to(torch.float32)):
+        size = serializer.estimate_serialized_size(layout_of(chunk))
+        dtype = str(chunk.dtype).removeprefix("torch.")
+        bound = kvpack.chunk_max_size(tuple(chunk.shape), dtype, codec, head_dim=head_dim)
+        exact = len(kvpack.encode_chunk(chunk, codec, head_dim=head_dim))
+        assert size == (bound if "+med" in codec else exact)
 
 
 def test_layouts_kvpack_cannot_take_are_refused(chunks):
@@ -289,6 +305,9 @@ def test_layouts_kvpack_cannot_take_are_refused(chunks):
     two_groups = MemoryLayoutDesc(shapes=[chunk.shape, chunk.shape], dtypes=[chunk.dtype, chunk.dtype])
     with pytest.raises(kvpack.ParameterError, match="2 shape groups"):
         serializer.estimate_serialized_size(two_groups)
+    mla = MemoryLayoutDesc(shapes=[torch.Size([1, 18, 256, 576])], dtypes=[chunk.dtype])
+    with pytest.raises(kvpack.ParameterError):  # LMCache's MLA format has no K/V axis
+        serializer.estimate_serialized_size(mla)
     ints = MemoryLayoutDesc(shapes=[chunk.shape], dtypes=[torch.int32])
     with pytest.raises(kvpack.ParameterError, match="int32"):
         serializer.estimate_serialized_size(ints)
@@ -319,6 +338,17 @@ def test_lossy_round_trip_matches_kvpack_and_stays_within_bound(objects, chunks,
     error = rel_rms(out, chunk)
     print(f"{name} {codec}: relative RMS error {error:.4f}, file {len(data)} B, source {chunk.numel() * 2} B")
     assert 0 < error < REL_RMS_BOUND[codec]
+
+
+def test_sink_and_recent_windows_reach_the_file(objects, chunks):
+    """ "sink" and "recent" keep the chunk's first and last tokens exact."""
+    chunk, head_dim = chunks["gemma3-270m"]
+    out, stored, n = serde_round_trip(objects, chunk, codec="int4", head_dim=head_dim, sink=16, recent=32)
+    assert stored == kvpack.encode_chunk(chunk, "int4", head_dim=head_dim, sink=16, recent=32)
+    assert n == len(stored)
+    assert torch.equal(out[:, :, :16], chunk[:, :, :16])
+    assert torch.equal(out[:, :, -32:], chunk[:, :, -32:])
+    assert not torch.equal(out[:, :, 16:-32], chunk[:, :, 16:-32])
 
 
 def test_stored_object_is_a_kvpack_file_with_the_chunk_tensors(objects, chunks):
@@ -548,9 +578,10 @@ def test_lmcache_0_5_6_reads_back_the_full_estimate(tmp_path, chunks):
     estimate_serialized_size bytes and counts a shorter object as a miss."""
     chunk, head_dim = chunks["gemma3-270m"]
     keys = [key_of(30)]
-    serde = {"type": "kvpack", "codec": "bdr128", "head_dim": head_dim, "size": "bound", "pad": False}
+    codec = "hqmq:s96r4+med3"  # data-dependent size: shorter than the estimate
+    serde = {"type": "kvpack", "codec": codec, "head_dim": head_dim, "pad": False}
     with storage_manager(tmp_path, serde) as manager:
         (path,) = store(manager, tmp_path, keys, [chunk])
-        assert path.read_bytes() == kvpack.encode_chunk(chunk, "bdr128", head_dim=head_dim)
+        assert path.read_bytes() == kvpack.encode_chunk(chunk, codec, head_dim=head_dim)
         hits, _ = retrieve(manager, keys, layout_of(chunk))
         assert hits == 0
