@@ -86,13 +86,9 @@ impl Strides {
     /// True when no two distinct elements share an address (required of
     /// a destination: decoding writes every element once).
     fn non_overlapping(&self, info: &TensorInfo) -> bool {
-        // An empty tensor (a layer with 0 tokens) has no elements to
-        // overlap, whatever its (then zero) strides.
-        if info.elements() == 0 {
-            return true;
-        }
         // Sort the axes by stride; each must step over everything the
-        // smaller axes span.
+        // smaller axes span. An empty tensor (a layer with 0 tokens) has no
+        // elements to overlap, whatever its (then zero) strides.
         if info.elements() == 0 {
             return true;
         }
