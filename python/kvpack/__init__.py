@@ -36,6 +36,7 @@ import numpy as _np
 
 from . import _native
 from .errors import (
+    DeviceError,
     FormatError,
     KvpackError,
     KvpackIOError,
@@ -65,6 +66,7 @@ __all__ = [
     "LimitsError",
     "KvpackIOError",
     "UnsupportedError",
+    "DeviceError",
 ]
 
 #: Metadata key naming the model a cache belongs to.
