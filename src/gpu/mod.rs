@@ -311,7 +311,7 @@ impl Device {
     /// # Errors
     /// [`Error::Format`] for a corrupted page; [`Error::Parameter`] for a
     /// bad layout; [`Error::Unsupported`] for a codec without GPU kernels
-    /// (CUDA only); [`Error::Io`] for a CUDA failure.
+    /// (CUDA only); [`Error::Device`] for a CUDA failure.
     pub fn decode_tensor(
         &self,
         archive: &Archive<'_>,
@@ -521,7 +521,7 @@ impl Device {
     /// # Errors
     /// [`Error::Parameter`] for values the codec cannot represent (NaN,
     /// inf), naming the page; [`Error::Unsupported`] for a codec without a
-    /// GPU encoder (CUDA only); [`Error::Io`] for a CUDA failure.
+    /// GPU encoder (CUDA only); [`Error::Device`] for a CUDA failure.
     pub fn encode_tensor(
         &self,
         tensor: &Tensor,
