@@ -99,6 +99,22 @@ def compress(
     """``tensors``: ``(layer, kind, array[, dtype])``. Returns ``(report,
     file bytes or None, bytes written into out or None)``."""
 
+def compress_file(
+    source: Union[str, "PathLike[str]"],
+    codec: str,
+    *,
+    path: Optional[Union[str, "PathLike[str]"]] = None,
+    force: bool = False,
+    out: Optional[Array] = None,
+    page_tokens: Optional[int] = None,
+    sink: Optional[int] = None,
+    recent: Optional[int] = None,
+    zstd_level: Optional[int] = None,
+    align_log2: int = 6,
+    raw_fallback: bool = False,
+) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]:
+    """Like :func:`compress` from a safetensors KV cache file (mmap)."""
+
 def max_size(
     tensors: Sequence[Tuple[int, str, Sequence[int], str]],
     codec: str,
