@@ -205,8 +205,9 @@ pub enum Kind {
     /// MLA latent (file code 2, format 1.1): one tensor per layer holding
     /// the compressed KV (`kv_lora_rank` elements) followed by the RoPE key
     /// part (`qk_rope_head_dim`), shape `[batch, 1, tokens, latent_dim]`
-    /// (DeepSeek-V2, arXiv:2405.04434, section 2.1). A layer with a latent
-    /// has no K or V tensor.
+    /// (DeepSeek-AI, "DeepSeek-V2: A Strong, Economical, and Efficient
+    /// Mixture-of-Experts Language Model", arXiv:2405.04434, section 2.1).
+    /// A layer with a latent has no K or V tensor.
     Latent,
 }
 

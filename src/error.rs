@@ -2,7 +2,8 @@
 //!
 //! * [`Error::Format`]: the bytes being read are not a valid kvpack file or
 //!   stream (corrupted, truncated, written by a newer major version). The
-//!   [`Location`] names the header, page, section or index entry at fault.
+//!   [`Location`] names the header, page, section or index entry at fault,
+//!   the [`FormatCause`] says what kind of fault it is.
 //! * [`Error::Parameter`]: the caller asked for something invalid (an unknown
 //!   codec name, a head_dim the codec cannot handle, a missing tensor).
 //! * [`Error::Limits`]: the input is well formed but exceeds a configured
@@ -10,6 +11,8 @@
 //! * [`Error::Io`]: the operating system refused a read or write.
 //! * [`Error::Unsupported`]: the feature exists in the format but not in this
 //!   build or on this machine (for example GPU decode without CUDA).
+//! * [`Error::Device`]: the GPU (CUDA driver, NVRTC, a kernel, the SIMT
+//!   emulator) failed. The `kvpack` CLI exits with status 4 for it.
 
 use std::fmt;
 
@@ -79,6 +82,50 @@ impl fmt::Display for Location {
     }
 }
 
+/// What kind of fault an [`Error::Format`] is, for callers that act on it
+/// (retry a transfer after [`FormatCause::Checksum`] or
+/// [`FormatCause::Truncated`], ask for an upgrade after
+/// [`FormatCause::UnsupportedVersion`]). The message still says exactly
+/// what is wrong; new causes may be added in minor versions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum FormatCause {
+    /// The bytes do not start with the kvpack magic (or are empty): not a
+    /// kvpack file or stream at all.
+    NotKvpack,
+    /// Written by an incompatible version: a newer major version, or
+    /// required feature flags this reader does not know.
+    UnsupportedVersion,
+    /// A codec id that this build does not know (written by a newer kvpack)
+    /// or a codec parameter block it rejects.
+    UnknownCodec,
+    /// A header, page, index or trailer CRC32 does not match its bytes.
+    Checksum,
+    /// The data ends before the structure it announces.
+    Truncated,
+    /// A page's sections do not match its codec's spec (missing, extra,
+    /// wrong type or size, values the codec never writes), found by the
+    /// codec's decoder after every checksum passed.
+    Codec,
+    /// Any other violation of format/SPEC.md (bad field value, ordering,
+    /// tiling, padding, sizes).
+    Malformed,
+}
+
+impl fmt::Display for FormatCause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FormatCause::NotKvpack => "not kvpack data",
+            FormatCause::UnsupportedVersion => "unsupported version",
+            FormatCause::UnknownCodec => "unknown codec",
+            FormatCause::Checksum => "checksum mismatch",
+            FormatCause::Truncated => "truncated",
+            FormatCause::Codec => "codec data invalid",
+            FormatCause::Malformed => "malformed",
+        })
+    }
+}
+
 /// Every error the kvpack library returns.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -88,6 +135,8 @@ pub enum Error {
     Format {
         /// Which structure is at fault.
         at: Location,
+        /// What kind of fault.
+        cause: FormatCause,
         /// What is wrong with it.
         msg: String,
     },
@@ -111,17 +160,55 @@ pub enum Error {
     /// Supported by the format but not by this build or machine.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// The GPU failed: a CUDA driver call, NVRTC compilation, a kernel
+    /// launch or copy, out of device memory, or the SIMT emulator. The
+    /// machine's fault, not the data's or the caller's.
+    #[error("{context}: {source}")]
+    Device {
+        /// What kvpack was doing (e.g. `"CUDA launch decode_bdr_bf16"`).
+        context: String,
+        /// The driver's, compiler's or emulator's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// Shorthand for `std::result::Result<T, kvpack::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    /// Builds a [`Error::Format`].
+    /// Builds a [`Error::Format`] of cause [`FormatCause::Malformed`].
     pub fn format(at: Location, msg: impl Into<String>) -> Self {
+        Error::format_with(FormatCause::Malformed, at, msg)
+    }
+
+    /// Builds a [`Error::Format`] with its cause.
+    pub fn format_with(cause: FormatCause, at: Location, msg: impl Into<String>) -> Self {
         Error::Format {
             at,
+            cause,
             msg: msg.into(),
+        }
+    }
+
+    /// Builds an [`Error::Device`]: `context` says what kvpack was doing,
+    /// `source` is the driver's error (anything printable works:
+    /// `Error::device("CUDA launch", format!("{e:?}"))`).
+    pub fn device(
+        context: impl Into<String>,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Error::Device {
+            context: context.into(),
+            source: source.into(),
+        }
+    }
+
+    /// The cause of a [`Error::Format`], `None` for other kinds.
+    pub fn format_cause(&self) -> Option<FormatCause> {
+        match self {
+            Error::Format { cause, .. } => Some(*cause),
+            _ => None,
         }
     }
 

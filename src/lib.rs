@@ -2,8 +2,7 @@
 //! caches (see `README.md` and `format/SPEC.md`).
 //!
 //! ```no_run
-//! use kvpack::compress::{CompressOptions, compress};
-//! use kvpack::decode::{Archive, Selection};
+//! use kvpack::{Archive, CompressOptions, Selection, compress};
 //!
 //! let bytes = std::fs::read("cache.safetensors")?;
 //! let cache = kvpack::io::safetensors::parse(&bytes, "cache.safetensors")?.cache;
@@ -16,34 +15,52 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! The types most programs need are re-exported here: the cache
+//! ([`KvCache`], [`Tensor`], [`TensorInfo`]) and borrowed views of it
+//! ([`CacheView`]), compression ([`compress()`], [`compress_view()`],
+//! [`CompressOptions`], [`Layout`], a [`Codec`] from [`codec::parse`]),
+//! decoding ([`Archive`], [`Selection`]), the prefill-to-decode handoff
+//! ([`send()`], [`decode_stream()`]) and errors ([`Error`], [`FormatCause`],
+//! [`Location`]).
+//!
 //! Modules: [`format`](mod@format) (the container, no codec math), [`codec`] (the
 //! [`codec::Codec`] trait, the registry and one module per codec),
-//! [`kernels`] (shared math), [`compress`] / [`decode`] (whole-cache
-//! pipelines on all threads), [`stream_decode`] / [`transport`] (the
-//! prefill-to-decode handoff), [`gpu`] (CUDA decode/encode kernels, feature
-//! `cuda`), [`io`] (safetensors, mmap, atomic writes and
-//! crash-safe appends), [`eval`] / [`metrics`] (quality measurement).
+//! [`compress`](mod@compress) / [`decode`] (whole-cache pipelines on all
+//! threads), [`stream_decode`] / [`transport`] (the prefill-to-decode
+//! handoff), [`gpu`] (CUDA decode/encode kernels, feature `cuda`), [`io`]
+//! (safetensors, mmap, atomic writes and crash-safe appends), [`eval`] /
+//! [`metrics`] (quality measurement). `ARCHITECTURE.md` shows how they fit.
 
 #![warn(missing_docs)]
 
 pub mod cache;
 pub mod codec;
+pub mod compress;
+pub mod decode;
 pub mod error;
 pub mod eval;
 pub mod format;
-pub mod kernels;
-
-pub use cache::{DType, Fp8, Fp8Format, Kind, KvCache, Tensor, TensorData, TensorInfo};
-pub use error::{Error, Location, Result};
-pub mod compress;
-pub mod decode;
 pub mod gpu;
 pub mod io;
+/// Shared numeric kernels (bit packing, Walsh-Hadamard, quantizers, PRNG):
+/// internal to the codecs, public only for the crate's tests and benchmarks.
+#[doc(hidden)]
+pub mod kernels;
 pub mod metrics;
 pub mod plan;
 pub mod stream_decode;
 pub mod transport;
 pub mod view;
+
+pub use cache::{DType, Fp8, Fp8Format, Kind, KvCache, Tensor, TensorData, TensorInfo};
+pub use codec::Codec;
+pub use compress::{CompressOptions, CompressReport, compress, compress_view};
+pub use decode::{Archive, Selection};
+pub use error::{Error, FormatCause, Location, Result};
+pub use plan::Layout;
+pub use stream_decode::{StreamDecoded, decode_stream};
+pub use transport::{SendReport, send};
+pub use view::{CacheView, TensorView};
 
 #[cfg(feature = "python")]
 mod python;

@@ -87,7 +87,8 @@ impl Strides {
     /// a destination: decoding writes every element once).
     fn non_overlapping(&self, info: &TensorInfo) -> bool {
         // Sort the axes by stride; each must step over everything the
-        // smaller axes span.
+        // smaller axes span. An empty tensor (a layer with 0 tokens) has no
+        // elements to overlap, whatever its (then zero) strides.
         if info.elements() == 0 {
             return true;
         }

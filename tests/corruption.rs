@@ -147,6 +147,37 @@ fn garbage_and_other_formats_are_rejected() {
     assert!(msg.contains("version 2.0") && msg.contains("1.x"), "{msg}");
 }
 
+#[test]
+fn format_errors_carry_a_cause_callers_can_match() {
+    use kvpack::FormatCause;
+    let b = small_file();
+    let cause = |c: &[u8]| open_and_decode(c).unwrap_err().format_cause();
+    // A flipped byte inside a page body: the page's CRC catches it.
+    let ar = Archive::open(&b).unwrap();
+    let e = ar.reader().index().entries[2];
+    let mut c = b.clone();
+    c[(ar.reader().header_len() + e.offset + 64 + 3) as usize] ^= 0x10;
+    assert_eq!(cause(&c), Some(FormatCause::Checksum));
+    // A newer major version.
+    let mut c = b.clone();
+    c[8] = 2;
+    assert_eq!(cause(&c), Some(FormatCause::UnsupportedVersion));
+    // Not kvpack at all.
+    assert_eq!(
+        cause(b"hello, this is not kvpack data at all, not at all....................."),
+        Some(FormatCause::NotKvpack)
+    );
+    // Cut inside the header, and a stream cut inside a page.
+    assert_eq!(cause(&b[..40]), Some(FormatCause::Truncated));
+    let cut = (ar.reader().header_len() + e.offset + 100) as usize;
+    assert_eq!(
+        stream_all(&b[..cut]).unwrap_err().format_cause(),
+        Some(FormatCause::Truncated)
+    );
+    // Non-format errors have no cause.
+    assert_eq!(kvpack::Error::param("x").format_cause(), None);
+}
+
 mod random_mutations {
     use super::*;
     use proptest::prelude::*;

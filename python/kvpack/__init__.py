@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -36,6 +37,7 @@ import numpy as _np
 
 from . import _native
 from .errors import (
+    DeviceError,
     FormatError,
     KvpackError,
     KvpackIOError,
@@ -65,6 +67,7 @@ __all__ = [
     "LimitsError",
     "KvpackIOError",
     "UnsupportedError",
+    "DeviceError",
 ]
 
 #: Metadata key naming the model a cache belongs to.
@@ -182,7 +185,7 @@ def _window_kwargs(sink, recent, page_tokens, zstd_level, align) -> Dict[str, An
 
 
 def compress(
-    layers: Union[Sequence[Tuple[ArrayLike, ArrayLike]], Mapping[Key, ArrayLike]],
+    layers: Union[str, "os.PathLike[str]", Sequence[Tuple[ArrayLike, ArrayLike]], Mapping[Key, ArrayLike]],
     codec: str = "bdr128",
     *,
     path: Optional[Union[str, "os.PathLike[str]"]] = None,
@@ -207,7 +210,10 @@ def compress(
             ``[batch, kv_heads, tokens, head_dim]`` (or 3-d, batch 1) of
             bfloat16/float16/float32 in host memory; token counts may
             differ per layer (sliding-window layers). Arrays are read in
-            place, never copied whole.
+            place, never copied whole. Or the path of a safetensors KV
+            cache as ``kvpack compress`` reads it (HF names
+            ``past_key_values.{layer}.key/.value``; its metadata and token
+            ids are kept).
         codec: codec name as for the CLI (``kvpack codecs``): ``raw``,
             ``int4``, ``bdr128``, ``hqmq:s96r4+med3``, ``polar:m4n4``, ...
         path: write the file there atomically; an existing file is only
@@ -239,6 +245,22 @@ def compress(
         ValueError: arrays kvpack cannot read (GPU memory, wrong dtype,
             non-contiguous head_dim axis).
     """
+    if isinstance(layers, (str, os.PathLike)):
+        if model is not None or token_ids is not None or metadata or dtype is not None:
+            raise ParameterError(
+                "a safetensors input carries its own metadata and token ids: "
+                "model, token_ids, metadata and dtype apply to in-memory tensors"
+            )
+        report, data, written = _native.compress_file(
+            os.fspath(layers),
+            codec,
+            path=None if path is None else str(path),
+            force=force,
+            out=out,
+            raw_fallback=raw_fallback,
+            **_window_kwargs(sink, recent, page_tokens, zstd_level, align),
+        )
+        return CompressResult(data=data, written=written, **report)
     tensors = []
     for layer, kind, arr in _entries(layers):
         a, hint = _source(arr, dtype)

@@ -42,10 +42,26 @@ class OwnedArray:
     def as_bits(self) -> "OwnedArray":
         """The same memory, 16-bit floats exported as uint16."""
 
-class Archive:
-    """An opened kvpack file (a path is memory-mapped; ``bytes`` are held)."""
+class OwnedBytes:
+    """Bytes owned by Rust (an encoded file); ``numpy.from_dlpack`` gives
+    a 1-d uint8 array without a copy."""
 
-    def __init__(self, source: Union[str, "PathLike[str]", bytes]) -> None: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[Any] = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    def __len__(self) -> int: ...
+
+class Archive:
+    """An opened kvpack file (a path is memory-mapped; ``bytes`` and uint8
+    arrays are copied once)."""
+
+    def __init__(self, source: Union[str, "PathLike[str]", bytes, Array]) -> None: ...
     def tensors(self) -> List[InfoTuple]: ...
     def metadata(self) -> Dict[str, str]: ...
     def token_ids(self) -> List[int]: ...
@@ -82,6 +98,22 @@ def compress(
 ) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]:
     """``tensors``: ``(layer, kind, array[, dtype])``. Returns ``(report,
     file bytes or None, bytes written into out or None)``."""
+
+def compress_file(
+    source: Union[str, "PathLike[str]"],
+    codec: str,
+    *,
+    path: Optional[Union[str, "PathLike[str]"]] = None,
+    force: bool = False,
+    out: Optional[Array] = None,
+    page_tokens: Optional[int] = None,
+    sink: Optional[int] = None,
+    recent: Optional[int] = None,
+    zstd_level: Optional[int] = None,
+    align_log2: int = 6,
+    raw_fallback: bool = False,
+) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]:
+    """Like :func:`compress` from a safetensors KV cache file (mmap)."""
 
 def max_size(
     tensors: Sequence[Tuple[int, str, Sequence[int], str]],
@@ -144,7 +176,7 @@ def cuda_encode_paged(
     zstd_level: Optional[int] = None,
     align_log2: int = 6,
     raw_fallback: bool = False,
-) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]: ...
+) -> Tuple[Dict[str, Any], Optional[OwnedBytes], Optional[int]]: ...
 def cuda_bench_decode_paged(
     data: bytes,
     kv_cache: Sequence[Array],

@@ -34,6 +34,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, Optional, Union
 
+import numpy as np
+
 from . import _native
 from .errors import ParameterError
 
@@ -162,7 +164,7 @@ def encode_paged(
     zstd_level: Optional[int] = None,
     raw_fallback: bool = False,
     out: Any = None,
-) -> Union[bytes, int]:
+) -> Union["np.ndarray", int]:
     """Encodes tokens ``0..num_tokens`` of a paged KV cache (one layer) into
     a complete kvpack file (``kvpack.open`` / ``kvpack inspect`` read it).
 
@@ -186,12 +188,14 @@ def encode_paged(
         page_tokens, sink, recent, zstd_level, raw_fallback: as for
             :func:`kvpack.compress` (windows default to the codec's own).
         out: a writable contiguous uint8 host array (e.g. pinned) to write
-            the file into instead of returning ``bytes`` (no copy); size it
-            with :func:`kvpack.max_size` and ``raw_fallback=True``.
+            the file into (size it with :func:`kvpack.max_size` and
+            ``raw_fallback=True``).
 
     Returns:
-        The file's bytes, or with ``out`` the number of bytes written. The
-        call waits for its own work on ``stream``.
+        The file as a 1-d uint8 numpy array that owns the encoder's memory
+        (no copy; ``kvpack.open`` reads it, ``bytes(a)`` copies it), or
+        with ``out`` the number of bytes written. The call waits for its
+        own work on ``stream``.
 
     Raises:
         ParameterError: a bad block table, codec or shape; NaN/inf rows
@@ -214,5 +218,5 @@ def encode_paged(
         raw_fallback=raw_fallback,
         out=out,
     )
-    return data if out is None else written
+    return np.from_dlpack(data) if out is None else written
 

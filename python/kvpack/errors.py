@@ -16,6 +16,7 @@ __all__ = [
     "LimitsError",
     "KvpackIOError",
     "UnsupportedError",
+    "DeviceError",
 ]
 
 
@@ -64,3 +65,9 @@ class KvpackIOError(KvpackError, OSError):
 class UnsupportedError(KvpackError, NotImplementedError):
     """Supported by the format but not by this build or machine (for
     example GPU decoding in a build without CUDA)."""
+
+
+class DeviceError(KvpackError, RuntimeError):
+    """The GPU failed: a CUDA driver call, kernel compilation, a kernel
+    launch or copy, or out of device memory. Not the data's fault; the same
+    call may succeed on another device or after freeing memory."""

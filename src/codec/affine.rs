@@ -24,7 +24,9 @@ use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::{affine, bitpack, wht};
 
-use super::{Codec, Family, PageIn, PageOut, expect_section, f32_at};
+use super::{
+    Codec, Example, Family, PageIn, PageOut, expect_section, expect_section_count, f32_at,
+};
 
 /// Codec id of `int{b}`.
 pub const INT_ID: u16 = 1;
@@ -53,6 +55,24 @@ pub const INT_FAMILY: Family = Family {
     summary: "naive token-wise asymmetric INT-b, fp32 scale + zero point per head vector",
     parse: parse_int,
     from_params: int_from_params,
+    examples: &[
+        Example {
+            name: "int2",
+            min_snr_db: -6.0,
+        },
+        Example {
+            name: "int3",
+            min_snr_db: 2.0,
+        },
+        Example {
+            name: "int4",
+            min_snr_db: 9.0,
+        },
+        Example {
+            name: "int8",
+            min_snr_db: 33.0,
+        },
+    ],
 };
 
 /// Registry entry of `bdr{h}`.
@@ -63,6 +83,32 @@ pub const BDR_FAMILY: Family = Family {
     summary: "block-diagonal Walsh-Hadamard rotation (block h) + token-wise INT4",
     parse: parse_bdr,
     from_params: bdr_from_params,
+    examples: &[
+        Example {
+            name: "bdr16",
+            min_snr_db: 11.0,
+        },
+        Example {
+            name: "bdr32",
+            min_snr_db: 13.0,
+        },
+        Example {
+            name: "bdr64",
+            min_snr_db: 16.0,
+        },
+        Example {
+            name: "bdr64:k",
+            min_snr_db: 11.0,
+        },
+        Example {
+            name: "bdr128",
+            min_snr_db: 18.0,
+        },
+        Example {
+            name: "bdr64:b3",
+            min_snr_db: 8.0,
+        },
+    ],
 };
 
 fn parse_bits(s: &str) -> Option<u8> {
@@ -310,6 +356,7 @@ impl Codec for Affine {
             ElemType::Packed(self.bits),
             rows * d,
         )?;
+        expect_section_count(page, 3)?;
         let block = self.block_for(out.tensor.kind);
         let c = block.map(wht::inv_sqrt).unwrap_or(1.0);
         let row_aligned = (d * bits as usize).is_multiple_of(8);

@@ -104,8 +104,9 @@ impl Groups {
         }
     }
 
-    /// Channel of element `i` of group `g` (the key-normalization factor
-    /// applies per channel).
+    /// Channel of element `i` of group `g`: the oracle the tests check
+    /// [`Groups::span`] positions against.
+    #[cfg(test)]
     pub fn channel(&self, g: usize, i: usize) -> usize {
         match self.axis {
             Axis::Channels => (g % (self.head_dim / self.size)) * self.size + i,

@@ -1,5 +1,6 @@
-//! `innerq:k{bk}v{bv}`: InnerQ (Tayaranian et al.,
-//! seeds/innerq-inner-dimension-groups.txt; format/codecs/innerq.md).
+//! `innerq:k{bk}v{bv}`: InnerQ (Tayaranian Hosseini et al., "InnerQ:
+//! Hardware-aware Tuning-free Quantization of KV Cache for Large Language
+//! Models", arXiv:2602.23200; format/codecs/innerq.md).
 //!
 //! Group-wise quantization over the *inner* dimension of each decode
 //! product (section 4.4): keys in groups of `G` channels within a token
@@ -31,7 +32,7 @@
 //! Sections per page: SCALE stream 0 (f16 per group), ZERO stream 0 (u32,
 //! `G/32` words per group: the unified zero point / sign slot), AUX stream
 //! 0 (hybrid only: 1-bit mode flags, 1 = symmetric), INDEX stream 0 (`b`-bit
-//! codes in element order). Group order: [`super::groups`].
+//! codes in element order). Group order: `codec/groups.rs`.
 
 use std::sync::Arc;
 
@@ -42,7 +43,9 @@ use crate::kernels::{bitpack, group};
 use crate::plan::Layout;
 
 use super::groups::{Axis, Groups};
-use super::{Codec, Family, PageIn, PageOut, expect_section, f32_at, pagebuf};
+use super::{
+    Codec, Example, Family, PageIn, PageOut, expect_section, expect_section_count, f32_at, pagebuf,
+};
 
 /// Codec id of `innerq`.
 pub const ID: u16 = 7;
@@ -134,6 +137,20 @@ pub const FAMILY: Family = Family {
     summary: "InnerQ: inner-dimension groups of 32, hybrid sym/asym, key normalization, 32 sink + 96 recent raw",
     parse,
     from_params,
+    examples: &[
+        Example {
+            name: "innerq:k2v2",
+            min_snr_db: 11.0,
+        },
+        Example {
+            name: "innerq:k3v2:sym",
+            min_snr_db: 11.0,
+        },
+        Example {
+            name: "innerq:k4v3:asym:nonorm",
+            min_snr_db: 14.0,
+        },
+    ],
 };
 
 fn valid_group(g: u16) -> bool {
@@ -637,6 +654,7 @@ impl Codec for InnerQ {
             _ => None,
         };
         let index = expect_section(page, SectionKind::Index, 0, ElemType::Packed(bits), n_el)?;
+        expect_section_count(page, 3 + usize::from(mask.is_some()))?;
         let mut codes = vec![0u8; n_el];
         bitpack::unpack_u8(index, u32::from(bits), &mut codes);
         let mut buf = vec![0f32; n_el];

@@ -11,7 +11,7 @@
 //!
 //! Sections per page: SCALE stream 0 (f16 per group), ZERO stream 0 (f16 per
 //! group), INDEX stream 0 (`b`-bit codes in element order). Group order and
-//! partial token groups: [`super::groups`].
+//! partial token groups: `codec/groups.rs`.
 
 use half::f16;
 
@@ -21,7 +21,9 @@ use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::{bitpack, group};
 
 use super::groups::{Axis, Groups};
-use super::{Codec, Family, PageIn, PageOut, expect_section, pagebuf};
+use super::{
+    Codec, Example, Family, PageIn, PageOut, expect_section, expect_section_count, pagebuf,
+};
 
 /// Codec id of `kivi`.
 pub const ID: u16 = 8;
@@ -48,6 +50,16 @@ pub const FAMILY: Family = Family {
     summary: "KIVI baseline: K per channel / V per token in groups of 32, fp16 scale+zero, 128 recent raw",
     parse,
     from_params,
+    examples: &[
+        Example {
+            name: "kivi:2",
+            min_snr_db: 4.0,
+        },
+        Example {
+            name: "kivi:4",
+            min_snr_db: 19.0,
+        },
+    ],
 };
 
 fn parse(s: &str) -> Option<Result<Box<dyn Codec>>> {
@@ -213,6 +225,7 @@ impl Codec for Kivi {
             ElemType::Packed(self.bits),
             n_el,
         )?;
+        expect_section_count(page, 3)?;
         let mut codes = vec![0u8; n_el];
         bitpack::unpack_u8(index, u32::from(self.bits), &mut codes);
         let mut buf = vec![0f32; n_el];

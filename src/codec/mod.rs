@@ -8,21 +8,25 @@
 //! # Adding a codec
 //! 1. Write `src/codec/<name>.rs` with a type implementing [`Codec`]: pure
 //!    functions over slices, no I/O, shared math from [`crate::kernels`].
-//! 2. Give it a [`registry::Family`] (id, name parser, parameter decoder)
-//!    and add that to [`registry::FAMILIES`].
+//! 2. Give it a [`registry::Family`] (id, name parser, parameter decoder,
+//!    example parameter sets with their quality floors) and add that to
+//!    [`registry::FAMILIES`]. `tests/conformance.rs` then runs every
+//!    example through round trip, re-encode determinism, tampered sections,
+//!    random shapes and (with `cuda`) CPU vs GPU.
 //! 3. Specify its parameter block and sections in `format/codecs/<name>.md`
 //!    and commit a golden vector under `format/vectors/`.
 //!
-//! The container, the pipeline and the CLI need no change.
+//! The container, the pipeline and the CLI need no change. `ARCHITECTURE.md`
+//! has the full checklist, GPU side included.
 
 pub mod affine;
-pub mod groups;
+pub(crate) mod groups;
 pub mod hqmq;
 pub mod innerq;
 pub mod kivi;
 pub mod octopus;
-pub mod outliers;
-pub mod pagebuf;
+pub(crate) mod outliers;
+pub(crate) mod pagebuf;
 pub mod polar;
 pub mod raw;
 pub mod registry;
@@ -35,7 +39,7 @@ use crate::format::{PageView, Section};
 use crate::plan::Layout;
 use crate::view::CacheView;
 
-pub use registry::{Family, from_entry, parse};
+pub use registry::{Example, Family, from_entry, parse};
 
 /// One page to encode: tokens `[token_start, token_start + tokens)` of every
 /// plane (`batch * kv_heads` of them) of one tensor, at source precision.
@@ -193,6 +197,22 @@ pub fn expect_section<'p>(
         )));
     }
     Ok(bytes)
+}
+
+/// Checks that the page has exactly `n` sections. Codec decoders call it
+/// after finding the sections they expect, so that a page carrying a
+/// section its codec does not define is rejected (format/SPEC.md 6.3).
+///
+/// # Errors
+/// [`crate::Error::Format`] naming the page.
+pub fn expect_section_count(page: &PageView<'_>, n: usize) -> Result<()> {
+    if page.sections().len() != n {
+        return Err(page.error(format!(
+            "{} sections, the codec defines {n} for this page",
+            page.sections().len()
+        )));
+    }
+    Ok(())
 }
 
 /// Reads little-endian f32 number `i` of `bytes`.

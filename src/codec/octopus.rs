@@ -1,7 +1,8 @@
 //! `octopus:b{b}`: OCTOPUS, octahedral triplet quantization of rotated
-//! unit vectors (format/codecs/octopus.md; paper
-//! `seeds/octopus-octahedral-triplets.txt`, sections 3.1-3.6, appendices
-//! A-E).
+//! unit vectors (format/codecs/octopus.md; Boss et al., "OCTOPUS:
+//! Optimized KV Cache for Transformers via Octahedral Parametrization Under
+//! optimal Squared error quantization", arXiv:2605.21226, sections 3.1-3.6,
+//! appendices A-E).
 //!
 //! Per head vector (`d = head_dim`, a power of two): the norm `γ` (f32) and
 //! the rotated unit vector `u` ([`super::sphere`]); `u` is cut into
@@ -33,7 +34,7 @@ use crate::kernels::octahedral;
 use crate::plan::Layout;
 
 use super::sphere::{self, Options, UnitQuantizer, Values};
-use super::{Codec, Family, PageIn, PageOut};
+use super::{Codec, Example, Family, PageIn, PageOut};
 
 /// Codec id of `octopus`.
 pub const ID: u16 = 4;
@@ -48,6 +49,28 @@ pub const FAMILY: Family = Family {
     summary: "OCTOPUS: WHT rotation + octahedral triplets, Lloyd-Max (b+1, b-1) split; V int-b groups with :vg{g}",
     parse,
     from_params: |p| Ok(Box::new(Octopus::from_params(p)?)),
+    examples: &[
+        Example {
+            name: "octopus:b2",
+            min_snr_db: 9.0,
+        },
+        Example {
+            name: "octopus:b3",
+            min_snr_db: 14.0,
+        },
+        Example {
+            name: "octopus:b4",
+            min_snr_db: 20.0,
+        },
+        Example {
+            name: "octopus:b3+qjl:vg16",
+            min_snr_db: 15.0,
+        },
+        Example {
+            name: "octopus:b2+qjl",
+            min_snr_db: 9.0,
+        },
+    ],
 };
 
 /// Bits per octahedral coordinate and per triplet norm.

@@ -5,7 +5,7 @@ use crate::cache::TensorInfo;
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 
-use super::{Codec, PageIn, PageOut, expect_section};
+use super::{Codec, PageIn, PageOut, expect_section, expect_section_count};
 
 /// Codec id of `raw`.
 pub const ID: u16 = 0;
@@ -33,6 +33,10 @@ pub const FAMILY: super::Family = super::Family {
         }
         Ok(Box::new(Raw))
     },
+    examples: &[super::Example {
+        name: "raw",
+        min_snr_db: f64::INFINITY,
+    }],
 };
 
 impl Codec for Raw {
@@ -92,6 +96,7 @@ impl Codec for Raw {
             ElemType::from_dtype(src_t),
             rows * d,
         )?;
+        expect_section_count(page, 1)?;
         let plane_bytes = out.tokens as usize * d * src_t.size();
         let mut row = vec![0f32; d];
         for (p, plane) in out.planes.iter_mut().enumerate() {

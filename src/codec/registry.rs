@@ -1,6 +1,6 @@
 //! The codec registry: codec families by name and by id.
 
-use crate::error::{Error, Location, Result};
+use crate::error::{Error, FormatCause, Location, Result};
 use crate::format::CodecEntry;
 
 use super::Codec;
@@ -23,6 +23,27 @@ pub struct Family {
     pub parse: ParseFn,
     /// Rebuilds the codec from its parameter block.
     pub from_params: fn(&[u8]) -> Result<Box<dyn Codec>>,
+    /// Parameter sets that matter (every name variant with its own code
+    /// path). `tests/conformance.rs` runs each through round trip, golden
+    /// re-encode, tampered sections, random shapes and CPU vs GPU: a new
+    /// family gets all of that by listing its examples here.
+    pub examples: &'static [Example],
+}
+
+/// One example parameter set of a [`Family`], with the quality the
+/// conformance suite requires of it.
+#[derive(Debug, Clone, Copy)]
+pub struct Example {
+    /// A full codec name accepted by [`parse`], e.g. `bdr64:k`.
+    pub name: &'static str,
+    /// Smallest reconstruction SNR in dB (`-10 log10(rel_mse)`, see
+    /// [`crate::metrics::TensorError`]) of any tensor of the real fixture
+    /// and of the synthetic test cache, every token coded (no raw
+    /// windows), set at least 1 dB below the value measured when the
+    /// example was added (`cargo test --release --test conformance --
+    /// --nocapture` prints it). `f64::INFINITY` for lossless codecs, which
+    /// must decode bit exactly.
+    pub min_snr_db: f64,
 }
 
 /// Every registered codec family.
@@ -64,7 +85,8 @@ pub fn parse(name: &str) -> Result<Box<dyn Codec>> {
 /// [`Error::Format`] at the header for an unknown id or invalid parameters.
 pub fn from_entry(slot: usize, e: &CodecEntry) -> Result<Box<dyn Codec>> {
     let f = FAMILIES.iter().find(|f| f.id == e.id).ok_or_else(|| {
-        Error::format(
+        Error::format_with(
+            FormatCause::UnknownCodec,
             Location::Header,
             format!(
                 "codec slot {slot}: unknown codec id {} (written by a newer kvpack?)",
@@ -73,7 +95,8 @@ pub fn from_entry(slot: usize, e: &CodecEntry) -> Result<Box<dyn Codec>> {
         )
     })?;
     (f.from_params)(&e.params).map_err(|err| {
-        Error::format(
+        Error::format_with(
+            FormatCause::UnknownCodec,
             Location::Header,
             format!("codec slot {slot} ({}): {err}", f.name),
         )

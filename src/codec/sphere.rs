@@ -5,7 +5,7 @@
 //! `d` a power of two) is split into its norm `γ = ||x||` (f32) and the
 //! rotated unit vector `u = R x / γ`, `R = H_norm diag(s)` with a random
 //! sign vector `s` drawn per (layer, kv head, K/V) from the file's seed
-//! (OCTOPUS paper, `seeds/octopus-octahedral-triplets.txt`, section 3.1,
+//! (OCTOPUS paper, Boss et al., arXiv:2605.21226, section 3.1,
 //! Eq. 1-2). A [`UnitQuantizer`] codes `u` (OCTOPUS: triplets, section
 //! 3.2-3.5; TurboQuant-MSE: per coordinate, Eq. 3). Optionally K pages
 //! carry the 1-bit QJL sketch of the residual `u - û` (section 3.6,
@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::{bitpack, qjl, rotation, wht};
 
-use super::{PageIn, PageOut, expect_section, f32_at};
+use super::{PageIn, PageOut, expect_section, expect_section_count, f32_at};
 
 /// Smallest supported head_dim.
 pub const MIN_DIM: u32 = 8;
@@ -729,18 +729,6 @@ pub fn encode_unit_page(
         ));
     }
     Ok(out)
-}
-
-/// Checks that the page has exactly `n` sections (after the expected ones
-/// were found).
-fn expect_section_count(page: &PageView<'_>, n: usize) -> Result<()> {
-    if page.sections().len() != n {
-        return Err(page.error(format!(
-            "{} sections, the codec defines {n} for this page",
-            page.sections().len()
-        )));
-    }
-    Ok(())
 }
 
 /// The unpacked content of a unit-coded page.

@@ -1,6 +1,7 @@
 //! `turbo:b{b}`: TurboQuant-MSE, the OCTOPUS paper's main baseline
-//! (format/codecs/turbo.md; `seeds/octopus-octahedral-triplets.txt`
-//! section 3.1-3.2 and appendix C.3; TurboQuant, Zandieh et al. Thm. 1).
+//! (format/codecs/turbo.md; OCTOPUS paper, arXiv:2605.21226, section
+//! 3.1-3.2 and appendix C.3; TurboQuant, Zandieh et al., arXiv:2504.19874,
+//! Thm. 1).
 //!
 //! Per head vector: the norm `γ` (f32) and the rotated unit vector `u`
 //! ([`super::sphere`], the same rotation as `octopus`), then every
@@ -23,7 +24,7 @@ use crate::kernels::lloyd_max::{self, Density};
 use crate::plan::Layout;
 
 use super::sphere::{self, Options, UnitQuantizer, Values};
-use super::{Codec, Family, PageIn, PageOut};
+use super::{Codec, Example, Family, PageIn, PageOut};
 
 /// Codec id of `turbo`.
 pub const ID: u16 = 5;
@@ -38,6 +39,16 @@ pub const FAMILY: Family = Family {
     summary: "TurboQuant-MSE: WHT rotation + per-coordinate Lloyd-Max on the Beta marginal (OCTOPUS baseline)",
     parse,
     from_params: |p| Ok(Box::new(Turbo::from_params(p)?)),
+    examples: &[
+        Example {
+            name: "turbo:b3",
+            min_snr_db: 13.0,
+        },
+        Example {
+            name: "turbo:b2+qjl:vg32",
+            min_snr_db: 4.0,
+        },
+    ],
 };
 
 /// The coordinate codebook of one head_dim.

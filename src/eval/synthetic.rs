@@ -1,5 +1,5 @@
 //! Synthetic reproductions of the OCTOPUS paper's oracle tables
-//! (`seeds/octopus-octahedral-triplets.txt`): isotropic Gaussian keys and
+//! (Boss et al., arXiv:2605.21226): isotropic Gaussian keys and
 //! queries coded by `octopus` and `turbo` through the library's row-level
 //! API ([`crate::codec::sphere`]), the same arithmetic as the file codecs.
 //!
@@ -16,7 +16,8 @@
 //! `N(0, I_d)` keys `E[γ^2] = d` and `γ` is independent of the direction
 //! `u`, so this equals the unit-vector error `E||u - û||^2` summed over
 //! coordinates: the quantity TurboQuant reports as 0.362 / 0.116 / 0.034 /
-//! 0.009 at `d = 128` (ANCHORS.md B), which Table 1's TurboQuant rows match.
+//! 0.009 at `d = 128` (TurboQuant, arXiv:2504.19874, Thm. 1), which Table
+//! 1's TurboQuant rows match.
 //! (The per-coordinate error of the unit vector would be `d` times
 //! smaller.) For QJL rows the paper reports the MSE-stage reconstruction;
 //! [`Fidelity::decoded_mse`] is the error of kvpack's decoder, which adds

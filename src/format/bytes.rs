@@ -1,7 +1,7 @@
 //! Little-endian byte cursor with bounds-checked reads that report the
 //! [`Location`] of any failure, and small writing helpers.
 
-use crate::error::{Error, Location, Result};
+use crate::error::{Error, FormatCause, Location, Result};
 
 /// Rounds `x` up to a multiple of `align` (a power of two).
 ///
@@ -28,6 +28,10 @@ impl<'a> Cursor<'a> {
         Error::format(self.at.clone(), msg)
     }
 
+    pub(crate) fn err_with(&self, cause: FormatCause, msg: impl Into<String>) -> Error {
+        Error::format_with(cause, self.at.clone(), msg)
+    }
+
     pub(crate) fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
@@ -38,11 +42,14 @@ impl<'a> Cursor<'a> {
             .checked_add(n)
             .filter(|&e| e <= self.buf.len())
             .ok_or_else(|| {
-                self.err(format!(
-                    "{what} needs {n} bytes at offset {} but only {} remain",
-                    self.pos,
-                    self.remaining()
-                ))
+                self.err_with(
+                    FormatCause::Truncated,
+                    format!(
+                        "{what} needs {n} bytes at offset {} but only {} remain",
+                        self.pos,
+                        self.remaining()
+                    ),
+                )
             })?;
         let s = &self.buf[self.pos..end];
         self.pos = end;

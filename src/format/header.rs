@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use crate::cache::{DType, Fp8, Kind, TensorInfo};
-use crate::error::{Error, Location, Result};
+use crate::error::{Error, FormatCause, Location, Result};
 
 use super::bytes::{Cursor, PutLe, crc32};
 use super::{FRAME_HEADER_LEN, Limits, MAGIC, VERSION_MAJOR};
@@ -134,25 +134,31 @@ impl FileHeader {
         let mut c = Cursor::new(prefix, Location::Header);
         let magic: [u8; 8] = c.array("magic")?;
         if magic != MAGIC {
-            return Err(c.err(format!(
-                "not a kvpack file: magic bytes are {:02x?}, expected {:02x?}",
-                magic, MAGIC
-            )));
+            return Err(c.err_with(
+                FormatCause::NotKvpack,
+                format!(
+                    "not a kvpack file: magic bytes are {:02x?}, expected {:02x?}",
+                    magic, MAGIC
+                ),
+            ));
         }
         let major = c.u16("major version")?;
         let minor = c.u16("minor version")?;
         if major != VERSION_MAJOR {
-            return Err(c.err(format!(
+            return Err(c.err_with(FormatCause::UnsupportedVersion, format!(
                 "file is format version {major}.{minor}; this kvpack reads version {VERSION_MAJOR}.x \
                  (upgrade kvpack to read it)"
             )));
         }
         let required = c.u32("required flags")?;
         if required != 0 {
-            return Err(c.err(format!(
-                "required feature flags 0x{required:08x} are set; this reader understands none \
+            return Err(c.err_with(
+                FormatCause::UnsupportedVersion,
+                format!(
+                    "required feature flags 0x{required:08x} are set; this reader understands none \
                  (written by a newer kvpack {major}.{minor})"
-            )));
+                ),
+            ));
         }
         let _optional = c.u32("optional flags")?;
         let align_log2 = c.u8("alignment")?;
@@ -190,11 +196,16 @@ impl FileHeader {
             .get(..FRAME_HEADER_LEN)
             .and_then(|p| p.try_into().ok())
             .ok_or_else(|| {
-                Error::format(Location::Header, "file is shorter than the 64-byte prefix")
+                Error::format_with(
+                    FormatCause::Truncated,
+                    Location::Header,
+                    "file is shorter than the 64-byte prefix",
+                )
             })?;
         let header_len = Self::prefix_len(prefix, limits)?;
         if buf.len() as u64 != header_len {
-            return Err(Error::format(
+            return Err(Error::format_with(
+                FormatCause::Truncated,
                 Location::Header,
                 format!("header needs {header_len} bytes, have {}", buf.len()),
             ));
@@ -218,7 +229,8 @@ impl FileHeader {
         let body = &buf[FRAME_HEADER_LEN..FRAME_HEADER_LEN + body_len];
         let crc = crc32(&[&prefix[..60], body]);
         if crc != stored_crc {
-            return Err(Error::format(
+            return Err(Error::format_with(
+                FormatCause::Checksum,
                 Location::Header,
                 format!("header CRC mismatch: stored 0x{stored_crc:08x}, computed 0x{crc:08x}"),
             ));

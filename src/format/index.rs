@@ -1,6 +1,6 @@
 //! The footer index (one per commit) and the trailer that ends a commit.
 
-use crate::error::{Error, Location, Result};
+use crate::error::{Error, FormatCause, Location, Result};
 
 use super::bytes::{Cursor, PutLe, crc32};
 use super::{FRAME_HEADER_LEN, Limits, MAGIC};
@@ -98,7 +98,7 @@ impl Index {
         }
         let stored_crc = u32::from_le_bytes(b[60..64].try_into().expect("4 bytes"));
         if crc32(&[&b[..60]]) != stored_crc {
-            return Err(c.err("index header CRC mismatch"));
+            return Err(c.err_with(FormatCause::Checksum, "index header CRC mismatch"));
         }
         let generation = c.u32("generation")?;
         let n_tensors = c.u32("n_tensors")?;
@@ -137,7 +137,11 @@ impl Index {
     /// Parses the index body that follows `h`.
     pub(crate) fn parse_body(h: &IndexHeader, body: &[u8], at: &Location) -> Result<Index> {
         if crc32(&[body]) != h.body_crc {
-            return Err(Error::format(at.clone(), "index body CRC mismatch"));
+            return Err(Error::format_with(
+                FormatCause::Checksum,
+                at.clone(),
+                "index body CRC mismatch",
+            ));
         }
         let mut c = Cursor::new(body, at.clone());
         let mut token_counts = Vec::with_capacity(h.n_tensors as usize);
@@ -244,7 +248,7 @@ impl Trailer {
         }
         let stored = u32::from_le_bytes(b[52..56].try_into().expect("4 bytes"));
         if crc32(&[&b[..52]]) != stored {
-            return Err(c.err("trailer CRC mismatch"));
+            return Err(c.err_with(FormatCause::Checksum, "trailer CRC mismatch"));
         }
         let generation = c.u32("generation")?;
         let index_offset = c.u64("index_offset")?;

@@ -3,7 +3,7 @@
 
 use std::borrow::Cow;
 
-use crate::error::{Error, Location, Result};
+use crate::error::{Error, FormatCause, Location, Result};
 
 use super::bytes::{Cursor, PutLe, crc32};
 use super::section::{self, Section, SectionDesc, SectionKind};
@@ -83,9 +83,12 @@ impl PageHeader {
         let stored_crc = u32::from_le_bytes(b[60..64].try_into().expect("4 bytes"));
         let crc = crc32(&[&b[..60]]);
         if crc != stored_crc {
-            return Err(c.err(format!(
-                "page header CRC mismatch: stored 0x{stored_crc:08x}, computed 0x{crc:08x}"
-            )));
+            return Err(c.err_with(
+                FormatCause::Checksum,
+                format!(
+                    "page header CRC mismatch: stored 0x{stored_crc:08x}, computed 0x{crc:08x}"
+                ),
+            ));
         }
         let tensor = c.u32("tensor")?;
         let token_start = c.u32("token_start")?;
@@ -228,7 +231,8 @@ impl<'a> PageView<'a> {
     ) -> Result<PageView<'a>> {
         let crc = crc32(&[&stored]);
         if crc != header.body_crc {
-            return Err(Error::format(
+            return Err(Error::format_with(
+                FormatCause::Checksum,
                 at.clone(),
                 format!(
                     "page body CRC mismatch: stored 0x{:08x}, computed 0x{crc:08x}",
@@ -303,8 +307,9 @@ impl<'a> PageView<'a> {
         Ok((*d, s))
     }
 
-    /// A [`Error::Format`] located at this page, for codec decoders.
+    /// A [`Error::Format`] of cause [`FormatCause::Codec`] located at this
+    /// page, for codec decoders.
     pub fn error(&self, msg: impl Into<String>) -> Error {
-        Error::format(self.at.clone(), msg)
+        Error::format_with(FormatCause::Codec, self.at.clone(), msg)
     }
 }

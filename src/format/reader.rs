@@ -6,7 +6,7 @@
 
 use std::borrow::Cow;
 
-use crate::error::{Error, Location, Result};
+use crate::error::{Error, FormatCause, Location, Result};
 
 use super::bytes::check_zero_padding;
 use super::index::{Index, IndexEntry, Trailer};
@@ -194,14 +194,16 @@ impl<'a> Reader<'a> {
             .get(..FRAME_HEADER_LEN)
             .and_then(|p| p.try_into().ok())
             .ok_or_else(|| {
-                Error::format(
+                Error::format_with(
+                    FormatCause::Truncated,
                     Location::Header,
                     format!("file is {} bytes, too short for a kvpack header", buf.len()),
                 )
             })?;
         let header_len = FileHeader::prefix_len(prefix, &limits)?;
         let hb = buf.get(..header_len as usize).ok_or_else(|| {
-            Error::format(
+            Error::format_with(
+                FormatCause::Truncated,
                 Location::Header,
                 format!("file is {} bytes, header needs {header_len}", buf.len()),
             )
@@ -479,7 +481,8 @@ fn find_commit(data: &[u8], header_len: u64) -> Result<(Trailer, u64)> {
         )
     };
     if n < FRAME_HEADER_LEN as u64 {
-        return Err(Error::format(
+        return Err(Error::format_with(
+            FormatCause::Truncated,
             Location::Data { offset: header_len },
             format!("file ends {n} bytes after the header: no commit (truncated)"),
         ));

@@ -5,7 +5,7 @@
 use std::borrow::Cow;
 use std::io::{ErrorKind, Read};
 
-use crate::error::{Error, Location, Result};
+use crate::error::{Error, FormatCause, Location, Result};
 
 use super::bytes::check_zero_padding;
 use super::index::{INDEX_MAGIC, Index, IndexEntry, Trailer};
@@ -49,7 +49,8 @@ fn read_full<R: Read>(r: &mut R, buf: &mut [u8], what: &dyn Fn() -> Location) ->
         match r.read(&mut buf[got..]) {
             Ok(0) if got == 0 => return Ok(false),
             Ok(0) => {
-                return Err(Error::format(
+                return Err(Error::format_with(
+                    FormatCause::Truncated,
                     what(),
                     format!("stream truncated: {got} of {} bytes arrived", buf.len()),
                 ));
@@ -79,7 +80,11 @@ impl<R: Read> StreamReader<R> {
     pub fn with_limits(mut r: R, limits: Limits) -> Result<Self> {
         let mut prefix = [0u8; FRAME_HEADER_LEN];
         if !read_full(&mut r, &mut prefix, &|| Location::Header)? {
-            return Err(Error::format(Location::Header, "empty stream"));
+            return Err(Error::format_with(
+                FormatCause::NotKvpack,
+                Location::Header,
+                "empty stream",
+            ));
         }
         let header_len = FileHeader::prefix_len(&prefix, &limits)?;
         let mut buf = vec![0u8; header_len as usize];
@@ -87,7 +92,8 @@ impl<R: Read> StreamReader<R> {
         if !read_full(&mut r, &mut buf[FRAME_HEADER_LEN..], &|| Location::Header)?
             && header_len > 64
         {
-            return Err(Error::format(
+            return Err(Error::format_with(
+                FormatCause::Truncated,
                 Location::Header,
                 "stream truncated inside the header",
             ));
@@ -197,7 +203,8 @@ impl<R: Read> StreamReader<R> {
                 self.done = true;
                 return Ok(None);
             }
-            return Err(Error::format(
+            return Err(Error::format_with(
+                FormatCause::Truncated,
                 truncated_at(),
                 "stream ended before its end marker (index and trailer): truncated",
             ));
@@ -257,7 +264,11 @@ impl<R: Read> StreamReader<R> {
         let mut rest = vec![0u8; (frame_len - FRAME_HEADER_LEN as u64) as usize];
         let at2 = at.clone();
         if !read_full(&mut self.r, &mut rest, &|| at2.clone())? && !rest.is_empty() {
-            return Err(Error::format(at, "stream truncated inside the page"));
+            return Err(Error::format_with(
+                FormatCause::Truncated,
+                at,
+                "stream truncated inside the page",
+            ));
         }
         let stored_len = h.stored_len as usize;
         check_zero_padding(
@@ -290,7 +301,11 @@ impl<R: Read> StreamReader<R> {
         let mut rest = vec![0u8; (frame_len - FRAME_HEADER_LEN as u64) as usize];
         let at2 = at.clone();
         if !read_full(&mut self.r, &mut rest, &|| at2.clone())? && !rest.is_empty() {
-            return Err(Error::format(at, "stream truncated inside the index"));
+            return Err(Error::format_with(
+                FormatCause::Truncated,
+                at,
+                "stream truncated inside the index",
+            ));
         }
         let body_len = h.body_len as usize;
         check_zero_padding(

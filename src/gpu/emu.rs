@@ -149,9 +149,9 @@ impl Emulator {
             .output()
             .map_err(io(Path::new("g++")))?;
         if !o.status.success() {
-            return Err(Error::io(
+            return Err(Error::device(
                 format!("g++ compiling the emulator of {name}.cu"),
-                std::io::Error::other(String::from_utf8_lossy(&o.stderr).into_owned()),
+                String::from_utf8_lossy(&o.stderr).into_owned(),
             ));
         }
         std::fs::rename(&out, &bin).map_err(io(&bin))?;
@@ -202,9 +202,9 @@ impl Emulator {
                 .output()
                 .map_err(|e| Error::io(bin.display().to_string(), e))?;
             if !o.status.success() {
-                return Err(Error::io(
+                return Err(Error::device(
                     format!("emulator of {source}.cu"),
-                    std::io::Error::other(String::from_utf8_lossy(&o.stderr).into_owned()),
+                    String::from_utf8_lossy(&o.stderr).into_owned(),
                 ));
             }
         }
@@ -215,7 +215,7 @@ impl Emulator {
     /// [`super::Device::decode_tensor`] through the emulated kernels.
     ///
     /// # Errors
-    /// As [`super::Device::decode_tensor`], and [`Error::Io`] when the
+    /// As [`super::Device::decode_tensor`], and [`Error::Device`] (or [`Error::Io`] for its files) when the
     /// emulator cannot be built or fails.
     pub fn decode_tensor(
         &self,
@@ -306,7 +306,7 @@ impl Emulator {
     /// image, descriptors and launches of [`super::Gpu::decode_paged`].
     ///
     /// # Errors
-    /// As [`super::Gpu::decode_paged`], and [`Error::Io`] when the
+    /// As [`super::Gpu::decode_paged`], and [`Error::Device`] (or [`Error::Io`] for its files) when the
     /// emulator cannot be built or fails.
     pub fn decode_paged(
         &self,
@@ -355,7 +355,7 @@ impl Emulator {
     /// host fallback for codecs without a GPU encoder).
     ///
     /// # Errors
-    /// As [`super::Gpu::encode_paged`], and [`Error::Io`] when the
+    /// As [`super::Gpu::encode_paged`], and [`Error::Device`] (or [`Error::Io`] for its files) when the
     /// emulator cannot be built or fails.
     #[allow(clippy::too_many_arguments)]
     pub fn encode_paged(
@@ -422,7 +422,7 @@ impl Emulator {
     /// [`super::Device::encode_tensor`] through the emulated kernels.
     ///
     /// # Errors
-    /// As [`super::Device::encode_tensor`], and [`Error::Io`] when the
+    /// As [`super::Device::encode_tensor`], and [`Error::Device`] (or [`Error::Io`] for its files) when the
     /// emulator cannot be built or fails.
     pub fn encode_tensor(
         &self,

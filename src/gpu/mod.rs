@@ -311,8 +311,8 @@ impl Device {
     /// # Errors
     /// [`Error::Format`] for a corrupted page; [`Error::Parameter`] for a
     /// bad layout; [`Error::Unsupported`] for a codec without GPU kernels
-    /// or an fp8 / MLA latent tensor (emulator and CUDA; the CPU device
-    /// decodes them); [`Error::Io`] for a CUDA failure.
+    /// (CUDA only) or an fp8 / MLA latent tensor (emulator and CUDA; the
+    /// CPU device decodes them); [`Error::Device`] for a CUDA failure.
     pub fn decode_tensor(
         &self,
         archive: &Archive<'_>,
@@ -526,7 +526,7 @@ impl Device {
     /// [`Error::Parameter`] for values the codec cannot represent (NaN,
     /// inf), naming the page; [`Error::Unsupported`] for a codec without a
     /// GPU encoder (CUDA only) or an fp8 / MLA latent tensor (emulator and
-    /// CUDA); [`Error::Io`] for a CUDA failure.
+    /// CUDA); [`Error::Device`] for a CUDA failure.
     pub fn encode_tensor(
         &self,
         tensor: &Tensor,

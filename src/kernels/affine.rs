@@ -1,6 +1,6 @@
 //! Asymmetric (affine) row quantization: one scale and one zero point per
 //! row, `b`-bit codes. This is the token-wise INT-b quantizer of the BDR
-//! paper (seeds/bdr-block-diagonal-rotation-int4.txt, appendix A.1, Eq. 3-4)
+//! paper (SAW-INT4, Jia et al., arXiv:2604.19157, appendix A.1, Eq. 3-4)
 //! with an unrounded fp32 zero point.
 //!
 //! Normative rules (format/codecs/int.md), all in IEEE f32, round to nearest

@@ -41,13 +41,14 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
 /// If the lengths differ.
 pub fn f32_to_bf16(src: &[f32], dst: &mut [bf16]) {
     assert_eq!(src.len(), dst.len());
+    #[allow(unused_mut)]
+    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if super::simd_available() {
-        // SAFETY: AVX2 checked; bf16 is a transparent u16; lengths equal.
-        unsafe { super::x86::f32_to_bf16(src, bytemuck::cast_slice_mut(dst)) };
-        return;
+        // SAFETY: AVX2 checked; bf16 is a transparent u16.
+        done = unsafe { super::x86::f32_to_bf16(src, bytemuck::cast_slice_mut(dst)) };
     }
-    for (d, s) in dst.iter_mut().zip(src) {
+    for (d, s) in dst[done..].iter_mut().zip(&src[done..]) {
         *d = bf16::from_bits(f32_to_bf16_bits(*s));
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! These are the quantizers of KIVI (keys per channel over token groups,
 //! values per token over channel groups; fp16 scale and zero point) and of
-//! InnerQ (seeds/innerq-inner-dimension-groups.txt, section 4.1.1, Eq. 10-13:
+//! InnerQ (Tayaranian Hosseini et al., arXiv:2602.23200, section 4.1.1, Eq. 10-13:
 //! asymmetric `S = (max - min)/(2^b - 1)`, `Z = min`; symmetric
 //! `S = max|x|/(2^b - 1)`, dequantized as `S q + Z`). A group is a short list
 //! of values (gathered by the caller from a page); the functions here only

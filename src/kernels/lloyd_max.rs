@@ -3,7 +3,7 @@
 //! function of `(density, levels)`.
 //!
 //! The densities are the marginals of rotation-preconditioned codecs
-//! (OCTOPUS paper, `seeds/octopus-octahedral-triplets.txt`):
+//! (OCTOPUS paper, Boss et al., arXiv:2605.21226):
 //!
 //! * [`Density::Coordinate`]: one coordinate of a uniform unit vector in
 //!   `d` dimensions, `f(u) ∝ (1 - u^2)^((d-3)/2)` on `[-1, 1]` (Eq. 3,
@@ -399,7 +399,7 @@ pub fn search_many(padded: &[f32], xs: &[f32], out: &mut [u8]) {
 mod tests {
     use super::*;
 
-    /// Gaussian Lloyd-Max levels (ANCHORS.md B, TurboQuant): the coordinate
+    /// Gaussian Lloyd-Max levels (as quoted by TurboQuant, arXiv:2504.19874): the coordinate
     /// codebook times sqrt(d) approaches them for large d.
     #[test]
     fn coordinate_codebook_approaches_the_gaussian_levels() {
@@ -421,7 +421,7 @@ mod tests {
         }
     }
 
-    /// TurboQuant unit-vector MSE at d=128 (ANCHORS.md B): d * D_coord.
+    /// TurboQuant unit-vector MSE at d=128 (arXiv:2504.19874, Thm. 1): d * D_coord.
     #[test]
     fn turbo_unit_vector_mse_at_d128() {
         for (bits, want) in [(1, 0.362), (2, 0.116), (3, 0.034), (4, 0.009)] {

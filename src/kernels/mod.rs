@@ -26,7 +26,7 @@ pub mod rng;
 pub mod rotation;
 pub mod wht;
 #[cfg(target_arch = "x86_64")]
-pub mod x86;
+pub(crate) mod x86;
 
 /// True when the AVX2 + FMA + F16C paths may be used on this CPU.
 ///

@@ -1,5 +1,5 @@
 //! The octahedral map between directions in R^3 and the square `[-1, 1]^2`
-//! (OCTOPUS paper, `seeds/octopus-octahedral-triplets.txt`, section 3.2
+//! (OCTOPUS paper, Boss et al., arXiv:2605.21226, section 3.2
 //! Eq. 5-6 and appendix C.6-C.7; Engelhardt & Dachsbacher 2008).
 //!
 //! Exact arithmetic (normative for format/codecs/octopus.md): IEEE binary32,

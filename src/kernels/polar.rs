@@ -4,7 +4,7 @@
 //! comparisons of dot products (no `atan2`).
 //!
 //! This is the angle/radius machinery of PolarQuant
-//! (seeds/polarquant-wu-polar-keys.txt, section 3.2): a post-RoPE key pair
+//! (Wu et al., arXiv:2502.00527, section 3.2): a post-RoPE key pair
 //! `(x, y)` becomes a radius `r = sqrt(x^2 + y^2)` and one of `M` angles.
 //! The paper bins `atan2(y, x) + pi` uniformly on `[0, 2 pi)`; here the
 //! angle bins are centred on the directions `u_k = (cos 2 pi k/M,

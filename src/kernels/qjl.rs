@@ -1,5 +1,6 @@
-//! 1-bit QJL residual sketch (QJL, Zandieh et al.; OCTOPUS paper,
-//! `seeds/octopus-octahedral-triplets.txt`, section 3.6 and appendix C.15).
+//! 1-bit QJL residual sketch (Zandieh, Daliri, Han, "QJL: 1-bit quantized
+//! JL transform for KV cache quantization with zero overhead"; OCTOPUS
+//! paper, arXiv:2605.21226, section 3.6 and appendix C.15).
 //!
 //! For a residual `r` in the rotated frame (`d` a power of two) and a
 //! second rotation `R' = H_norm diag(s')` with an independent sign vector,

@@ -147,7 +147,7 @@ mod tests {
                 let r = mul(p, q).map(|v| v + 0.0);
                 assert!(set.contains(&key(r)), "{p:?} * {q:?} = {r:?}");
                 // Largest pairwise cosine between distinct units is 1/2
-                // (ANCHORS.md B: 60 degree minimum angle).
+                // (the 24-cell: 60 degree minimum angle).
                 if key(p) != key(q) {
                     assert!(dot(p, q) <= 0.5);
                 }

@@ -1,5 +1,5 @@
 //! Random sign-flipped Walsh-Hadamard rotations `R = H diag(s)` (OCTOPUS
-//! paper, `seeds/octopus-octahedral-triplets.txt`, Eq. 2 and appendix C.2;
+//! paper, Boss et al., arXiv:2605.21226, Eq. 2 and appendix C.2;
 //! TurboQuant; QJL), with sign vectors drawn from a spelled-out integer
 //! PRNG so that every implementation derives the same rotation from a seed.
 //!

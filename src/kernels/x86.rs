@@ -52,13 +52,15 @@ unsafe fn bf16x8(v: __m256) -> __m128i {
     _mm_packus_epi32(lo, hi)
 }
 
-/// [`super::convert::f32_to_bf16`]. `src.len() == dst.len()`.
+/// [`super::convert::f32_to_bf16`] for the first `8 * floor(n / 8)`
+/// elements (`n = min(src.len(), dst.len())`); returns how many it
+/// converted. The caller narrows the rest with the scalar rounding (so this
+/// module needs nothing from `convert`).
 ///
 /// # Safety
-/// AVX2, FMA and F16C must be available (checked by `simd_available`);
-/// the length requirements above must hold.
+/// AVX2, FMA and F16C must be available (checked by `simd_available`).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn f32_to_bf16(src: &[f32], dst: &mut [u16]) {
+pub unsafe fn f32_to_bf16(src: &[f32], dst: &mut [u16]) -> usize {
     let n = src.len().min(dst.len());
     let mut i = 0;
     while i + 8 <= n {
@@ -69,9 +71,7 @@ pub unsafe fn f32_to_bf16(src: &[f32], dst: &mut [u16]) {
         }
         i += 8;
     }
-    for j in i..n {
-        dst[j] = super::convert::f32_to_bf16_bits(src[j]);
-    }
+    i
 }
 
 /// Reduces 8-lane min/max/non-finite accumulators and folds in `tail`.
@@ -325,7 +325,11 @@ mod tests {
             prop_assert_eq!(a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), b.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
             // bf16 both ways (odd tail included)
             let mut h = vec![0u16; n - 3];
-            unsafe { f32_to_bf16(&x[..n - 3], &mut h) };
+            let done = unsafe { f32_to_bf16(&x[..n - 3], &mut h) };
+            prop_assert_eq!(done, (n - 3) / 8 * 8);
+            for j in done..n - 3 {
+                h[j] = convert::f32_to_bf16_bits(x[j]);
+            }
             let want_h: Vec<u16> = x[..n - 3].iter().map(|&v| convert::f32_to_bf16_bits(v)).collect();
             prop_assert_eq!(&h, &want_h);
             let mut f = vec![0f32; n - 3];
@@ -352,7 +356,7 @@ mod tests {
             2.5,
         ];
         let mut h = [0u16; 8];
-        unsafe { f32_to_bf16(&x, &mut h) };
+        assert_eq!(unsafe { f32_to_bf16(&x, &mut h) }, 8);
         for (v, b) in x.iter().zip(h) {
             let r = convert::f32_to_bf16_bits(*v);
             assert_eq!(b, r, "{v}");

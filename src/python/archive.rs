@@ -58,8 +58,9 @@ impl Archive {
 
 #[pymethods]
 impl Archive {
-    /// Opens `source`: a filesystem path (`str` or `os.PathLike`) or a
-    /// `bytes` object holding a whole kvpack file.
+    /// Opens `source`: a filesystem path (`str` or `os.PathLike`), a
+    /// `bytes` object or a contiguous uint8 host array holding a whole
+    /// kvpack file (bytes and arrays are copied once).
     ///
     /// Raises `FormatError` for invalid data, `KvpackIOError` when the file
     /// cannot be read.
@@ -67,10 +68,14 @@ impl Archive {
     fn new(py: Python<'_>, source: &Bound<'_, PyAny>) -> PyResult<Archive> {
         let bytes = if let Ok(b) = source.cast::<PyBytes>() {
             InputBytes::Owned(b.as_bytes().to_vec())
-        } else {
-            let path: std::path::PathBuf = source.extract()?;
+        } else if let Ok(path) = source.extract::<std::path::PathBuf>() {
             let p = path.to_string_lossy().into_owned();
             py.detach(|| crate::io::file::open_input(&p)).py_err()?
+        } else {
+            // A uint8 host array (e.g. what kvpack.cuda.encode_paged
+            // returns): held as a private copy.
+            let t = dlpack::import(source, None)?;
+            InputBytes::Owned(t.host_bytes("source")?.to_vec())
         };
         let cell = py
             .detach(|| Cell::try_new(bytes, |b| Inner::open(b)))

@@ -292,3 +292,59 @@ impl OwnedArray {
         self.data.dtype().name()
     }
 }
+
+/// Bytes owned by Rust (an encoded kvpack file), shared with numpy/torch
+/// as a 1-d uint8 array through DLPack without a copy:
+/// `numpy.from_dlpack(b)`.
+#[pyclass(frozen, module = "kvpack._native")]
+pub struct OwnedBytes {
+    data: Vec<u8>,
+}
+
+impl OwnedBytes {
+    /// Wraps `data`.
+    pub fn new(data: Vec<u8>) -> OwnedBytes {
+        OwnedBytes { data }
+    }
+}
+
+#[pymethods]
+impl OwnedBytes {
+    /// DLPack export of the bytes (uint8, 1-d, host memory).
+    #[pyo3(signature = (*, stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        slf: &Bound<'_, Self>,
+        stream: Option<Py<PyAny>>,
+        max_version: Option<Py<PyAny>>,
+        dl_device: Option<(i32, i32)>,
+        copy: Option<bool>,
+    ) -> PyResult<Py<PyAny>> {
+        let _ = (stream, max_version);
+        if dl_device.is_some_and(|(t, _)| t != dlpack::DEVICE_CPU) || copy == Some(true) {
+            return Err(PyValueError::new_err(
+                "kvpack bytes live in host memory and are exported without copying",
+            ));
+        }
+        let me = slf.get();
+        // SAFETY: the bytes live in `me.data`, never mutated after
+        // construction; `owner` keeps `me` alive for the capsule's life.
+        unsafe {
+            dlpack::export(
+                slf.py(),
+                slf.clone().into_any().unbind(),
+                me.data.as_ptr() as *mut std::ffi::c_void,
+                dlpack::U8,
+                &[me.data.len()],
+            )
+        }
+    }
+
+    /// `(kDLCPU, 0)`.
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        (dlpack::DEVICE_CPU, 0)
+    }
+
+    fn __len__(&self) -> usize {
+        self.data.len()
+    }
+}

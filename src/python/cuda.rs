@@ -211,7 +211,7 @@ pub fn cuda_decode_paged(
 /// `(report, bytes | None, bytes written into out | None)`.
 type Encoded<'py> = (
     Bound<'py, PyDict>,
-    Option<Bound<'py, PyBytes>>,
+    Option<super::arrays::OwnedBytes>,
     Option<usize>,
 );
 
@@ -270,7 +270,7 @@ pub fn cuda_encode_paged<'py>(
         .py_err()?;
     Ok((
         super::report_dict(py, &report)?,
-        Some(PyBytes::new(py, &file)),
+        Some(super::arrays::OwnedBytes::new(file)),
         None,
     ))
 }

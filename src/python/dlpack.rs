@@ -103,7 +103,7 @@ pub const F32: DLDataType = DLDataType {
     bits: 32,
     lanes: 1,
 };
-/// 8-bit unsigned (fp8 codes: the tensor's scale is separate).
+/// Bytes (also fp8 codes, whose scale is the tensor's, kept apart).
 pub const U8: DLDataType = DLDataType {
     code: 1,
     bits: 8,

@@ -21,6 +21,7 @@ fn raise(py: Python<'_>, e: &Error) -> PyResult<PyErr> {
         Error::Limits(_) => ("LimitsError", None, None),
         Error::Io { source, .. } => ("KvpackIOError", None, source.raw_os_error()),
         Error::Unsupported(_) => ("UnsupportedError", None, None),
+        Error::Device { .. } => ("DeviceError", None, None),
     };
     let cls = module.getattr(class)?;
     let exc = cls.call1((e.to_string(), location, errno))?;

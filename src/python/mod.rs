@@ -199,14 +199,28 @@ fn compress<'py>(
         metadata: metadata.unwrap_or_default(),
         token_ids: token_ids.unwrap_or_default(),
     };
-    let c = codec.as_ref();
+    write_out(py, &view, codec.as_ref(), &opts, path, force, out)
+}
+
+/// Compresses `view` to a file at `path` (atomic, no clobber without
+/// `force`), into the caller buffer `out`, or to `bytes`, with the GIL
+/// released while encoding.
+fn write_out<'py>(
+    py: Python<'py>,
+    view: &CacheView<'_>,
+    c: &dyn Codec,
+    opts: &CompressOptions,
+    path: Option<std::path::PathBuf>,
+    force: bool,
+    out: Option<Bound<'py, PyAny>>,
+) -> PyResult<Compressed<'py>> {
     let none = |_: u64| {};
     if let Some(path) = path {
         let report = py
             .detach(|| {
                 let mut rep = None;
                 crate::io::file::write_atomic(&path, force, |w| {
-                    rep = Some(crate::compress::compress_view(&view, c, &opts, w, &none)?.1);
+                    rep = Some(crate::compress::compress_view(view, c, opts, w, &none)?.1);
                     Ok(())
                 })?;
                 Ok(rep.expect("write_atomic ran the writer"))
@@ -220,9 +234,9 @@ fn compress<'py>(
         let (w, report) = py
             .detach(|| {
                 crate::compress::compress_view(
-                    &view,
+                    view,
                     c,
-                    &opts,
+                    opts,
                     SliceWriter { buf: bytes, pos: 0 },
                     &none,
                 )
@@ -240,13 +254,54 @@ fn compress<'py>(
         return Ok((report_dict(py, &report)?, None, Some(w.pos)));
     }
     let (file, report) = py
-        .detach(|| crate::compress::compress_view(&view, c, &opts, Vec::new(), &none))
+        .detach(|| crate::compress::compress_view(view, c, opts, Vec::new(), &none))
         .py_err()?;
     Ok((
         report_dict(py, &report)?,
         Some(PyBytes::new(py, &file)),
         None,
     ))
+}
+
+/// Compresses a safetensors KV cache file (HF names
+/// `past_key_values.{layer}.key/.value`, `[batch, kv_heads, tokens,
+/// head_dim]`, as `kvpack compress` reads it; its metadata and token ids
+/// are carried over) like `compress`. The input is memory-mapped.
+#[pyfunction]
+#[pyo3(signature = (source, codec, *, path=None, force=false, out=None, page_tokens=None,
+    sink=None, recent=None, zstd_level=None, align_log2=6, raw_fallback=false))]
+#[allow(clippy::too_many_arguments)]
+fn compress_file<'py>(
+    py: Python<'py>,
+    source: std::path::PathBuf,
+    codec: &str,
+    path: Option<std::path::PathBuf>,
+    force: bool,
+    out: Option<Bound<'py, PyAny>>,
+    page_tokens: Option<u32>,
+    sink: Option<u32>,
+    recent: Option<u32>,
+    zstd_level: Option<i32>,
+    align_log2: u8,
+    raw_fallback: bool,
+) -> PyResult<Compressed<'py>> {
+    let codec = crate::codec::parse(codec).py_err()?;
+    let opts = Opts {
+        page_tokens,
+        sink,
+        recent,
+        zstd_level,
+        align_log2,
+        raw_fallback,
+    }
+    .resolve(codec.as_ref())?;
+    let name = source.to_string_lossy().into_owned();
+    let input = py.detach(|| crate::io::file::open_input(&name)).py_err()?;
+    let cache = py
+        .detach(|| crate::io::safetensors::parse(&input, &name))
+        .py_err()?
+        .cache;
+    write_out(py, &cache.view(), codec.as_ref(), &opts, path, force, out)
 }
 
 /// An upper bound of the size in bytes of `compress(..., raw_fallback=True)`
@@ -429,7 +484,9 @@ fn canonical_codec(name: &str) -> PyResult<String> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Archive>()?;
     m.add_class::<OwnedArray>()?;
+    m.add_class::<arrays::OwnedBytes>()?;
     m.add_function(wrap_pyfunction!(compress, m)?)?;
+    m.add_function(wrap_pyfunction!(compress_file, m)?)?;
     m.add_function(wrap_pyfunction!(max_size, m)?)?;
     m.add_function(wrap_pyfunction!(decode_bytes_into, m)?)?;
     m.add_function(wrap_pyfunction!(codec_families, m)?)?;

@@ -250,3 +250,26 @@ def test_outputs_alive_at_interpreter_exit_do_not_crash():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "done"
+
+
+def test_compress_a_safetensors_file_like_the_cli(tmp_path, fixture):
+    kv, meta = fixture
+    res = kvpack.compress(FIXTURE, "bdr128")
+    # `kvpack compress fixtures/... --codec bdr128` reports 4.282 bits/element.
+    assert round(res.bits_per_element, 3) == 4.282, res
+    ar = kvpack.open(res.data)
+    # The token ids move from the metadata into the file's index.
+    ids = json.loads(meta["kvpack.token_ids"])
+    assert ar.model == meta["kvpack.model"] and ar.token_ids == ids
+    assert ar.metadata == {k: v for k, v in meta.items() if k != "kvpack.token_ids"}
+    raw = kvpack.open(kvpack.compress(str(FIXTURE), "raw").data).decode()
+    for key, a in kv.items():
+        assert np.array_equal(raw[key].view(np.uint16), a), key
+    p = tmp_path / "f.kvpack"
+    kvpack.compress(FIXTURE, "int4", path=p)
+    with pytest.raises(kvpack.ParameterError, match="exists"):
+        kvpack.compress(FIXTURE, "int4", path=p)
+    with pytest.raises(kvpack.ParameterError, match="carries its own"):
+        kvpack.compress(FIXTURE, "int4", model="x")
+    with pytest.raises(kvpack.KvpackIOError):
+        kvpack.compress(tmp_path / "missing.safetensors", "int4")

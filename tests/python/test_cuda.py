@@ -8,6 +8,7 @@ the `cuda` cargo feature (`maturin build -F cuda`), and skip otherwise.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import kvpack
@@ -145,7 +146,7 @@ def test_encode_paged_matches_compress_bytes(layout, dtype, codec):
     scatter(cache, layout, ids, 1, v[0])
     data = kvpack.cuda.encode_paged(cache, ids, TOKENS, codec, layout=layout, page_tokens=32)
     want = kvpack.compress([(k, v)], codec, page_tokens=32).data
-    assert data == want, f"{codec} {layout} {dtype}: file differs from kvpack.compress"
+    assert data.dtype == np.uint8 and bytes(data) == want, f"{codec} {layout} {dtype}: file differs from kvpack.compress"
     buf = torch.empty(len(want) + 4096, dtype=torch.uint8)
     n = kvpack.cuda.encode_paged(cache, ids, TOKENS, codec, layout=layout, page_tokens=32, out=buf)
     assert n == len(want) and bytes(buf[:n].numpy()) == want

@@ -24,11 +24,15 @@ pub const EXIT_BAD_INPUT: u8 = 2;
 /// Exit status: the system failed (disk full, permission denied, broken
 /// pipe).
 pub const EXIT_IO: u8 = 3;
+/// Exit status: the GPU failed (CUDA driver, NVRTC, a kernel, out of
+/// device memory).
+pub const EXIT_DEVICE: u8 = 4;
 
 const AFTER_HELP: &str = "\
 Exit status: 0 success, 1 verification failed (verify), 2 bad usage or bad
 input (unknown codec, corrupt or missing file, existing output without
---force), 3 I/O failure (disk full, permission denied).
+--force), 3 I/O failure (disk full, permission denied), 4 device failure
+(CUDA driver, kernel, out of GPU memory).
 
 Examples:
   kvpack compress cache.safetensors --codec bdr128

@@ -8,12 +8,14 @@ use kvpack::codec::Codec;
 use kvpack::compress::CompressOptions;
 use kvpack::plan::Layout;
 
-use crate::{EXIT_BAD_INPUT, EXIT_IO};
+use crate::{EXIT_BAD_INPUT, EXIT_DEVICE, EXIT_IO};
 
-/// Maps an error to the documented exit status.
+/// Maps an error to the documented exit status: 3 for an operating-system
+/// failure other than a missing file, 4 for a device failure, 2 otherwise.
 pub fn exit_code(e: &anyhow::Error) -> u8 {
     match e.downcast_ref::<Error>() {
         Some(Error::Io { source, .. }) if source.kind() != std::io::ErrorKind::NotFound => EXIT_IO,
+        Some(Error::Device { .. }) => EXIT_DEVICE,
         _ => EXIT_BAD_INPUT,
     }
 }
@@ -110,5 +112,27 @@ pub fn print_json(v: &serde_json::Value, data_on_stdout: bool) {
         eprintln!("{s}");
     } else {
         println!("{s}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_error_kind_has_its_documented_exit_status() {
+        let code = |e: Error| exit_code(&anyhow::Error::from(e));
+        assert_eq!(code(Error::device("CUDA launch", "out of memory")), 4);
+        assert_eq!(
+            code(Error::io("writing x", std::io::Error::other("disk full"))),
+            3
+        );
+        let missing = std::io::Error::from(std::io::ErrorKind::NotFound);
+        assert_eq!(code(Error::io("reading x", missing)), 2);
+        assert_eq!(code(Error::param("unknown codec")), 2);
+        assert_eq!(
+            code(Error::format(kvpack::Location::Header, "bad magic")),
+            2
+        );
     }
 }

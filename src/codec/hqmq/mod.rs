@@ -1,5 +1,6 @@
 //! `hqmq:s{S}r{b}[+med{C}]`: Hurwitz-quaternion multiplicative vector
-//! quantization (seeds/hqmq-hurwitz-quaternion.txt; bitstream in
+//! quantization (Swain et al., "Hurwitz Quaternion Multiplicative
+//! Quantization for KV Cache Compression", arXiv:2605.27646; bitstream in
 //! format/codecs/hqmq.md).
 //!
 //! Every head vector (one token of one kv head, `head_dim` values) is cut
@@ -39,7 +40,7 @@ use crate::format::{PageView, Section};
 use crate::kernels::radix::Groups;
 
 use self::codebook::{Cache, Codebook};
-use super::{Codec, Family, PageIn, PageOut};
+use super::{Codec, Example, Family, PageIn, PageOut};
 
 pub use params::parse_name;
 
@@ -57,6 +58,20 @@ pub const FAMILY: Family = Family {
     summary: "Hurwitz-quaternion multiplicative VQ of 4-element chunks, fp16 outliers (:seed{N})",
     parse: params::parse_family,
     from_params: params::from_params,
+    examples: &[
+        Example {
+            name: "hqmq:s24r3",
+            min_snr_db: 8.0,
+        },
+        Example {
+            name: "hqmq:s96r4+med3",
+            min_snr_db: 16.0,
+        },
+        Example {
+            name: "hqmq:s5r2+med2:seed9",
+            min_snr_db: 8.0,
+        },
+    ],
 };
 
 /// An HQMQ configuration. Immutable; caches the codebooks it builds.

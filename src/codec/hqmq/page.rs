@@ -18,7 +18,7 @@ use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::bitpack;
 
 use super::super::outliers::OutlierTable;
-use super::super::{PageIn, PageOut, expect_section};
+use super::super::{PageIn, PageOut, expect_section, expect_section_count};
 use super::{Hqmq, search};
 
 /// `1.5 * 2^23`: `(t + M) - M` rounds `t` in `[0, 2^22]` to the nearest
@@ -272,6 +272,7 @@ pub(super) fn decode(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Re
         ElemType::Bytes,
         h.groups.packed_len(n_in),
     )?;
+    expect_section_count(page, 3 + usize::from(has_table))?;
     if !bitpack::tail_is_zero(low_bytes, n_in, e) {
         return Err(page.error("INDEX stream 0: padding bits after the last code are set"));
     }

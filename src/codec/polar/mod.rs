@@ -1,5 +1,6 @@
-//! `polar:m{m}n{n}`: PolarQuant (Wu et al., seeds/polarquant-wu-polar-keys.txt,
-//! section 3; format/codecs/polar.md).
+//! `polar:m{m}n{n}`: PolarQuant (Wu et al., "PolarQuant: Leveraging Polar
+//! Transformation for Efficient Key Cache Quantization and Decoding
+//! Acceleration", arXiv:2502.00527, section 3; format/codecs/polar.md).
 //!
 //! Post-RoPE keys are cut into 2-D sub-vectors along the RoPE pairing, each
 //! pair `(x, y)` becomes a radius and an angle (section 3.2):
@@ -37,7 +38,9 @@ use crate::kernels::polar::{MAX_ANGLE_BITS, NearestDirection, radius, uniform_di
 
 use super::affine::Affine;
 use super::raw::Raw;
-use super::{Codec, Family, PageIn, PageOut, expect_section, f32_at, pagebuf};
+use super::{
+    Codec, Example, Family, PageIn, PageOut, expect_section, expect_section_count, f32_at, pagebuf,
+};
 
 /// Codec id of `polar`.
 pub const ID: u16 = 6;
@@ -103,6 +106,20 @@ pub const FAMILY: Family = Family {
     summary: "PolarQuant: RoPE key pairs as n-bit radius + m-bit angle; values INT4; 128 recent raw",
     parse,
     from_params: |p| Ok(Box::new(Polar::from_params(p)?)),
+    examples: &[
+        Example {
+            name: "polar:m4n4",
+            min_snr_db: 11.0,
+        },
+        Example {
+            name: "polar:m4n2",
+            min_snr_db: 9.0,
+        },
+        Example {
+            name: "polar:m4n2:adjacent:vraw",
+            min_snr_db: 9.0,
+        },
+    ],
 };
 
 fn parse(s: &str) -> Option<Result<Box<dyn Codec>>> {
@@ -425,6 +442,7 @@ fn key_sections<'p>(
         ElemType::Packed(c.code_bits() as u8),
         planes * tokens * pairs,
     )?;
+    expect_section_count(page, 2)?;
     Ok((scales, index))
 }
 

@@ -84,7 +84,7 @@ impl GpuPages {
     ///
     /// # Errors
     /// [`Error::Format`] for a corrupted page; [`Error::Unsupported`] for a
-    /// codec without GPU kernels; [`Error::Io`] for a CUDA failure.
+    /// codec without GPU kernels; [`Error::Device`] for a CUDA failure.
     pub fn upload(gpu: &Gpu, archive: &Archive<'_>, pages: &[usize]) -> Result<GpuPages> {
         let staged: Vec<Staged<'_>> = pages
             .par_iter()
@@ -326,7 +326,7 @@ impl Gpu {
     /// # Errors
     /// [`Error::Parameter`] for a destination that is too small, a tensor
     /// with two targets, or pages of another device; [`Error::Unsupported`]
-    /// for head_dim above 1024 (int/bdr); [`Error::Io`] for a CUDA failure.
+    /// for head_dim above 1024 (int/bdr); [`Error::Device`] for a CUDA failure.
     pub fn plan_decode<'a>(
         &self,
         pages: &'a GpuPages,
@@ -371,7 +371,7 @@ impl DecodePlan<'_> {
     /// Submits the decode (asynchronous; see [`DecodePlan::finish`]).
     ///
     /// # Errors
-    /// [`Error::Io`] when NVRTC, the module load or a launch fails.
+    /// [`Error::Device`] when NVRTC, the module load or a launch fails.
     pub fn launch(&self) -> Result<()> {
         let base = self.table.device_ptr();
         for (key, d, w, blocks) in &self.launches {
@@ -385,7 +385,7 @@ impl DecodePlan<'_> {
     /// Waits for the launched work and checks the status word.
     ///
     /// # Errors
-    /// [`Error::Io`] for a failed kernel; [`Error::Parameter`] when a slot
+    /// [`Error::Device`] for a failed kernel; [`Error::Parameter`] when a slot
     /// mapping entry pointed past the paged cache (the row is named);
     /// [`Error::Format`] when a kernel found page content its codec's spec
     /// forbids (hqmq digit groups, scales).

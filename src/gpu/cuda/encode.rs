@@ -65,7 +65,7 @@ impl Gpu {
     /// [`Error::Parameter`] when `src` does not match `info` or a page lies
     /// outside the tensor, or the codec cannot encode the tensor;
     /// [`Error::Unsupported`] for codecs other than `int{b}`, `bdr{h}` and
-    /// `hqmq` without `+med`; [`Error::Io`] for a CUDA failure.
+    /// `hqmq` without `+med`; [`Error::Device`] for a CUDA failure.
     pub fn plan_encode<'a, T: GpuElem>(
         &self,
         src: &'a GpuBuffer<T>,
@@ -139,7 +139,7 @@ impl EncodePlan<'_> {
     /// Submits the encode (asynchronous; see [`EncodePlan::finish`]).
     ///
     /// # Errors
-    /// [`Error::Io`] when NVRTC, the module load or a launch fails.
+    /// [`Error::Device`] when NVRTC, the module load or a launch fails.
     pub fn launch(&self) -> Result<()> {
         let base = self.table.device_ptr();
         for l in &self.launches {
@@ -162,7 +162,7 @@ impl EncodePlan<'_> {
     /// [`Error::Parameter`] naming the first page row (plane and token)
     /// holding a value the codec cannot encode (NaN or inf; for hqmq also a
     /// value or radius beyond the fp16 range), as the CPU encoder does;
-    /// [`Error::Io`] for a failed kernel.
+    /// [`Error::Device`] for a failed kernel.
     pub fn finish(&self) -> Result<()> {
         let s = self.status.to_vec()?[0];
         if s == u64::MAX {
@@ -184,7 +184,7 @@ impl EncodePlan<'_> {
     /// CPU encoder returns, one list per page.
     ///
     /// # Errors
-    /// [`Error::Io`] for a CUDA failure.
+    /// [`Error::Device`] for a CUDA failure.
     pub fn sections(&self) -> Result<Vec<Vec<Section>>> {
         let bytes = self.bodies.to_vec()?;
         Ok(self

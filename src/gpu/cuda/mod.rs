@@ -33,14 +33,10 @@ use super::GpuInfo;
 use super::sources::{self, Source};
 use crate::error::{Error, Result};
 
-/// Maps a CUDA driver failure to [`Error::Io`] with what kvpack was doing.
+/// Maps a CUDA driver failure to [`Error::Device`] with what kvpack was
+/// doing.
 pub(crate) fn cuda_err(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
-    move |e| {
-        Error::io(
-            format!("CUDA {what}"),
-            std::io::Error::other(format!("{e:?}")),
-        )
-    }
+    move |e| Error::device(format!("CUDA {what}"), format!("{e:?}"))
 }
 
 /// True when the CUDA driver library can be loaded.
@@ -102,7 +98,7 @@ impl Gpu {
     ///
     /// # Errors
     /// [`Error::Unsupported`] when the CUDA driver or NVRTC library cannot
-    /// be loaded, or there is no such device; [`Error::Io`] when the driver
+    /// be loaded, or there is no such device; [`Error::Device`] when the driver
     /// fails to create a context or stream.
     pub fn new(ordinal: usize) -> Result<Gpu> {
         static DEVICES: OnceLock<Mutex<HashMap<usize, Gpu>>> = OnceLock::new();
@@ -247,7 +243,7 @@ impl Gpu {
     /// done (a stream synchronize; never the device).
     ///
     /// # Errors
-    /// [`Error::Io`] for a failed kernel or copy.
+    /// [`Error::Device`] for a failed kernel or copy.
     pub fn synchronize(&self) -> Result<()> {
         self.stream().synchronize().map_err(cuda_err("synchronize"))
     }
@@ -298,7 +294,7 @@ impl Gpu {
     /// that compile time stays out of measurements.
     ///
     /// # Errors
-    /// [`Error::Io`] naming the source when NVRTC or the driver rejects it.
+    /// [`Error::Device`] naming the source when NVRTC or the driver rejects it.
     pub fn warm_up(&self) -> Result<()> {
         for s in sources::ALL {
             self.module(s)?;
@@ -309,7 +305,7 @@ impl Gpu {
     /// A zero-filled buffer of `len` elements.
     ///
     /// # Errors
-    /// [`Error::Io`] when the allocation fails (out of memory).
+    /// [`Error::Device`] when the allocation fails (out of memory).
     pub fn alloc<T: GpuElem>(&self, len: usize) -> Result<GpuBuffer<T>> {
         let b = self.alloc_uninit::<T>(len)?;
         // SAFETY: exactly the buffer's bytes, on the stream it was
@@ -368,7 +364,7 @@ impl Gpu {
     /// Copies `buf` to the host (waits for pending work on the stream).
     ///
     /// # Errors
-    /// [`Error::Io`] for a failed copy or an earlier failed kernel.
+    /// [`Error::Device`] for a failed copy or an earlier failed kernel.
     pub fn download<T: GpuElem>(&self, buf: &GpuBuffer<T>) -> Result<Vec<T>> {
         let mut v = vec![T::zeroed(); buf.len];
         self.ctx().bind_to_thread().map_err(cuda_err("bind"))?;
@@ -386,7 +382,7 @@ impl Gpu {
     /// milliseconds from before the first to after the last submission.
     ///
     /// # Errors
-    /// The error of `f`, or [`Error::Io`] from the events.
+    /// The error of `f`, or [`Error::Device`] from the events.
     pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f64> {
         let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let a = self.ctx().new_event(flags).map_err(cuda_err("event"))?;
@@ -404,7 +400,7 @@ impl Gpu {
     ///
     /// # Errors
     /// [`Error::Parameter`] when the lengths differ or are not a multiple
-    /// of 16 bytes; [`Error::Io`] on launch failure.
+    /// of 16 bytes; [`Error::Device`] on launch failure.
     pub fn copy(&self, src: &GpuBuffer<u8>, dst: &GpuBuffer<u8>, driver: bool) -> Result<()> {
         if src.len != dst.len || !src.len.is_multiple_of(16) {
             return Err(Error::param(
@@ -516,12 +512,8 @@ fn compile(src: Source, cc: (i32, i32)) -> Result<Ptx> {
         ],
         ..Default::default()
     };
-    cudarc::nvrtc::compile_ptx_with_opts(src.full_text(), opts).map_err(|e| {
-        Error::io(
-            format!("NVRTC compiling {}.cu", src.name),
-            std::io::Error::other(format!("{e:?}")),
-        )
-    })
+    cudarc::nvrtc::compile_ptx_with_opts(src.full_text(), opts)
+        .map_err(|e| Error::device(format!("NVRTC compiling {}.cu", src.name), format!("{e:?}")))
 }
 
 /// Compiles every kernel source with NVRTC for compute capability `cc`
@@ -530,7 +522,7 @@ fn compile(src: Source, cc: (i32, i32)) -> Result<Ptx> {
 /// code.
 ///
 /// # Errors
-/// [`Error::Unsupported`] without libnvrtc; [`Error::Io`] with the compiler
+/// [`Error::Unsupported`] without libnvrtc; [`Error::Device`] with the compiler
 /// log when a source does not compile.
 pub fn compile_all(cc: (i32, i32)) -> Result<Vec<(&'static str, String)>> {
     if !nvrtc_present() {
@@ -632,7 +624,7 @@ impl<T: GpuElem> GpuBuffer<T> {
     ///
     /// # Errors
     /// [`Error::Parameter`] when `data` is longer than the buffer;
-    /// [`Error::Io`] when the copy fails.
+    /// [`Error::Device`] when the copy fails.
     pub fn write(&self, data: &[T]) -> Result<()> {
         if data.len() > self.len {
             return Err(Error::param("write past the end of a GPU buffer"));
@@ -650,7 +642,7 @@ impl<T: GpuElem> GpuBuffer<T> {
     /// Sets every byte of the buffer to `byte`.
     ///
     /// # Errors
-    /// [`Error::Io`] when the memset fails.
+    /// [`Error::Device`] when the memset fails.
     pub fn fill_bytes(&self, byte: u8) -> Result<()> {
         self.gpu.ctx().bind_to_thread().map_err(cuda_err("bind"))?;
         // SAFETY: exactly the buffer's bytes, on our stream.

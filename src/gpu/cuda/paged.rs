@@ -226,7 +226,7 @@ impl PagedJob {
     ///
     /// # Errors
     /// [`Error::Format`] when a kernel found page content its codec's spec
-    /// forbids; [`Error::Io`] when the copy or a kernel failed.
+    /// forbids; [`Error::Device`] when the copy or a kernel failed.
     pub fn wait(mut self) -> Result<PagedStats> {
         self.event.synchronize().map_err(cuda_err("event wait"))?;
         let staging = self.staging.take().expect("present until drop");
@@ -287,7 +287,7 @@ impl Gpu {
     /// not fit the cache (kv_heads, head_dim, batch 1), or the block table
     /// is too short, out of range or repeats a block; [`Error::Format`]
     /// for a corrupted page; [`Error::Unsupported`] for a codec or head_dim
-    /// the GPU kernels do not take; [`Error::Io`] for a CUDA failure.
+    /// the GPU kernels do not take; [`Error::Device`] for a CUDA failure.
     pub fn decode_paged(
         &self,
         archive: &Archive<'_>,
@@ -384,7 +384,7 @@ impl Gpu {
     /// [`Error::Parameter`] when `num_tokens` is 0, the block table is too
     /// short, out of range or repeats a block, or the codec cannot encode
     /// the tensors (shape, NaN or inf: the row is named);
-    /// [`Error::Io`] for a CUDA failure.
+    /// [`Error::Device`] for a CUDA failure.
     #[allow(clippy::too_many_arguments)]
     pub fn encode_paged<W: std::io::Write + Send>(
         &self,
@@ -453,7 +453,7 @@ impl Gpu {
     ///
     /// # Errors
     /// [`Error::Parameter`] when `slots` has fewer than `tokens` entries or
-    /// an output is too small; [`Error::Io`] for a CUDA failure.
+    /// an output is too small; [`Error::Device`] for a CUDA failure.
     pub fn plan_gather<'a>(
         &self,
         cache: &PagedCache,
@@ -492,7 +492,7 @@ impl GatherPlan<'_> {
     /// Submits the gather (asynchronous).
     ///
     /// # Errors
-    /// [`Error::Io`] when the launch fails.
+    /// [`Error::Device`] when the launch fails.
     pub fn launch(&self) -> Result<()> {
         let args = super::Args {
             bits: None,
@@ -512,7 +512,7 @@ impl GatherPlan<'_> {
     /// Waits for the stream and checks the status words.
     ///
     /// # Errors
-    /// [`Error::Io`] for a failed kernel; [`Error::Parameter`] for a slot
+    /// [`Error::Device`] for a failed kernel; [`Error::Parameter`] for a slot
     /// past the cache.
     pub fn finish(&self) -> Result<()> {
         check_status(&self.status.to_vec()?)

@@ -65,7 +65,7 @@ impl FileDecoder {
     /// enough to start the GPU early).
     ///
     /// # Errors
-    /// [`Error::Io`] when pinned or device memory cannot be allocated.
+    /// [`Error::Device`] when pinned or device memory cannot be allocated.
     pub fn new(gpu: &Gpu, chunk_bytes: usize) -> Result<FileDecoder> {
         let chunk = chunk_bytes.max(1 << 20).next_multiple_of(BODY_ALIGN);
         let ctx = gpu.ctx();
@@ -107,7 +107,7 @@ impl FileDecoder {
     /// [`Error::Format`] for a corrupted page (CRC, zstd, sections);
     /// [`Error::Limits`] for a page larger than a chunk;
     /// [`Error::Parameter`] for a bad target; [`Error::Unsupported`] for a
-    /// codec without GPU kernels; [`Error::Io`] for a CUDA failure.
+    /// codec without GPU kernels; [`Error::Device`] for a CUDA failure.
     pub fn decode(
         &mut self,
         archive: &Archive<'_>,
