@@ -60,8 +60,21 @@ impl<'a> Archive<'a> {
             .iter()
             .enumerate()
             .map(|(i, e)| crate::codec::from_entry(i, e))
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<_>>>()?;
+        crate::codec::check_pages_fit(
+            &codecs,
+            &reader.header().tensors,
+            reader.index().entries.iter().map(|e| e.meta),
+        )?;
         Ok(Archive { reader, codecs })
+    }
+
+    /// Pages are copied out of the buffer before they are verified and
+    /// decoded ([`Reader::set_private_pages`]); for memory-mapped files
+    /// that another process could rewrite.
+    pub fn with_private_pages(mut self, on: bool) -> Self {
+        self.reader.set_private_pages(on);
+        self
     }
 
     /// The underlying container reader.
@@ -111,6 +124,7 @@ impl<'a> Archive<'a> {
         let mut tensors = Vec::new();
         // (tensor position in output, source tensor index, slot range)
         let mut wanted = Vec::new();
+        let mut out_bytes = 0u64;
         for (i, info) in self.tensors().into_iter().enumerate() {
             if sel
                 .layers
@@ -132,6 +146,15 @@ impl<'a> Archive<'a> {
                 dtype: dtype.unwrap_or(info.dtype),
                 ..info
             };
+            // Checked before allocating: sizes come from header fields.
+            out_bytes = out_bytes.saturating_add(
+                out_info
+                    .elements()
+                    .saturating_mul(out_info.dtype.size() as u64),
+            );
+            self.reader
+                .limits()
+                .check_memory(out_bytes, &format!("decoding up to {}", out_info.name))?;
             let data = TensorData::zeros(out_info.dtype, out_info.elements() as usize);
             tensors.push(Tensor {
                 info: out_info,

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::cache::{DType, ElemsMut, KvCache, Tensor, TensorData, TensorInfo};
 use crate::codec::{Codec, PageOut};
 use crate::error::{Error, Location, Result};
-use crate::format::{FileHeader, PageView, StreamEvent, StreamReader};
+use crate::format::{FileHeader, Limits, PageView, StreamEvent, StreamReader};
 
 /// The result of [`decode_stream`].
 #[derive(Debug)]
@@ -107,8 +107,25 @@ pub fn decode_stream<R: Read>(
     dtype: Option<DType>,
     on_layer: &(dyn Fn(u32, Duration) + Sync),
 ) -> Result<StreamDecoded> {
+    decode_stream_with(r, dtype, Limits::default(), on_layer)
+}
+
+/// [`decode_stream`] with explicit [`Limits`]: the output the header
+/// declares must fit `limits.max_memory` (checked before anything is
+/// allocated), and every page is checked against the limits and its
+/// codec's constraints before it is decoded.
+///
+/// # Errors
+/// As [`decode_stream`]; [`Error::Limits`] when the declared output
+/// exceeds `limits.max_memory`.
+pub fn decode_stream_with<R: Read>(
+    r: R,
+    dtype: Option<DType>,
+    limits: Limits,
+    on_layer: &(dyn Fn(u32, Duration) + Sync),
+) -> Result<StreamDecoded> {
     let start = Instant::now();
-    let mut reader = StreamReader::new(r)?;
+    let mut reader = StreamReader::with_limits(r, limits)?;
     let header = reader.header().clone();
     let codecs: Vec<Box<dyn Codec>> = header
         .codecs
@@ -116,6 +133,12 @@ pub fn decode_stream<R: Read>(
         .enumerate()
         .map(|(i, e)| crate::codec::from_entry(i, e))
         .collect::<Result<_>>()?;
+    let mut out_bytes = 0u64;
+    for t in &header.tensors {
+        let size = dtype.unwrap_or(t.dtype).size() as u64;
+        out_bytes = out_bytes.saturating_add(t.elements().saturating_mul(size));
+        limits.check_memory(out_bytes, &format!("receiving up to {}", t.name))?;
+    }
     let mut tensors: Vec<Tensor> = header
         .tensors
         .iter()
@@ -134,29 +157,30 @@ pub fn decode_stream<R: Read>(
             .map(|t| (t.info.clone(), data_ptr(&mut t.data)))
             .collect(),
     };
-    let layers = header
-        .tensors
-        .iter()
-        .map(|t| t.layer as usize + 1)
-        .max()
-        .unwrap_or(0);
+    // Per-layer tables are indexed by the layer's position among the
+    // layers present (dense), never by the layer number itself.
+    let mut layer_ids: Vec<u32> = header.tensors.iter().map(|t| t.layer).collect();
+    layer_ids.dedup();
+    let pos = |layer: u32| layer_ids.binary_search(&layer).unwrap_or(0);
+    let layers = layer_ids.len();
     let mut per_layer = vec![0u32; layers];
     for t in &header.tensors {
-        per_layer[t.layer as usize] += 1;
+        per_layer[pos(t.layer)] += 1;
     }
     let decoded_tokens: Vec<AtomicU32> = header.tensors.iter().map(|_| AtomicU32::new(0)).collect();
     // Tensors with zero tokens are complete from the start.
     let mut empty = vec![0u32; layers];
     for t in header.tensors.iter().filter(|t| t.tokens == 0) {
-        empty[t.layer as usize] += 1;
+        empty[pos(t.layer)] += 1;
     }
     let layer_tensors_done: Vec<AtomicU32> = empty.iter().map(|&z| AtomicU32::new(z)).collect();
     let layer_done = Mutex::new(
         (0..layers)
             .filter(|&l| per_layer[l] > 0 && empty[l] == per_layer[l])
-            .map(|l| (l as u32, Duration::ZERO))
+            .map(|l| (layer_ids[l], Duration::ZERO))
             .collect::<Vec<_>>(),
     );
+    let mut checked = std::collections::HashSet::new();
     let first_err: Mutex<Option<Error>> = Mutex::new(None);
     let slots = (rayon::current_num_threads() * 4).max(2);
     let (tok_tx, tok_rx) = mpsc::sync_channel::<()>(slots);
@@ -180,7 +204,7 @@ pub fn decode_stream<R: Read>(
         codecs[m.codec as usize].decode(&page, &mut out)?;
         let done = decoded_tokens[t].fetch_add(m.tokens, Ordering::AcqRel) + m.tokens;
         if done == info.tokens {
-            let l = info.layer as usize;
+            let l = pos(info.layer);
             if layer_tensors_done[l].fetch_add(1, Ordering::AcqRel) + 1 == per_layer[l] {
                 let el = start.elapsed();
                 layer_done.lock().expect("lock").push((info.layer, el));
@@ -218,6 +242,9 @@ pub fn decode_stream<R: Read>(
                                 )
                             },
                         ));
+                    }
+                    if checked.insert((m.codec, m.tensor)) {
+                        crate::codec::check_page_fits(&codecs, &header.tensors, m)?;
                     }
                     pages += 1;
                     tok_rx.recv().expect("token");

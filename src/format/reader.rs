@@ -24,6 +24,7 @@ pub struct Reader<'a> {
     torn_tail: u64,
     limits: Limits,
     by_tensor: Vec<Vec<usize>>,
+    private_pages: bool,
 }
 
 fn frame<'b>(data: &'b [u8], off: u64, len: u64, at: &Location) -> Result<&'b [u8]> {
@@ -211,6 +212,21 @@ impl<'a> Reader<'a> {
         let align = header.align();
 
         let (trailer, torn_tail) = find_commit(data, header_len)?;
+        // Every commit takes at least an index frame and a trailer (128
+        // bytes): a generation the data cannot hold is rejected before the
+        // per-commit table is allocated.
+        let max_generation = trailer.commit_end / (2 * FRAME_HEADER_LEN as u64);
+        if u64::from(trailer.generation) >= max_generation.max(1) {
+            return Err(Error::format(
+                Location::Trailer {
+                    offset: header_len + trailer.commit_end - FRAME_HEADER_LEN as u64,
+                },
+                format!(
+                    "trailer generation {} needs more commits than {} data bytes can hold",
+                    trailer.generation, trailer.commit_end
+                ),
+            ));
+        }
         let index = load_index(data, &trailer, &limits, align)?;
 
         // Walk earlier commits: each is a prefix of the next.
@@ -348,7 +364,23 @@ impl<'a> Reader<'a> {
             torn_tail,
             limits,
             by_tensor,
+            private_pages: false,
         })
+    }
+
+    /// With `on`, [`Reader::page`] copies a page's stored bytes out of the
+    /// buffer before verifying its checksum, and the page is decoded from
+    /// that copy: what is decoded is exactly what was verified, even when
+    /// the buffer is a shared mapping of a file that another process
+    /// rewrites in place. Use it for memory-mapped files; a buffer owned by
+    /// this process cannot change and needs no copy (the default, `off`).
+    pub fn set_private_pages(&mut self, on: bool) {
+        self.private_pages = on;
+    }
+
+    /// The limits this reader enforces.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     /// The file header.
@@ -407,7 +439,8 @@ impl<'a> Reader<'a> {
     }
 
     /// Validates and returns page `i` (position in the index), borrowing
-    /// the body from the buffer unless it is zstd-compressed.
+    /// the body from the buffer unless it is zstd-compressed or
+    /// [`Reader::set_private_pages`] is on.
     ///
     /// # Errors
     /// [`Error::Format`] naming the page for a header or body CRC mismatch,
@@ -447,19 +480,23 @@ impl<'a> Reader<'a> {
                 "page frame length disagrees with its index entry",
             ));
         }
+        let elements = (info.planes() as u64)
+            .saturating_mul(u64::from(e.meta.tokens))
+            .saturating_mul(u64::from(info.head_dim));
+        h.check_body_bound(elements, &self.limits, &at)?;
         let end = FRAME_HEADER_LEN + h.stored_len as usize;
         check_zero_padding(
             &f[end..],
             self.header_len + e.offset + end as u64,
             at.clone(),
         )?;
-        PageView::from_stored(
-            h,
-            Cow::Borrowed(&f[FRAME_HEADER_LEN..end]),
-            i as u64,
-            what,
-            &at,
-        )
+        let stored = &f[FRAME_HEADER_LEN..end];
+        let stored = if self.private_pages {
+            Cow::Owned(stored.to_vec())
+        } else {
+            Cow::Borrowed(stored)
+        };
+        PageView::from_stored(h, stored, i as u64, what, &at)
     }
 }
 

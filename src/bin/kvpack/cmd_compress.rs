@@ -51,7 +51,7 @@ fn parse_align(s: &str) -> Result<u32, String> {
 
 pub fn run(a: Args) -> Result<u8> {
     let codec = kvpack::codec::parse(&a.codec)?;
-    let input = file::open_input(&a.input)?;
+    let input = output::open_any(&a.input)?;
     let loaded = safetensors::parse(&input, &a.input)?;
     let cache = loaded.cache;
     let out_name = output::output_name(&a.input, a.output.as_deref(), "kvpack")?;

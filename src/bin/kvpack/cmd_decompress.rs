@@ -56,9 +56,10 @@ pub fn run(a: Args) -> Result<u8> {
             .map(|k| if k == "k" { Kind::Key } else { Kind::Value }),
     };
     let dtype = a.dtype.as_deref().map(DType::parse).transpose()?;
-    let input = file::open_input(&a.input)?;
+    let input = output::open_kvpack(&a.input)?;
     let start = Instant::now();
-    let archive = Archive::open(&input)?;
+    let archive = Archive::open_with(&input, output::limits())
+        .map(|a| a.with_private_pages(input.is_mapped()))?;
     let stats = DecodeStats::default();
     let cache = archive.decode(&sel, dtype, Some(&stats))?;
     let decode_s = start.elapsed().as_secs_f64();

@@ -109,7 +109,7 @@ pub struct MatchArgs {
 
 pub fn send(a: SendArgs) -> Result<u8> {
     let codec = kvpack::codec::parse(&a.codec)?;
-    let input = file::open_input(&a.input)?;
+    let input = output::open_any(&a.input)?;
     let cache = safetensors::parse(&input, &a.input)?.cache;
     let opts = a
         .layout
@@ -183,7 +183,7 @@ pub fn recv(a: RecvArgs) -> Result<u8> {
         let mut pages = 0usize;
         let mut bytes = 0u64;
         file::write_atomic(&out, a.force, |w| {
-            let mut sr = StreamReader::new(Tee { r: reader, w })?;
+            let mut sr = StreamReader::with_limits(Tee { r: reader, w }, output::limits())?;
             while let Some(ev) = sr.next_event()? {
                 if let StreamEvent::Page(p) = ev {
                     pages += 1;
@@ -201,7 +201,12 @@ pub fn recv(a: RecvArgs) -> Result<u8> {
         json!({"from": peer.to_string(), "output": a.output, "pages": pages, "bytes": bytes, "seconds": start.elapsed().as_secs_f64()})
     } else {
         let dtype = a.dtype.as_deref().map(DType::parse).transpose()?;
-        let d = kvpack::stream_decode::decode_stream(reader, dtype, &report_layer)?;
+        let d = kvpack::stream_decode::decode_stream_with(
+            reader,
+            dtype,
+            output::limits(),
+            &report_layer,
+        )?;
         file::write_atomic(&out, a.force, |w| safetensors::write(&d.cache, w))?;
         json!({"from": peer.to_string(), "output": a.output, "pages": d.pages, "bytes": d.bytes,
                "received_seconds": d.received.as_secs_f64(), "decoded_seconds": d.decoded.as_secs_f64(),
@@ -222,7 +227,7 @@ pub fn recv(a: RecvArgs) -> Result<u8> {
 }
 
 pub fn append(a: AppendArgs) -> Result<u8> {
-    let more = file::open_input(&a.more)?;
+    let more = output::open_any(&a.more)?;
     let longer = safetensors::parse(&more, &a.more)?.cache;
     let pb = output::progress(longer.source_bytes(), "append", a.quiet || a.json);
     let r = file::append_file(
@@ -268,8 +273,9 @@ pub fn matching(a: MatchArgs) -> Result<u8> {
     let prompt: Vec<u32> = serde_json::from_str(&text).map_err(|e| {
         kvpack::Error::param(format!("--tokens must be a JSON list of token ids: {e}"))
     })?;
-    let input = file::open_input(&a.cache)?;
-    let ar = Archive::open(&input)?;
+    let input = output::open_kvpack(&a.cache)?;
+    let ar = Archive::open_with(&input, output::limits())
+        .map(|a| a.with_private_pages(input.is_mapped()))?;
     let n = ar.matching_prefix(&a.model, &prompt)?;
     if a.json {
         output::print_json(

@@ -4,7 +4,7 @@ use anyhow::Result;
 use clap::Args as ClapArgs;
 use kvpack::DType;
 use kvpack::decode::{Archive, Selection};
-use kvpack::io::{file, safetensors};
+use kvpack::io::safetensors;
 use kvpack::metrics;
 use serde_json::json;
 
@@ -36,17 +36,19 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<u8> {
-    let input = file::open_input(&a.file)?;
+    let input = output::open_kvpack(&a.file)?;
     let original = match &a.against {
         Some(p) => {
-            let bytes = file::open_input(p)?;
+            let bytes = output::open_any(p)?;
             Some(safetensors::parse(&bytes, p)?)
         }
         None => None,
     };
     let mut problems: Vec<String> = Vec::new();
     let mut report = json!({"file": a.file});
-    let archive = match Archive::open(&input) {
+    let archive = match Archive::open_with(&input, output::limits())
+        .map(|a| a.with_private_pages(input.is_mapped()))
+    {
         Ok(ar) => Some(ar),
         Err(e) if matches!(e, kvpack::Error::Io { .. }) => return Err(e.into()),
         Err(e) => {
