@@ -211,7 +211,7 @@ impl<'a> Reader<'a> {
         let data = &buf[header_len as usize..];
         let align = header.align();
 
-        let (trailer, torn_tail) = find_commit(data, header_len)?;
+        let (trailer, torn_tail) = find_commit(data, header_len, align, &limits)?;
         // Every commit takes at least an index frame and a trailer (128
         // bytes): a generation the data cannot hold is rejected before the
         // per-commit table is allocated.
@@ -502,7 +502,12 @@ impl<'a> Reader<'a> {
 
 /// Finds the last complete commit: the trailer ending the data, or, after
 /// an interrupted append, the last valid trailer before it.
-fn find_commit(data: &[u8], header_len: u64) -> Result<(Trailer, u64)> {
+fn find_commit(
+    data: &[u8],
+    header_len: u64,
+    align: u64,
+    limits: &Limits,
+) -> Result<(Trailer, u64)> {
     let n = data.len() as u64;
     let at_end = |end: u64| -> Result<Trailer> {
         let off = end - FRAME_HEADER_LEN as u64;
@@ -534,9 +539,61 @@ fn find_commit(data: &[u8], header_len: u64) -> Result<(Trailer, u64)> {
         if data[end as usize - 8..end as usize] == super::MAGIC
             && let Ok(t) = at_end(end)
         {
+            if let Some(why) = damaged_final_trailer(data, end, align, limits) {
+                return Err(Error::format(
+                    Location::Trailer {
+                        offset: header_len + n - FRAME_HEADER_LEN as u64,
+                    },
+                    format!(
+                        "the final trailer is damaged ({first_err}): {why}; this is corruption, \
+                         not an interrupted append (commit {} before it is intact)",
+                        t.generation
+                    ),
+                ));
+            }
             return Ok((t, n - end));
         }
         end -= 64;
     }
     Err(first_err)
+}
+
+/// Tells a damaged final trailer from the torn tail of an interrupted
+/// append (format/SPEC.md section 10.2). The tail after the last valid
+/// trailer (ending at data offset `end`) is damage, not a torn append, when
+/// the file's last 64 bytes carry both trailer magics (a trailer was
+/// written there completely, then altered), or when a complete, valid index
+/// frame ends exactly 64 bytes before the end of the file and those 64
+/// bytes are not all zero (the trailer is written only after its index was
+/// made durable, so a crash can leave it missing or zero-filled, never
+/// other bytes). Returns what was found.
+fn damaged_final_trailer(data: &[u8], end: u64, align: u64, limits: &Limits) -> Option<String> {
+    use super::index::{INDEX_MAGIC, TRAILER_MAGIC};
+    let n = data.len() as u64;
+    if n < end + FRAME_HEADER_LEN as u64 {
+        return None;
+    }
+    let last = &data[(n - 64) as usize..];
+    if last[..4] == TRAILER_MAGIC && last[56..] == super::MAGIC {
+        return Some("the last 64 bytes are a trailer that fails its checks".into());
+    }
+    if last.iter().all(|&b| b == 0) {
+        return None;
+    }
+    let index_end = n - FRAME_HEADER_LEN as u64;
+    let mut p = end.next_multiple_of(align);
+    while p + (FRAME_HEADER_LEN as u64) <= index_end {
+        let h = &data[p as usize..p as usize + FRAME_HEADER_LEN];
+        if h[..4] == INDEX_MAGIC
+            && let Ok(ih) = Index::parse_header(head64(h), &Location::Data { offset: p }, limits)
+            && (p + FRAME_HEADER_LEN as u64 + ih.body_len).next_multiple_of(align) == index_end
+        {
+            return Some(format!(
+                "a complete index frame (commit {}) ends right before them",
+                ih.generation
+            ));
+        }
+        p += align;
+    }
+    None
 }
