@@ -40,6 +40,7 @@ pub mod decode;
 pub mod gpu;
 pub mod io;
 pub mod metrics;
+pub mod net;
 pub mod plan;
 pub mod stream_decode;
 pub mod transport;

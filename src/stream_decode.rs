@@ -289,3 +289,46 @@ pub fn decode_stream_with<R: Read>(
         layer_done,
     })
 }
+
+/// Decodes `page` into a scratch buffer and discards the result: the
+/// codec's own validation of its sections ([`Codec::decode`]) and its
+/// constraints on the tensor ([`crate::codec::check_page_fits`]), for a
+/// receiver that stores the stream as is (`recv -o x.kvpack`) and must not
+/// commit pages a decoder would reject. The scratch buffer (the page's
+/// elements as f32) is checked against `limits.max_memory` first.
+///
+/// # Errors
+/// [`Error::Format`] naming the page; [`Error::Limits`] when the page's
+/// elements exceed the memory limit.
+pub fn check_page(
+    codecs: &[Box<dyn Codec>],
+    header: &FileHeader,
+    page: &PageView<'_>,
+    limits: &Limits,
+) -> Result<()> {
+    let m = page.header.meta;
+    crate::codec::check_page_fits(codecs, &header.tensors, m)?;
+    let info = &header.tensors[m.tensor as usize];
+    let d = info.head_dim as usize;
+    let per_plane = m.tokens as u64 * d as u64;
+    limits.check_memory(
+        per_plane
+            .saturating_mul(info.planes() as u64)
+            .saturating_mul(4),
+        &format!("checking {}", page.what),
+    )?;
+    let mut scratch = TensorData::zeros(DType::F32, per_plane as usize * info.planes());
+    let mut rest = scratch.as_elems_mut();
+    let mut planes = Vec::with_capacity(info.planes());
+    for _ in 0..info.planes() {
+        let (a, b) = rest.split_at(per_plane as usize);
+        planes.push(a);
+        rest = b;
+    }
+    let mut out = PageOut {
+        tensor: info,
+        tokens: m.tokens,
+        planes,
+    };
+    codecs[m.codec as usize].decode(page, &mut out)
+}
