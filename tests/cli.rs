@@ -310,3 +310,58 @@ fn codecs_lists_bits_per_element() {
     let o = kvpack(&["--help"]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("Exit status"));
 }
+
+/// Issue 12 section 3: `verify --against` has a default quality floor, so
+/// a file that decodes to something unrelated to the original (here: the
+/// fixture negated, cosine -1) fails without any flag, while a real codec
+/// passes.
+#[test]
+fn verify_against_fails_garbage_by_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut neg = fixture().cache;
+    for t in &mut neg.tensors {
+        let v: Vec<f32> = t.data.to_f32().iter().map(|x| -x).collect();
+        t.data = kvpack::cache::TensorData::F32(v);
+        t.info.dtype = DType::F32;
+    }
+    let negp = dir.path().join("neg.safetensors");
+    write_cache(&negp, &neg);
+    let bad = dir.path().join("bad.kvpack");
+    let o = kvpack(&[
+        "compress",
+        negp.to_str().unwrap(),
+        "-c",
+        "raw",
+        "-o",
+        bad.to_str().unwrap(),
+        "-q",
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let fx = repo(FIXTURE);
+    let o = kvpack(&[
+        "verify",
+        bad.to_str().unwrap(),
+        "--against",
+        fx.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&o), 1, "{}", String::from_utf8_lossy(&o.stdout));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("cosine"));
+    let good = dir.path().join("good.kvpack");
+    let o = kvpack(&[
+        "compress",
+        fx.to_str().unwrap(),
+        "-c",
+        "int2",
+        "-o",
+        good.to_str().unwrap(),
+        "-q",
+    ]);
+    assert_eq!(code(&o), 0);
+    let o = kvpack(&[
+        "verify",
+        good.to_str().unwrap(),
+        "--against",
+        fx.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&o), 0, "{}", String::from_utf8_lossy(&o.stdout));
+}
