@@ -545,8 +545,12 @@ fn find_commit(
                         offset: header_len + n - FRAME_HEADER_LEN as u64,
                     },
                     format!(
-                        "the final trailer is damaged ({first_err}): {why}; this is corruption, \
-                         not an interrupted append (commit {} before it is intact)",
+                        "the final trailer is damaged ({}): {why}; this is corruption, not an \
+                         interrupted append (commit {} before it is intact)",
+                        match &first_err {
+                            Error::Format { msg, .. } => msg.clone(),
+                            other => other.to_string(),
+                        },
                         t.generation
                     ),
                 ));
