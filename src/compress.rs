@@ -6,7 +6,9 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use crate::cache::{KvCache, Tensor};
+use std::collections::BTreeMap;
+
+use crate::cache::{KvCache, TensorData, TensorInfo};
 use crate::codec::{Codec, PageIn, raw::Raw};
 use crate::error::{Error, Result};
 use crate::format::{
@@ -14,6 +16,7 @@ use crate::format::{
     Writer,
 };
 use crate::plan::{Layout, PlannedPage, plan};
+use crate::view::{CacheView, Strides, TensorView};
 
 /// How to compress.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +28,11 @@ pub struct CompressOptions {
     pub zstd_level: Option<i32>,
     /// Frame alignment as a power of two (6 = 64 B, 12 = 4096 B).
     pub align_log2: u8,
+    /// Store a page with `raw` when the codec's frame would be larger (data
+    /// dependent side tables such as outliers can exceed the source size).
+    /// The codec table then always holds a `raw` slot, and the file is never
+    /// larger than [`max_compressed_size`]. Default `false`.
+    pub raw_fallback: bool,
 }
 
 impl Default for CompressOptions {
@@ -33,6 +41,7 @@ impl Default for CompressOptions {
             layout: Layout::default(),
             zstd_level: None,
             align_log2: crate::format::DEFAULT_ALIGN_LOG2,
+            raw_fallback: false,
         }
     }
 }
@@ -79,15 +88,31 @@ impl CompressReport {
 /// Encodes planned page `p` of `tensor` with the codec in table slot
 /// `slot` into a frame.
 fn encode_page(
-    tensor: &Tensor,
+    tensor: &TensorView<'_>,
     p: &PlannedPage,
     codec: &dyn Codec,
     slot: usize,
     opts: &CompressOptions,
 ) -> Result<PageFrame> {
-    let planes = (0..tensor.info.planes())
-        .map(|pl| tensor.plane_rows(pl, p.token_start as usize, p.tokens as usize))
-        .collect();
+    let (t0, n) = (p.token_start as usize, p.tokens as usize);
+    let (count, len) = (tensor.info.planes(), n * tensor.info.head_dim as usize);
+    let scratch;
+    let planes = match (0..count)
+        .map(|pl| tensor.plane_rows(pl, t0, n))
+        .collect::<Option<Vec<_>>>()
+    {
+        Some(planes) => planes,
+        None => {
+            // Rows are not contiguous (e.g. token-major memory): gather
+            // this page into kvpack's order.
+            let mut buf = TensorData::zeros(tensor.info.dtype, count * len);
+            tensor.gather(t0, n, &mut buf);
+            scratch = buf;
+            (0..count)
+                .map(|pl| scratch.as_elems().slice(pl * len, len))
+                .collect()
+        }
+    };
     let page = PageIn {
         tensor: &tensor.info,
         token_start: p.token_start,
@@ -105,7 +130,7 @@ fn encode_page(
 }
 
 /// Source bytes of planned page `p`.
-fn page_source_bytes(tensor: &Tensor, p: &PlannedPage) -> u64 {
+fn page_source_bytes(tensor: &TensorView<'_>, p: &PlannedPage) -> u64 {
     let i = &tensor.info;
     i.planes() as u64 * p.tokens as u64 * i.head_dim as u64 * i.dtype.size() as u64
 }
@@ -143,7 +168,7 @@ pub(crate) fn ordered_map<T: Sync, U: Send>(
 /// Returns (elements, source bytes) written.
 fn write_pages<W: Write + Send>(
     w: &mut Writer<W>,
-    tensors: &[Tensor],
+    tensors: &[TensorView<'_>],
     pages: &[PlannedPage],
     codecs: &[&dyn Codec],
     raw_slot: usize,
@@ -160,8 +185,21 @@ fn write_pages<W: Write + Send>(
         pages,
         total / pages.len().max(1) as u64,
         |p| {
+            let t = &tensors[p.tensor as usize];
             let slot = if p.raw { raw_slot } else { 0 };
-            encode_page(&tensors[p.tensor as usize], p, codecs[slot], slot, opts).map(|f| (f, *p))
+            let frame = encode_page(t, p, codecs[slot], slot, opts)?;
+            // A raw frame is never smaller than the source bytes, so only
+            // a frame larger than those can lose to raw.
+            if opts.raw_fallback
+                && slot != raw_slot
+                && frame.bytes.len() as u64 > page_source_bytes(t, p)
+            {
+                let raw = encode_page(t, p, codecs[raw_slot], raw_slot, opts)?;
+                if raw.bytes.len() < frame.bytes.len() {
+                    return Ok((raw, *p));
+                }
+            }
+            Ok((frame, *p))
         },
         |(frame, p)| {
             w.write_page(&frame)?;
@@ -189,46 +227,36 @@ pub fn compress<W: Write + Send>(
     out: W,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(W, CompressReport)> {
+    compress_view(&cache.view(), codec, opts, out, progress)
+}
+
+/// Like [`compress`], from tensors borrowed in caller memory in any axis
+/// order ([`CacheView`]): nothing is copied but one page at a time when
+/// the rows are not contiguous. Memory use is a few pages per thread plus
+/// the output writer's.
+///
+/// # Errors
+/// As [`compress`].
+pub fn compress_view<W: Write + Send>(
+    cache: &CacheView<'_>,
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(W, CompressReport)> {
     let start = Instant::now();
-    if cache.tensors.is_empty() {
-        return Err(Error::param("the cache has no K/V tensors"));
-    }
-    for t in &cache.tensors {
-        codec.check(&t.info)?;
-    }
-    let prepared = codec.prepare(cache, &opts.layout)?;
-    let codec: &dyn Codec = prepared.as_deref().unwrap_or(codec);
-    let infos: Vec<_> = cache.tensors.iter().map(|t| t.info.clone()).collect();
-    let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;
-    let raw_pages = pages.iter().filter(|p| p.raw).count();
+    let file = FilePlan::new(cache, codec, opts)?;
+    let codec = file.codec(codec);
     let mut codecs: Vec<&dyn Codec> = vec![codec];
-    let mut table = vec![CodecEntry {
-        id: codec.id(),
-        params: codec.params(),
-    }];
-    if raw_pages > 0 && codec.id() != crate::codec::raw::ID {
+    if file.header.codecs.len() > 1 {
         codecs.push(&Raw);
-        table.push(CodecEntry {
-            id: Raw.id(),
-            params: Raw.params(),
-        });
     }
-    let header = FileHeader {
-        version_major: VERSION_MAJOR,
-        version_minor: VERSION_MINOR,
-        align_log2: opts.align_log2,
-        tensors: infos,
-        codecs: table,
-        metadata: cache.metadata.clone(),
-        page_tokens: opts.layout.page_tokens,
-        sink_tokens: opts.layout.sink,
-        recent_tokens: opts.layout.recent,
-    };
-    let mut w = Writer::new(out, &header)?;
+    let (header, pages, raw_pages) = (&file.header, &file.pages, file.raw_pages);
+    let mut w = Writer::new(out, header)?;
     write_pages(
         &mut w,
         &cache.tensors,
-        &pages,
+        pages,
         &codecs,
         codecs.len() - 1,
         opts,
@@ -248,6 +276,115 @@ pub fn compress<W: Write + Send>(
             seconds: start.elapsed().as_secs_f64(),
         },
     ))
+}
+
+/// What a new file will hold before any page is encoded: the prepared
+/// codec, the header and the planned pages.
+struct FilePlan {
+    prepared: Option<Box<dyn Codec>>,
+    header: FileHeader,
+    pages: Vec<PlannedPage>,
+    raw_pages: usize,
+}
+
+impl FilePlan {
+    fn new(cache: &CacheView<'_>, codec: &dyn Codec, opts: &CompressOptions) -> Result<FilePlan> {
+        if cache.tensors.is_empty() {
+            return Err(Error::param("the cache has no K/V tensors"));
+        }
+        for t in &cache.tensors {
+            codec.check(&t.info)?;
+        }
+        let prepared = codec.prepare(cache, &opts.layout)?;
+        let c: &dyn Codec = prepared.as_deref().unwrap_or(codec);
+        let infos = cache.infos();
+        let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;
+        let raw_pages = pages.iter().filter(|p| p.raw).count();
+        let mut table = vec![CodecEntry {
+            id: c.id(),
+            params: c.params(),
+        }];
+        if (raw_pages > 0 || opts.raw_fallback) && c.id() != crate::codec::raw::ID {
+            table.push(CodecEntry {
+                id: Raw.id(),
+                params: Raw.params(),
+            });
+        }
+        let header = FileHeader {
+            version_major: VERSION_MAJOR,
+            version_minor: VERSION_MINOR,
+            align_log2: opts.align_log2,
+            tensors: infos,
+            codecs: table,
+            metadata: cache.metadata.clone(),
+            page_tokens: opts.layout.page_tokens,
+            sink_tokens: opts.layout.sink,
+            recent_tokens: opts.layout.recent,
+        };
+        Ok(FilePlan {
+            prepared,
+            header,
+            pages,
+            raw_pages,
+        })
+    }
+
+    /// The codec pages are encoded with: the prepared one, or `codec`.
+    fn codec<'c>(&'c self, codec: &'c dyn Codec) -> &'c dyn Codec {
+        self.prepared.as_deref().unwrap_or(codec)
+    }
+}
+
+/// An upper bound, exact to the byte for the file's structure, of the size
+/// of [`compress`] output for tensors shaped like `infos` with `metadata`
+/// and `token_ids` token ids, when `opts.raw_fallback` is set: the header
+/// (with the codec's parameter block), every planned page at its `raw`
+/// frame size, the index and the trailer. Computed without the data (the
+/// codec is prepared on zeros; parameter block sizes depend only on
+/// shapes). Without `raw_fallback` a codec with data-dependent side tables
+/// (e.g. `hqmq:...+med3` outliers) may exceed it.
+///
+/// # Errors
+/// [`Error::Parameter`] when the codec cannot encode these shapes or a
+/// shape is too large to allocate.
+pub fn max_compressed_size(
+    infos: &[TensorInfo],
+    metadata: &BTreeMap<String, String>,
+    token_ids: usize,
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+) -> Result<u64> {
+    let zeros: Vec<TensorData> = infos
+        .iter()
+        .map(|i| {
+            usize::try_from(i.elements())
+                .map(|n| TensorData::zeros(i.dtype, n))
+                .map_err(|_| Error::param(format!("{}: too many elements", i.describe())))
+        })
+        .collect::<Result<_>>()?;
+    let view = CacheView {
+        tensors: infos
+            .iter()
+            .zip(&zeros)
+            .map(|(i, z)| TensorView::new(i.clone(), z.as_elems(), Strides::head_major(i)))
+            .collect::<Result<_>>()?,
+        metadata: metadata.clone(),
+        token_ids: Vec::new(),
+    };
+    let file = FilePlan::new(&view, codec, opts)?;
+    let raw_slot = file.header.codecs.len() - 1;
+    let mut w = Writer::new(std::io::sink(), &file.header)?;
+    // Uncompressed raw frames: a zstd frame is kept only when smaller.
+    let plain = CompressOptions {
+        zstd_level: None,
+        ..*opts
+    };
+    for p in &file.pages {
+        let t = &view.tensors[p.tensor as usize];
+        w.write_page(&encode_page(t, p, &Raw, raw_slot, &plain)?)?;
+    }
+    let (_, trailer) = w.commit(&vec![0; token_ids])?;
+    Ok(trailer.header_len + trailer.commit_end)
 }
 
 /// Appends the tokens of `longer` that follow those stored in `existing`
@@ -270,7 +407,7 @@ pub fn compress<W: Write + Send>(
 /// start with the stored ones).
 pub fn append<W: Write + Send>(
     existing: &Reader<'_>,
-    longer: &KvCache,
+    longer: &CacheView<'_>,
     unverified_ok: bool,
     opts: &CompressOptions,
     out: W,
@@ -380,7 +517,7 @@ pub fn append<W: Write + Send>(
         sink: h.sink_tokens,
         recent: h.recent_tokens,
     };
-    let infos: Vec<_> = longer.tensors.iter().map(|t| t.info.clone()).collect();
+    let infos = longer.infos();
     let pages = plan(&infos, &idx.token_counts, layout)?;
     let raw_slot = h.codecs.iter().position(|c| c.id == crate::codec::raw::ID);
     if pages.iter().any(|p| p.raw) && raw_slot.is_none() {

@@ -10,6 +10,34 @@ use crate::cache::{DType, ElemsMut, Kind, KvCache, Tensor, TensorData, TensorInf
 use crate::codec::{Codec, PageOut};
 use crate::error::{Error, Result};
 use crate::format::{Limits, Reader};
+use crate::view::{RawDst, Strides, TensorViewMut, plane_offset};
+
+/// Where [`Archive::decode_into`] writes one tensor.
+#[derive(Debug)]
+pub struct Destination<'a> {
+    /// Index of the tensor in the file's tensor table.
+    pub tensor: usize,
+    /// First stored token (cache slot) to decode.
+    pub first_token: u32,
+    /// The caller's memory; `view.info.tokens` tokens are decoded.
+    pub view: TensorViewMut<'a>,
+}
+
+/// One page's share of a destination.
+struct PageJob<'o> {
+    page: usize,
+    info: TensorInfo,
+    lo: u32,
+    hi: u32,
+    dst: PageDst<'o>,
+}
+
+enum PageDst<'o> {
+    /// Per-plane slices of the page's overlap (kvpack's axis order).
+    Planes(Vec<ElemsMut<'o>>),
+    /// Any other axis order: decode to scratch, scatter rows.
+    Scatter(RawDst, Strides),
+}
 
 /// Which part of a cache to decode. The default selects everything.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -122,7 +150,6 @@ impl<'a> Archive<'a> {
     ) -> Result<KvCache> {
         let h = self.reader.header();
         let mut tensors = Vec::new();
-        // (tensor position in output, source tensor index, slot range)
         let mut wanted = Vec::new();
         let mut out_bytes = 0u64;
         for (i, info) in self.tensors().into_iter().enumerate() {
@@ -160,43 +187,192 @@ impl<'a> Archive<'a> {
                 info: out_info,
                 data,
             });
-            wanted.push((i, lo, hi));
+            wanted.push((i, lo));
         }
-        // Split every output tensor into per-page destinations.
-        let mut jobs = Vec::new();
-        for (tensor, &(src, lo, hi)) in tensors.iter_mut().zip(&wanted) {
-            let pages = self.reader.pages_overlapping(src, lo, hi);
-            let d = tensor.info.head_dim as usize;
-            let n = (hi - lo) as usize;
-            let info = &tensor.info;
-            let mut per_page: Vec<Vec<ElemsMut<'_>>> =
-                (0..pages.len()).map(|_| Vec::new()).collect();
-            let mut rest = tensor.data.as_elems_mut();
-            for _plane in 0..info.planes() {
-                let (mut plane, r) = rest.split_at(n * d);
-                rest = r;
-                for (k, &pi) in pages.iter().enumerate() {
-                    let m = self.reader.index().entries[pi].meta;
-                    let a = m.token_start.max(lo);
-                    let b = (m.token_start + m.tokens).min(hi);
-                    let (head, tail) = plane.split_at((b - a) as usize * d);
-                    per_page[k].push(head);
-                    plane = tail;
-                }
-            }
-            for (k, planes) in per_page.into_iter().enumerate() {
-                jobs.push((pages[k], info, lo, hi, planes));
-            }
-        }
-        jobs.into_par_iter()
-            .try_for_each(|(pi, info, lo, hi, planes)| {
-                self.decode_page(pi, info, lo, hi, planes, stats)
-            })?;
+        let outs = tensors
+            .iter_mut()
+            .zip(&wanted)
+            .map(|(t, &(tensor, first_token))| {
+                let strides = Strides::head_major(&t.info);
+                Ok(Destination {
+                    tensor,
+                    first_token,
+                    view: TensorViewMut::new(t.info.clone(), t.data.as_elems_mut(), strides)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.decode_into(outs, stats)?;
         Ok(KvCache {
             tensors,
             metadata: h.metadata.clone(),
             token_ids: self.reader.index().token_ids.clone(),
         })
+    }
+
+    /// Decodes tensors into caller-owned memory: each [`Destination`]
+    /// receives tokens `[first_token, first_token + view.info.tokens)` of
+    /// file tensor `tensor`, converted to the view's dtype, at the view's
+    /// strides (any axis order; kvpack's own order is decoded in place,
+    /// others page by page through a page-sized scratch buffer). Pages are
+    /// decoded on all threads of the current rayon pool. Only pages
+    /// overlapping the requested tokens are read.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when a destination names a tensor the file does
+    /// not have, its shape (layer, K/V, batch, kv_heads, head_dim) differs
+    /// from the file's, its token range exceeds the stored tokens, or two
+    /// destinations name the same tensor; [`Error::Format`] naming the page
+    /// for a corrupted page or section.
+    pub fn decode_into(
+        &self,
+        outs: Vec<Destination<'_>>,
+        stats: Option<&DecodeStats>,
+    ) -> Result<()> {
+        let infos = self.tensors();
+        let mut seen = vec![false; infos.len()];
+        let mut jobs: Vec<PageJob<'_>> = Vec::new();
+        for out in outs {
+            let Some(src) = infos.get(out.tensor) else {
+                return Err(Error::param(format!(
+                    "destination names tensor {}, the file has {}",
+                    out.tensor,
+                    infos.len()
+                )));
+            };
+            let v = &out.view.info;
+            if (v.layer, v.kind, v.batch, v.heads, v.head_dim)
+                != (src.layer, src.kind, src.batch, src.heads, src.head_dim)
+            {
+                return Err(Error::param(format!(
+                    "destination for {} ({}) is shaped {:?} for layer {} {}, the file holds {:?}",
+                    src.name,
+                    src.describe(),
+                    v.shape(),
+                    v.layer,
+                    v.kind.letter(),
+                    src.shape()
+                )));
+            }
+            let lo = out.first_token;
+            let hi = lo.checked_add(v.tokens).filter(|&hi| hi <= src.tokens);
+            let Some(hi) = hi else {
+                return Err(Error::param(format!(
+                    "{} ({}): tokens {lo}..{} requested, {} stored",
+                    src.name,
+                    src.describe(),
+                    lo as u64 + v.tokens as u64,
+                    src.tokens
+                )));
+            };
+            if std::mem::replace(&mut seen[out.tensor], true) {
+                return Err(Error::param(format!(
+                    "two destinations for {} ({})",
+                    src.name,
+                    src.describe()
+                )));
+            }
+            self.plan_jobs(out.tensor, lo, hi, out.view, &mut jobs);
+        }
+        jobs.into_par_iter()
+            .try_for_each(|job| self.decode_job(job, stats))
+    }
+
+    /// Splits one destination into per-page jobs.
+    fn plan_jobs<'o>(
+        &self,
+        src: usize,
+        lo: u32,
+        hi: u32,
+        mut view: TensorViewMut<'o>,
+        jobs: &mut Vec<PageJob<'o>>,
+    ) {
+        let pages = self.reader.pages_overlapping(src, lo, hi);
+        let info = view.info.clone();
+        if !view.is_head_major() {
+            let (dst, strides) = view.raw_parts();
+            for pi in pages {
+                jobs.push(PageJob {
+                    page: pi,
+                    info: info.clone(),
+                    lo,
+                    hi,
+                    dst: PageDst::Scatter(dst, strides),
+                });
+            }
+            return;
+        }
+        let d = info.head_dim as usize;
+        let n = (hi - lo) as usize;
+        let mut per_page: Vec<Vec<ElemsMut<'o>>> = (0..pages.len()).map(|_| Vec::new()).collect();
+        let mut rest = view.into_elems();
+        for _plane in 0..info.planes() {
+            let (mut plane, r) = rest.split_at(n * d);
+            rest = r;
+            for (k, &pi) in pages.iter().enumerate() {
+                let m = self.reader.index().entries[pi].meta;
+                let a = m.token_start.max(lo);
+                let b = (m.token_start + m.tokens).min(hi);
+                let (head, tail) = plane.split_at((b - a) as usize * d);
+                per_page[k].push(head);
+                plane = tail;
+            }
+        }
+        for (k, planes) in per_page.into_iter().enumerate() {
+            jobs.push(PageJob {
+                page: pages[k],
+                info: info.clone(),
+                lo,
+                hi,
+                dst: PageDst::Planes(planes),
+            });
+        }
+    }
+
+    fn decode_job(&self, job: PageJob<'_>, stats: Option<&DecodeStats>) -> Result<()> {
+        match job.dst {
+            PageDst::Planes(planes) => {
+                self.decode_page(job.page, &job.info, job.lo, job.hi, planes, stats)
+            }
+            PageDst::Scatter(dst, strides) => {
+                let m = self.reader.index().entries[job.page].meta;
+                let (a, b) = (
+                    m.token_start.max(job.lo),
+                    (m.token_start + m.tokens).min(job.hi),
+                );
+                let d = job.info.head_dim as usize;
+                let n = (b - a) as usize;
+                let planes = job.info.planes();
+                let mut scratch = TensorData::zeros(job.info.dtype, planes * n * d);
+                {
+                    let mut rest = scratch.as_elems_mut();
+                    let mut sp = Vec::with_capacity(planes);
+                    for _ in 0..planes {
+                        let (x, r) = rest.split_at(n * d);
+                        sp.push(x);
+                        rest = r;
+                    }
+                    self.decode_page(job.page, &job.info, a, b, sp, stats)?;
+                }
+                let src = scratch.as_elems();
+                let heads = job.info.heads as usize;
+                let mut row = vec![0f32; d];
+                for p in 0..planes {
+                    for t in 0..n {
+                        let at = plane_offset(&strides, heads, p, (a - job.lo) as usize + t);
+                        src.load((p * n + t) * d, &mut row);
+                        // SAFETY: `decode_into` checked that the view's
+                        // extent fits its buffer and that no two elements
+                        // share an address; rows of distinct (page, plane,
+                        // token) are disjoint and each is written by one job
+                        // only; the buffer stays mutably borrowed by
+                        // `decode_into` until every job has finished.
+                        let mut out = unsafe { dst.row(at, d) };
+                        out.store(0, &row);
+                    }
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Decodes page `pi` into `planes`, which hold the page's overlap with

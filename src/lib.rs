@@ -44,3 +44,7 @@ pub mod net;
 pub mod plan;
 pub mod stream_decode;
 pub mod transport;
+pub mod view;
+
+#[cfg(feature = "python")]
+mod python;

@@ -515,7 +515,7 @@ fn append_continues_with_the_stored_codebooks() {
         let reader = Reader::open(&first).unwrap();
         let (grown, _, _) = append(
             &reader,
-            &full,
+            &full.view(),
             false,
             &opts,
             first.clone(),
@@ -672,7 +672,7 @@ fn malformed_pages_are_format_errors_naming_the_page() {
     for name in ["octopus:b3+qjl:vg16", "turbo:b2+qjl"] {
         let codec = kvpack::codec::parse(name)
             .unwrap()
-            .prepare(&cache, &Layout::default())
+            .prepare(&cache.view(), &Layout::default())
             .unwrap()
             .unwrap();
         for ti in [0usize, 1] {

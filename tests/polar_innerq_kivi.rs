@@ -868,7 +868,10 @@ fn decode_error(name: &str, info: &TensorInfo, sections: &[Section]) -> kvpack::
             )
             .unwrap(),
         );
-        codec = codec.prepare(&c, &Layout::default()).unwrap().unwrap();
+        codec = codec
+            .prepare(&c.view(), &Layout::default())
+            .unwrap()
+            .unwrap();
     }
     let frame = PageFrame::encode(
         PageMeta {
@@ -933,7 +936,7 @@ fn append_continues_with_the_stored_parameters() {
         let r = kvpack::format::Reader::open(&first).unwrap();
         let (out, _, _) = kvpack::compress::append(
             &r,
-            &full,
+            &full.view(),
             false,
             &CompressOptions::default(),
             first.clone(),

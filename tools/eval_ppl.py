@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Prompt-cache perplexity of Gemma-3-270M through a KV codec (ANCHORS.md section A).
+"""Prompt-cache perplexity of a small model through a KV codec (Gemma-3-270M by default).
 
 Protocol: text = GPL-3 + "\\n\\n" + GFDL-1.3 (Debian's /usr/share/common-licenses),
 tokenized by the model's tokenizer (BOS included); prefill the first 1024 tokens in
@@ -15,26 +15,22 @@ Codecs:
   bf16        K, V cast to bf16 and back
   py:intB     naive token-wise asymmetric INT-B (per token, per head, over head_dim;
               fp32 scale and zero): a Python reference oracle, B in 1..8
-  anything else is a kvpack codec name: the cache goes through
-              `kvpack compress` / `inspect --json` / `decompress` via temp files.
+  anything else is a kvpack codec name: the cache goes through the kvpack Python
+              package (kvpack.compress, kvpack.open, decode to fp32) in memory.
 
 Examples:
   python tools/eval_ppl.py                                   # none, bf16, py:int4
   python tools/eval_ppl.py --codec bf16 --codec py:int3 --json
   python tools/eval_ppl.py --codec bdr128 --codec 'hqmq:s96r4+med3' --source-dtype bf16
+  python tools/eval_ppl.py --model smollm2-135m --codec bf16 --codec bdr64
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import re
-import shlex
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _model as M  # noqa: E402
 
 DEFAULT_CODECS = ["none", "bf16", "py:int4"]
-DEFAULT_KVPACK = M.REPO_ROOT / "target" / "release" / "kvpack"
 PY_INT = re.compile(r"^py:int([1-8])$")
 
 
@@ -50,12 +45,14 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--codec", action="append", metavar="C",
                    help=f"codec to evaluate, repeatable (default: {' '.join(DEFAULT_CODECS)})")
-    p.add_argument("--kvpack", type=Path, default=DEFAULT_KVPACK,
-                   help="kvpack binary (default: target/release/kvpack under the repo root)")
-    p.add_argument("--extra-args", default="", metavar="ARGS",
-                   help="extra arguments appended to `kvpack compress` (one shell-quoted string)")
+    p.add_argument("--model", choices=sorted(M.MODELS), default=M.DEFAULT_MODEL,
+                   help=f"model (default {M.DEFAULT_MODEL}; see tools/README.md)")
     p.add_argument("--source-dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="dtype of the safetensors handed to kvpack compress (default fp32)")
+                   help="dtype of the K/V handed to kvpack.compress (default fp32)")
+    p.add_argument("--page-tokens", type=int, default=None, help="kvpack.compress page_tokens")
+    p.add_argument("--sink", type=int, default=None, help="kvpack.compress sink (tokens kept exact at the start)")
+    p.add_argument("--recent", type=int, default=None, help="kvpack.compress recent (tokens kept exact at the end)")
+    p.add_argument("--zstd-level", type=int, default=None, help="kvpack.compress zstd_level")
     p.add_argument("--json", action="store_true",
                    help="print a JSON list of {codec, bits_per_element, ppl, delta_vs_bf16_pct}")
     p.add_argument("--prefix-tokens", type=int, default=1024,
@@ -63,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--continuation-tokens", type=int, default=512,
                    help="continuation length (protocol: 512)")
     p.add_argument("--keep-temp", type=Path, default=None, metavar="DIR",
-                   help="keep the kvpack temp files for each codec under DIR (for debugging)")
+                   help="also write each codec's .kvpack file under DIR (for `kvpack inspect`)")
     p.add_argument("--model-dir", type=Path, default=M.DEFAULT_MODEL_DIR,
                    help=f"where the GGUF lives / is assembled (default {M.DEFAULT_MODEL_DIR})")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -106,70 +103,59 @@ def bf16_roundtrip(x):
 
 
 # ---------------------------------------------------------------------------
-# kvpack round trip
+# kvpack round trip (Python API: kvpack.compress / kvpack.open / decode)
 
 
 class Kvpack:
-    def __init__(self, binary: Path, extra_args: str, source_dtype: str, keep_dir: Path | None):
-        self.binary = binary
-        self.extra = shlex.split(extra_args)
+    """Round trip of the whole cache through one kvpack codec, in memory or via --keep-temp files."""
+
+    def __init__(self, source_dtype: str, options: dict, keep_dir: Path | None):
         self.source_dtype = source_dtype
+        self.options = options  # page_tokens / sink / recent / zstd_level given on the command line
         self.keep_dir = keep_dir
 
-    def check(self) -> None:
-        b = self.binary
-        if not b.exists():
-            raise M.ToolError(
-                f"kvpack binary not found at {b}; build it with `cargo build --release` "
-                f"in {M.REPO_ROOT} or pass --kvpack PATH")
-        if not (b.is_file() and os.access(b, os.X_OK)):
-            raise M.ToolError(f"{b} is not an executable file")
-
-    def _run(self, args: list[str]) -> str:
-        cmd = [str(self.binary), *args]
+    @staticmethod
+    def check():
+        """Import the kvpack package or fail with one line (before the slow model load)."""
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as e:
-            raise M.ToolError(f"cannot run {shlex.join(cmd)}: {e}") from e
-        if r.returncode != 0:
-            tail = (r.stderr or r.stdout).strip()[-2000:]
-            raise M.ToolError(f"`{shlex.join(cmd)}` exited with {r.returncode}:\n{tail}")
-        return r.stdout
+            import kvpack
+        except ImportError as e:
+            raise M.ToolError(
+                f"the kvpack Python package is not importable ({e}); build it with "
+                f"`maturin develop --release` (or `pip install .`) in {M.REPO_ROOT}") from e
+        return kvpack
 
     def roundtrip(self, codec: str, cache, metadata: dict) -> float:
-        """Replace cache's K/V by kvpack's reconstruction; return bits/elem from inspect."""
-        if self.keep_dir is not None:
-            work = self.keep_dir / re.sub(r"[^A-Za-z0-9_.+-]", "_", codec)
-            work.mkdir(parents=True, exist_ok=True)
-            return self._roundtrip_in(work, codec, cache, metadata)
-        with tempfile.TemporaryDirectory(prefix="kvpack-eval-") as d:
-            return self._roundtrip_in(Path(d), codec, cache, metadata)
-
-    def _roundtrip_in(self, work: Path, codec: str, cache, metadata: dict) -> float:
+        """Replace cache's K/V by kvpack's reconstruction; return bits/elem of the compressed file."""
         import torch
 
-        src, packed, back = work / "cache.safetensors", work / "cache.kvpack", work / "roundtrip.safetensors"
+        kvpack = self.check()
+        meta = dict(metadata)
+        model_id = meta.pop("kvpack.model", None)
+        token_ids = json.loads(meta.pop("kvpack.token_ids", "[]"))
         dtype = M.torch_dtype(self.source_dtype)
-        tensors = {k: t.to(dtype) for k, t in M.cache_tensors(cache).items()}
-        M.atomic_save_safetensors(tensors, src, metadata, force=True)
-        self._run(["compress", str(src), "--codec", codec, "-o", str(packed), "--force", *self.extra])
-        out = self._run(["inspect", str(packed), "--json"])
+        n = M.num_cache_layers(cache)
+        layers = []
+        for i in range(n):
+            k, v = M.get_kv(cache, i)
+            layers.append((k.to(dtype).contiguous(), v.to(dtype).contiguous()))
+        path = None
+        if self.keep_dir is not None:
+            self.keep_dir.mkdir(parents=True, exist_ok=True)
+            path = self.keep_dir / (re.sub(r"[^A-Za-z0-9_.+-]", "_", codec) + ".kvpack")
         try:
-            info = json.loads(out)
-            bits = float(info["bits_per_element"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise M.ToolError(f"`kvpack inspect --json` gave no top-level bits_per_element ({e}): {out[:500]!r}") from e
-        self._run(["decompress", str(packed), "-o", str(back), "--dtype", "fp32", "--force"])
-        rt, _ = M.load_safetensors(back)
-        missing = sorted(set(tensors) - set(rt))
-        if missing:
-            raise M.ToolError(f"decompressed file lacks {missing[:4]}{'...' if len(missing) > 4 else ''}")
-        for i in range(M.num_cache_layers(cache)):
-            k, v = rt[f"past_key_values.{i}.key"], rt[f"past_key_values.{i}.value"]
+            res = kvpack.compress(layers, codec, path=None if path is None else str(path), force=True,
+                                  model=model_id, token_ids=token_ids, metadata=meta, **self.options)
+            archive = kvpack.open(str(path) if path is not None else res.data)
+            decoded = archive.decode(dtype="fp32", output="torch")
+        except kvpack.KvpackError as e:
+            raise M.ToolError(f"kvpack codec {codec!r}: {type(e).__name__}: {e}") from e
+        for i in range(n):
+            k, v = decoded[(i, "K")], decoded[(i, "V")]
             if not (torch.isfinite(k).all() and torch.isfinite(v).all()):
                 raise M.ToolError(f"layer {i}: decompressed K/V contain NaN or Inf")
-            M.set_kv(cache, i, k.float(), v.float())
-        return bits
+            M.set_kv(cache, i, k, v)
+        return float(res.bits_per_element)
 
 
 # ---------------------------------------------------------------------------
@@ -194,13 +180,7 @@ def apply_codec(codec: str, cache, head_dim: int, kvpack: Kvpack | None, metadat
 
 
 def perplexity(model, cache, continuation: list[int]) -> float:
-    import torch
-    import torch.nn.functional as F
-
-    logits = M.continue_logits(model, cache, continuation)  # [T, vocab]
-    target = torch.tensor(continuation[1:], dtype=torch.long)
-    ce = F.cross_entropy(logits[:-1].float(), target, reduction="mean")
-    return math.exp(float(ce))
+    return M.continuation_ppl(M.continue_logits(model, cache, continuation), continuation)
 
 
 def main(argv=None) -> int:
@@ -218,7 +198,9 @@ def run(a) -> int:
     needs_kvpack = [c for c in a.codec if c not in py_codecs and not c.startswith("py:")]
     kvpack = None
     if needs_kvpack:  # fail before the slow model load
-        kvpack = Kvpack(a.kvpack, a.extra_args, a.source_dtype, a.keep_temp)
+        options = {k: getattr(a, k) for k in ("page_tokens", "sink", "recent", "zstd_level")
+                   if getattr(a, k) is not None}
+        kvpack = Kvpack(a.source_dtype, options, a.keep_temp)
         kvpack.check()
     for c in a.codec:
         if c.startswith("py:") and not PY_INT.match(c):
@@ -227,7 +209,8 @@ def run(a) -> int:
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True, warn_only=True)
     t0 = time.time()
-    tok, model = M.load_model(a.model_dir, threads=a.threads)
+    spec = M.model_spec(a.model)
+    tok, model = M.load_model(a.model_dir, threads=a.threads, model=a.model)
     facts = M.model_facts(model)
     ids = M.tokenize(tok, M.protocol_text())
     n, c = a.prefix_tokens, a.continuation_tokens
@@ -241,7 +224,7 @@ def run(a) -> int:
     base = M.prefill(model, prefix)
     counts = [int(M.get_kv(base, i)[0].shape[2]) for i in range(M.num_cache_layers(base))]
     log(f"prefill {time.time() - t1:.1f}s; cache tokens per layer {counts}")
-    metadata = M.kv_metadata(model, prefix, f"{M.GPL3} + \\n\\n + {M.GFDL13}")
+    metadata = M.kv_metadata(model, prefix, f"{M.GPL3} + \\n\\n + {M.GFDL13}", model_id=spec.model_id)
 
     codecs = list(a.codec)
     if "bf16" not in codecs:

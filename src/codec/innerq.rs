@@ -35,7 +35,7 @@
 
 use std::sync::Arc;
 
-use crate::cache::{Kind, KvCache, TensorInfo};
+use crate::cache::{Kind, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::{bitpack, group};
@@ -479,7 +479,11 @@ impl Codec for InnerQ {
         Ok(())
     }
 
-    fn prepare(&self, cache: &KvCache, layout: &Layout) -> Result<Option<Box<dyn Codec>>> {
+    fn prepare(
+        &self,
+        cache: &crate::view::CacheView<'_>,
+        layout: &Layout,
+    ) -> Result<Option<Box<dyn Codec>>> {
         if !self.normalize {
             return Ok(None);
         }
@@ -495,9 +499,8 @@ impl Codec for InnerQ {
             let mut row = vec![0f32; d];
             for p in 0..i.planes() {
                 let h = p % i.heads as usize;
-                let body = t.plane_rows(p, 0, total as usize);
                 for tok in sink_end as usize..recent_start as usize {
-                    body.load(tok * d, &mut row);
+                    t.load_row(p, tok, &mut row);
                     for (m, &x) in amax[h * d..(h + 1) * d].iter_mut().zip(&row) {
                         if !x.is_finite() {
                             return Err(Error::param(format!(

@@ -29,10 +29,11 @@ pub mod registry;
 pub mod sphere;
 pub mod turbo;
 
-use crate::cache::{Elems, ElemsMut, KvCache, TensorInfo};
+use crate::cache::{Elems, ElemsMut, TensorInfo};
 use crate::error::Result;
 use crate::format::{PageView, Section};
 use crate::plan::Layout;
+use crate::view::CacheView;
 
 pub use registry::{Family, from_entry, parse};
 
@@ -129,7 +130,7 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
     ///
     /// # Errors
     /// As [`Codec::check`].
-    fn prepare(&self, _cache: &KvCache, _layout: &Layout) -> Result<Option<Box<dyn Codec>>> {
+    fn prepare(&self, _cache: &CacheView<'_>, _layout: &Layout) -> Result<Option<Box<dyn Codec>>> {
         Ok(None)
     }
 

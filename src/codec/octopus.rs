@@ -25,7 +25,7 @@
 
 use std::sync::Arc;
 
-use crate::cache::{KvCache, TensorInfo};
+use crate::cache::TensorInfo;
 use crate::error::{Error, Result};
 use crate::format::{PageView, Section};
 use crate::kernels::lloyd_max::{self, Density};
@@ -693,7 +693,11 @@ impl Codec for Octopus {
         sphere::check_tensor("octopus", &self.options, t)
     }
 
-    fn prepare(&self, cache: &KvCache, _layout: &Layout) -> Result<Option<Box<dyn Codec>>> {
+    fn prepare(
+        &self,
+        cache: &crate::view::CacheView<'_>,
+        _layout: &Layout,
+    ) -> Result<Option<Box<dyn Codec>>> {
         let dims = sphere::coded_head_dims(&self.options, cache);
         Ok(Some(Box::new(self.with_head_dims(&dims)?)))
     }
@@ -742,7 +746,7 @@ mod tests {
 
     fn prepared(name: &str) -> Box<dyn Codec> {
         let c = registry::parse(name).unwrap();
-        let mut cache = KvCache::default();
+        let mut cache = crate::KvCache::default();
         for (d, kind) in [
             (64u32, crate::cache::Kind::Key),
             (128, crate::cache::Kind::Value),
@@ -762,7 +766,9 @@ mod tests {
                 .tensors
                 .push(crate::cache::Tensor::new(info, data).unwrap());
         }
-        c.prepare(&cache, &Layout::default()).unwrap().unwrap()
+        c.prepare(&cache.view(), &Layout::default())
+            .unwrap()
+            .unwrap()
     }
 
     #[test]

@@ -335,7 +335,7 @@ pub fn unit_coded(opts: &Options, kind: Kind) -> bool {
 /// head_dims of the tensors of `cache` that the unit quantizer codes (the
 /// dimensions a codec's per-head_dim codebook tables are trained for in
 /// `Codec::prepare`).
-pub fn coded_head_dims(opts: &Options, cache: &crate::cache::KvCache) -> Vec<u32> {
+pub fn coded_head_dims(opts: &Options, cache: &crate::view::CacheView<'_>) -> Vec<u32> {
     cache
         .tensors
         .iter()

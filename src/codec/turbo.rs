@@ -16,7 +16,7 @@
 
 use std::sync::Arc;
 
-use crate::cache::{Kind, KvCache, TensorInfo};
+use crate::cache::{Kind, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{PageView, Section};
 use crate::kernels::lloyd_max::{self, Density};
@@ -262,7 +262,11 @@ impl Codec for Turbo {
         sphere::check_tensor("turbo", &self.options, t)
     }
 
-    fn prepare(&self, cache: &KvCache, _layout: &Layout) -> Result<Option<Box<dyn Codec>>> {
+    fn prepare(
+        &self,
+        cache: &crate::view::CacheView<'_>,
+        _layout: &Layout,
+    ) -> Result<Option<Box<dyn Codec>>> {
         let dims = sphere::coded_head_dims(&self.options, cache);
         Ok(Some(Box::new(self.with_head_dims(&dims)?)))
     }

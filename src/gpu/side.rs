@@ -277,7 +277,8 @@ mod tests {
                     .unwrap(),
                 ],
                 ..Default::default()
-            },
+            }
+            .view(),
             &crate::plan::Layout::default(),
         );
         let c = c.unwrap().unwrap();

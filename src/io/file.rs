@@ -480,8 +480,15 @@ pub fn append_file(
         w.flush()?;
         w.get_ref().sync_data()
     };
-    let (_, report, trailer) =
-        crate::compress::append(&reader, longer, unverified_ok, opts, w, progress, &mut sync)?;
+    let (_, report, trailer) = crate::compress::append(
+        &reader,
+        &longer.view(),
+        unverified_ok,
+        opts,
+        w,
+        progress,
+        &mut sync,
+    )?;
     let new_end = reader.header_len() + trailer.commit_end;
     let len = file
         .metadata()

@@ -137,6 +137,7 @@ impl LayoutArgs {
                 recent: self.recent.unwrap_or(recent),
             },
             zstd_level: self.zstd,
+            raw_fallback: false,
             align_log2,
         }
     }

@@ -1,0 +1,107 @@
+"""Type stubs of the compiled extension ``kvpack._native`` (Rust, PyO3).
+
+Most users call the wrappers in :mod:`kvpack`; these are the primitives
+they are built on. Arrays cross the boundary through DLPack without
+copies: ``Array`` below is any object with ``__dlpack__`` (numpy >= 1.22,
+torch, cupy) or an unused DLPack capsule. Tensors are ``[batch, kv_heads,
+tokens, head_dim]`` (3-d ``[kv_heads, tokens, head_dim]`` = batch 1),
+bfloat16 / float16 / float32, head_dim axis contiguous; a trailing
+``dtype`` hint (``"bf16"``/``"fp16"``) reads uint16 arrays as bit patterns.
+Errors are the exceptions of :mod:`kvpack.errors`.
+"""
+
+from os import PathLike
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+Array = Any
+
+__version__: str
+FORMAT_VERSION: Tuple[int, int]
+
+#: ``(name, layer, kind, dtype, batch, kv_heads, tokens, head_dim)``
+InfoTuple = Tuple[str, int, str, str, int, int, int, int]
+
+class OwnedArray:
+    """Decoded elements owned by Rust (row-major, host memory); wrap with
+    ``numpy.from_dlpack`` / ``torch.from_dlpack`` (no copy)."""
+
+    @property
+    def shape(self) -> List[int]: ...
+    @property
+    def dtype(self) -> str:
+        """``"bf16"``, ``"fp16"`` or ``"fp32"``."""
+    def __dlpack__(
+        self,
+        *,
+        stream: Optional[Any] = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any: ...
+    def __dlpack_device__(self) -> Tuple[int, int]: ...
+    def as_bits(self) -> "OwnedArray":
+        """The same memory, 16-bit floats exported as uint16."""
+
+class Archive:
+    """An opened kvpack file (a path is memory-mapped; ``bytes`` are held)."""
+
+    def __init__(self, source: Union[str, "PathLike[str]", bytes]) -> None: ...
+    def tensors(self) -> List[InfoTuple]: ...
+    def metadata(self) -> Dict[str, str]: ...
+    def token_ids(self) -> List[int]: ...
+    def codecs(self) -> List[str]: ...
+    def version(self) -> Tuple[int, int]: ...
+    def decode(
+        self,
+        layers: Optional[Tuple[int, int]] = None,
+        kind: Optional[str] = None,
+        tokens: Optional[Tuple[int, int]] = None,
+        dtype: Optional[str] = None,
+    ) -> List[Tuple[int, str, OwnedArray]]: ...
+    def decode_into(
+        self,
+        outputs: Sequence[Union[Tuple[int, str, int, Array], Tuple[int, str, int, Array, str]]],
+    ) -> None:
+        """``outputs``: ``(layer, kind, first_token, array[, dtype])``."""
+
+def compress(
+    tensors: Sequence[Union[Tuple[int, str, Array], Tuple[int, str, Array, str]]],
+    codec: str,
+    *,
+    path: Optional[Union[str, "PathLike[str]"]] = None,
+    force: bool = False,
+    out: Optional[Array] = None,
+    page_tokens: Optional[int] = None,
+    sink: Optional[int] = None,
+    recent: Optional[int] = None,
+    zstd_level: Optional[int] = None,
+    align_log2: int = 6,
+    raw_fallback: bool = False,
+    metadata: Optional[Dict[str, str]] = None,
+    token_ids: Optional[List[int]] = None,
+) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]:
+    """``tensors``: ``(layer, kind, array[, dtype])``. Returns ``(report,
+    file bytes or None, bytes written into out or None)``."""
+
+def max_size(
+    tensors: Sequence[Tuple[int, str, Sequence[int], str]],
+    codec: str,
+    *,
+    page_tokens: Optional[int] = None,
+    sink: Optional[int] = None,
+    recent: Optional[int] = None,
+    zstd_level: Optional[int] = None,
+    align_log2: int = 6,
+    metadata: Optional[Dict[str, str]] = None,
+    token_ids: int = 0,
+) -> int:
+    """``tensors``: ``(layer, kind, [batch, kv_heads, tokens, head_dim], dtype)``."""
+
+def decode_bytes_into(
+    data: Union[bytes, Array],
+    outputs: Sequence[Union[Tuple[int, str, int, Array], Tuple[int, str, int, Array, str]]],
+) -> None: ...
+def tensor_table(data: Union[bytes, Array]) -> List[InfoTuple]: ...
+def bench_decode_into(data: bytes, runs: int, dtype: Optional[str] = None) -> List[float]: ...
+def codec_families() -> List[Tuple[int, str, str, str]]: ...
+def canonical_codec(name: str) -> str: ...

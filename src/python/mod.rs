@@ -1,0 +1,431 @@
+//! Python bindings (cargo feature `python`): the extension module
+//! `kvpack._native`, wrapped by the pure-Python package in `python/kvpack`.
+//!
+//! Build with maturin (`pip install .` reads `pyproject.toml`). Tensors
+//! cross the boundary through DLPack ([`dlpack`]) without copies: inputs
+//! are borrowed from numpy arrays or torch tensors, decode outputs are
+//! either caller-owned arrays (`decode_into`) or Rust-owned
+//! [`arrays::OwnedArray`]s that numpy/torch wrap. Encoding and decoding run
+//! on the library's rayon pool with the GIL released. Library errors become
+//! the exceptions of `kvpack.errors` ([`errors`]). No codec logic lives
+//! here: everything goes through [`crate::compress`] and
+//! [`crate::decode`].
+
+mod archive;
+mod arrays;
+mod dlpack;
+mod errors;
+
+use std::collections::BTreeMap;
+use std::io::Write;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use self::archive::{Archive, import_outputs, output_specs, run_decode_into};
+use self::arrays::{OwnedArray, dtype_of, host_elems, kv_info, kv_layout, parse_kind};
+use self::errors::IntoPy;
+use crate::cache::{DType, TensorInfo};
+use crate::codec::Codec;
+use crate::compress::{CompressOptions, CompressReport};
+use crate::plan::Layout;
+use crate::view::{CacheView, TensorView};
+
+/// Options shared by `compress` and `max_size`.
+#[derive(Debug, Clone, Copy)]
+struct Opts {
+    page_tokens: Option<u32>,
+    sink: Option<u32>,
+    recent: Option<u32>,
+    zstd_level: Option<i32>,
+    align_log2: u8,
+    raw_fallback: bool,
+}
+
+impl Opts {
+    /// Compress options, windows defaulting to the codec's own.
+    fn resolve(&self, codec: &dyn Codec) -> PyResult<CompressOptions> {
+        let (sink, recent) = codec.default_windows();
+        if !(6..=16).contains(&self.align_log2) {
+            return Err(PyValueError::new_err(format!(
+                "align_log2 {} out of range 6..=16",
+                self.align_log2
+            )));
+        }
+        Ok(CompressOptions {
+            layout: Layout {
+                page_tokens: self.page_tokens.unwrap_or(256),
+                sink: self.sink.unwrap_or(sink),
+                recent: self.recent.unwrap_or(recent),
+            },
+            zstd_level: self.zstd_level,
+            align_log2: self.align_log2,
+            raw_fallback: self.raw_fallback,
+        })
+    }
+}
+
+/// A compression report as a dict.
+fn report_dict<'py>(
+    py: Python<'py>,
+    r: &CompressReport,
+) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("codec", &r.codec)?;
+    d.set_item("pages", r.pages)?;
+    d.set_item("raw_pages", r.raw_pages)?;
+    d.set_item("elements", r.elements)?;
+    d.set_item("source_bytes", r.source_bytes)?;
+    d.set_item("output_bytes", r.output_bytes)?;
+    d.set_item("bits_per_element", r.bits_per_element())?;
+    d.set_item("ratio", r.ratio())?;
+    d.set_item("seconds", r.seconds)?;
+    Ok(d)
+}
+
+/// Writes into a caller buffer; running out of room is an error that says
+/// how to size the buffer.
+struct SliceWriter<'a> {
+    buf: &'a mut [u8],
+    pos: usize,
+}
+
+impl Write for SliceWriter<'_> {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        let end = self.pos + data.len();
+        if end > self.buf.len() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::WriteZero,
+                format!(
+                    "the output buffer holds {} bytes, more are needed (size it with \
+                     kvpack.max_size / chunk_max_size and raw_fallback)",
+                    self.buf.len()
+                ),
+            ));
+        }
+        self.buf[self.pos..end].copy_from_slice(data);
+        self.pos = end;
+        Ok(data.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Compresses tensors given as `(layer, kind, array[, dtype_hint])`:
+/// `array` is a host tensor `[batch, kv_heads, tokens, head_dim]` (or 3-d
+/// without batch) of bf16/fp16/fp32 in any strides with a contiguous
+/// head_dim axis, borrowed without copying. Writes atomically to `path`
+/// (never replacing an existing file unless `force`), or into `out` (a
+/// writable contiguous uint8 host array, returning the byte count), or
+/// returns the file as `bytes`. Returns `(report, bytes | None, written |
+/// None)`. The GIL is released while encoding.
+#[pyfunction]
+#[pyo3(signature = (tensors, codec, *, path=None, force=false, out=None, page_tokens=None,
+    sink=None, recent=None, zstd_level=None, align_log2=6, raw_fallback=false,
+    metadata=None, token_ids=None))]
+#[allow(clippy::too_many_arguments)]
+fn compress<'py>(
+    py: Python<'py>,
+    tensors: Vec<Bound<'py, PyAny>>,
+    codec: &str,
+    path: Option<std::path::PathBuf>,
+    force: bool,
+    out: Option<Bound<'py, PyAny>>,
+    page_tokens: Option<u32>,
+    sink: Option<u32>,
+    recent: Option<u32>,
+    zstd_level: Option<i32>,
+    align_log2: u8,
+    raw_fallback: bool,
+    metadata: Option<BTreeMap<String, String>>,
+    token_ids: Option<Vec<u32>>,
+) -> PyResult<(
+    Bound<'py, pyo3::types::PyDict>,
+    Option<Bound<'py, PyBytes>>,
+    Option<usize>,
+)> {
+    let codec = crate::codec::parse(codec).py_err()?;
+    let opts = Opts {
+        page_tokens,
+        sink,
+        recent,
+        zstd_level,
+        align_log2,
+        raw_fallback,
+    }
+    .resolve(codec.as_ref())?;
+    // Import every tensor, then borrow views of them.
+    let mut imported = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        let (layer, kind, arr, hint): (u32, String, Bound<'_, PyAny>, Option<String>) =
+            match t.extract::<(u32, String, Bound<'_, PyAny>)>() {
+                Ok((l, k, a)) => (l, k, a, None),
+                Err(_) => t.extract().map_err(|_| {
+                    PyValueError::new_err(format!(
+                        "tensor {i}: expected (layer, kind, array[, dtype])"
+                    ))
+                })?,
+            };
+        let kind = parse_kind(&kind)?;
+        imported.push((layer, kind, self::dlpack::import(&arr, None)?, hint));
+    }
+    imported.sort_by_key(|x| (x.0, x.1));
+    let mut views = Vec::new();
+    for (layer, kind, t, hint) in &imported {
+        let what = format!("layer {layer} {}", kind.letter());
+        let dtype = dtype_of(t, hint.as_deref(), &what)?;
+        let (shape, strides) = kv_layout(t, &what)?;
+        let info = kv_info(*layer, *kind, dtype, shape);
+        views.push(TensorView::new(info, host_elems(t, dtype, &what)?, strides).py_err()?);
+    }
+    if let Some(w) = views
+        .windows(2)
+        .find(|w| (w[0].info.layer, w[0].info.kind) == (w[1].info.layer, w[1].info.kind))
+    {
+        return Err(PyValueError::new_err(format!(
+            "two tensors for {}",
+            w[0].info.describe()
+        )));
+    }
+    let view = CacheView {
+        tensors: views,
+        metadata: metadata.unwrap_or_default(),
+        token_ids: token_ids.unwrap_or_default(),
+    };
+    let c = codec.as_ref();
+    let none = |_: u64| {};
+    if let Some(path) = path {
+        let report = py
+            .detach(|| {
+                let mut rep = None;
+                crate::io::file::write_atomic(&path, force, |w| {
+                    rep = Some(crate::compress::compress_view(&view, c, &opts, w, &none)?.1);
+                    Ok(())
+                })?;
+                Ok(rep.expect("write_atomic ran the writer"))
+            })
+            .py_err()?;
+        return Ok((report_dict(py, &report)?, None, None));
+    }
+    if let Some(out) = out {
+        let buf = self::dlpack::import(&out, None)?;
+        let bytes = buf.host_bytes_mut("out")?;
+        let (w, report) = py
+            .detach(|| {
+                crate::compress::compress_view(
+                    &view,
+                    c,
+                    &opts,
+                    SliceWriter { buf: bytes, pos: 0 },
+                    &none,
+                )
+            })
+            .py_err()?;
+        return Ok((report_dict(py, &report)?, None, Some(w.pos)));
+    }
+    let (file, report) = py
+        .detach(|| crate::compress::compress_view(&view, c, &opts, Vec::new(), &none))
+        .py_err()?;
+    Ok((
+        report_dict(py, &report)?,
+        Some(PyBytes::new(py, &file)),
+        None,
+    ))
+}
+
+/// An upper bound of the size in bytes of `compress(..., raw_fallback=True)`
+/// output for tensors described as `(layer, kind, [batch, kv_heads, tokens,
+/// head_dim], dtype)`, exact for the file's structure (see
+/// `kvpack::compress::max_compressed_size`).
+#[pyfunction]
+#[pyo3(signature = (tensors, codec, *, page_tokens=None, sink=None, recent=None,
+    zstd_level=None, align_log2=6, metadata=None, token_ids=0))]
+#[allow(clippy::too_many_arguments)]
+fn max_size(
+    py: Python<'_>,
+    tensors: Vec<(u32, String, [u32; 4], String)>,
+    codec: &str,
+    page_tokens: Option<u32>,
+    sink: Option<u32>,
+    recent: Option<u32>,
+    zstd_level: Option<i32>,
+    align_log2: u8,
+    metadata: Option<BTreeMap<String, String>>,
+    token_ids: usize,
+) -> PyResult<u64> {
+    let codec = crate::codec::parse(codec).py_err()?;
+    let opts = Opts {
+        page_tokens,
+        sink,
+        recent,
+        zstd_level,
+        align_log2,
+        raw_fallback: true,
+    }
+    .resolve(codec.as_ref())?;
+    let mut infos: Vec<TensorInfo> = tensors
+        .into_iter()
+        .map(|(layer, kind, shape, dtype)| {
+            Ok(kv_info(
+                layer,
+                parse_kind(&kind)?,
+                DType::parse(&dtype).py_err()?,
+                shape,
+            ))
+        })
+        .collect::<PyResult<_>>()?;
+    infos.sort_by_key(|i| (i.layer, i.kind));
+    let metadata = metadata.unwrap_or_default();
+    py.detach(|| {
+        crate::compress::max_compressed_size(&infos, &metadata, token_ids, codec.as_ref(), &opts)
+    })
+    .py_err()
+}
+
+/// Decodes a whole kvpack file held in `data` (`bytes`, or a contiguous
+/// uint8 host array: borrowed, not copied) into caller-owned outputs, as
+/// `Archive.decode_into` does.
+#[pyfunction]
+fn decode_bytes_into(
+    py: Python<'_>,
+    data: &Bound<'_, PyAny>,
+    outputs: Vec<Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    let imported = import_outputs(&outputs)?;
+    let specs = output_specs(&imported)?;
+    let held;
+    let bytes: &[u8] = if let Ok(b) = data.cast::<PyBytes>() {
+        b.as_bytes()
+    } else {
+        held = self::dlpack::import(data, None)?;
+        held.host_bytes("data")?
+    };
+    py.detach(|| {
+        let a = crate::decode::Archive::open(bytes)?;
+        run_decode_into(&a, specs)
+    })
+    .py_err()
+}
+
+/// The tensor table of a kvpack file held in `data` (`bytes` or a
+/// contiguous uint8 host array, borrowed), as `Archive.tensors()` gives it,
+/// reading only the header and index.
+#[pyfunction]
+fn tensor_table(
+    py: Python<'_>,
+    data: &Bound<'_, PyAny>,
+) -> PyResult<Vec<self::archive::InfoTuple>> {
+    let held;
+    let bytes: &[u8] = if let Ok(b) = data.cast::<PyBytes>() {
+        b.as_bytes()
+    } else {
+        held = self::dlpack::import(data, None)?;
+        held.host_bytes("data")?
+    };
+    py.detach(|| {
+        let r = crate::format::Reader::open(bytes)?;
+        Ok((0..r.header().tensors.len())
+            .map(|i| {
+                self::archive::info_tuple(&TensorInfo {
+                    tokens: r.tokens(i),
+                    ..r.header().tensors[i].clone()
+                })
+            })
+            .collect())
+    })
+    .py_err()
+}
+
+/// Times the library's own decode of the kvpack file in `data`, with no
+/// Python in the loop: every tensor into preallocated Rust buffers of
+/// `dtype` (default: source), `runs` times. Returns seconds per run. For
+/// comparing the Python path against the Rust library on the same data in
+/// the same process (`tools/bench_python.py`).
+#[pyfunction]
+#[pyo3(signature = (data, runs, dtype=None))]
+fn bench_decode_into(
+    py: Python<'_>,
+    data: &Bound<'_, PyBytes>,
+    runs: usize,
+    dtype: Option<&str>,
+) -> PyResult<Vec<f64>> {
+    let bytes = data.as_bytes();
+    let dtype = dtype.map(DType::parse).transpose().py_err()?;
+    py.detach(|| {
+        let a = crate::decode::Archive::open(bytes)?;
+        let infos: Vec<TensorInfo> = a
+            .tensors()
+            .into_iter()
+            .map(|i| TensorInfo {
+                dtype: dtype.unwrap_or(i.dtype),
+                ..i
+            })
+            .collect();
+        let mut bufs: Vec<crate::cache::TensorData> = infos
+            .iter()
+            .map(|i| crate::cache::TensorData::zeros(i.dtype, i.elements() as usize))
+            .collect();
+        let mut times = Vec::with_capacity(runs);
+        for _ in 0..runs {
+            let t0 = std::time::Instant::now();
+            let outs = infos
+                .iter()
+                .zip(bufs.iter_mut())
+                .enumerate()
+                .map(|(tensor, (i, b))| {
+                    Ok(crate::decode::Destination {
+                        tensor,
+                        first_token: 0,
+                        view: crate::view::TensorViewMut::new(
+                            i.clone(),
+                            b.as_elems_mut(),
+                            crate::view::Strides::head_major(i),
+                        )?,
+                    })
+                })
+                .collect::<crate::Result<Vec<_>>>()?;
+            a.decode_into(outs, None)?;
+            times.push(t0.elapsed().as_secs_f64());
+        }
+        Ok(times)
+    })
+    .py_err()
+}
+
+/// The registered codec families: `(id, name, syntax, summary)`.
+#[pyfunction]
+fn codec_families() -> Vec<(u16, &'static str, &'static str, &'static str)> {
+    crate::codec::registry::FAMILIES
+        .iter()
+        .map(|f| (f.id, f.name, f.syntax, f.summary))
+        .collect()
+}
+
+/// Canonical name of a codec name (raises `ParameterError` for an unknown
+/// or invalid name).
+#[pyfunction]
+fn canonical_codec(name: &str) -> PyResult<String> {
+    Ok(crate::codec::parse(name).py_err()?.name())
+}
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Archive>()?;
+    m.add_class::<OwnedArray>()?;
+    m.add_function(wrap_pyfunction!(compress, m)?)?;
+    m.add_function(wrap_pyfunction!(max_size, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_bytes_into, m)?)?;
+    m.add_function(wrap_pyfunction!(codec_families, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_table, m)?)?;
+    m.add_function(wrap_pyfunction!(bench_decode_into, m)?)?;
+    m.add_function(wrap_pyfunction!(canonical_codec, m)?)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add(
+        "FORMAT_VERSION",
+        (crate::format::VERSION_MAJOR, crate::format::VERSION_MINOR),
+    )?;
+    Ok(())
+}
