@@ -42,6 +42,7 @@ pub mod io;
 pub mod metrics;
 pub mod net;
 pub mod plan;
+pub mod prompt;
 pub mod stream_decode;
 pub mod transport;
 pub mod view;

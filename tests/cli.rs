@@ -365,3 +365,51 @@ fn verify_against_fails_garbage_by_default() {
     ]);
     assert_eq!(code(&o), 0, "{}", String::from_utf8_lossy(&o.stdout));
 }
+
+/// Issue 12 section 5: Gemma's sliding layers hold positions 9..519 of the
+/// fixture's 520-token prefill, so a prompt matching only part of the
+/// prefix cannot be served (match used to say 300); the whole prefix can.
+#[test]
+fn match_accounts_for_rolled_sliding_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("c.kvpack");
+    let fx = repo(FIXTURE);
+    let o = kvpack(&[
+        "compress",
+        fx.to_str().unwrap(),
+        "-c",
+        "int4",
+        "-o",
+        out.to_str().unwrap(),
+        "-q",
+    ]);
+    assert_eq!(code(&o), 0);
+    let cache = fixture().cache;
+    let model = cache.metadata["kvpack.model"].clone();
+    let ids = cache.token_ids.clone();
+    let run = |prompt: &[u32]| {
+        let o = kvpack(&[
+            "match",
+            out.to_str().unwrap(),
+            "--model",
+            &model,
+            "--tokens",
+            &serde_json::to_string(prompt).unwrap(),
+            "--json",
+        ]);
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        json(&o)
+    };
+    let part = run(&ids[..300]);
+    assert_eq!(part["matching_prefix"], 300);
+    assert_eq!(part["usable_prefix"], 0);
+    assert!(part["reason"].as_str().unwrap().contains("rolled"));
+    let rolled = part["rolled_layers"].as_array().unwrap();
+    assert_eq!(rolled.len(), 15);
+    assert_eq!(rolled[0]["holds"], serde_json::json!([9, 520]));
+    let mut longer = ids.clone();
+    longer.extend([1, 2, 3]);
+    let whole = run(&longer);
+    assert_eq!(whole["usable_prefix"], 520);
+    assert!(whole["reason"].is_null());
+}

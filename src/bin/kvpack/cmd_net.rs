@@ -159,7 +159,9 @@ pub struct AppendArgs {
 }
 
 /// Check a prompt cache against a model and prompt: prints how many leading
-/// tokens of the prompt the cache holds (0 when none). Exit 2 when the cache
+/// tokens of the prompt the cache can serve (0 when none). Sliding-window
+/// layers count: once a layer's window rolled, the cache serves its whole
+/// prefix or nothing (--json lists the rolled layers and the reason). Exit 2 when the cache
 /// belongs to another model or records no token ids.
 #[derive(ClapArgs, Debug)]
 pub struct MatchArgs {
@@ -366,14 +368,20 @@ pub fn matching(a: MatchArgs) -> Result<u8> {
     let input = output::open_kvpack(&a.cache)?;
     let ar = Archive::open_with(&input, output::limits())
         .map(|a| a.with_private_pages(input.is_mapped()))?;
-    let n = ar.matching_prefix(&a.model, &prompt)?;
+    let m = kvpack::prompt::match_prefix(&ar, &a.model, &prompt)?;
     if a.json {
         output::print_json(
-            &json!({"cache": a.cache, "model": a.model, "cached_tokens": ar.token_ids().len(), "prompt_tokens": prompt.len(), "matching_prefix": n}),
+            &json!({"cache": a.cache, "model": a.model, "cached_tokens": m.cached, "prompt_tokens": prompt.len(),
+                    "matching_prefix": m.matching, "usable_prefix": m.usable,
+                    "rolled_layers": m.rolled.iter().map(|r| json!({"layer": r.layer, "holds": [r.first, r.end]})).collect::<Vec<_>>(),
+                    "reason": m.reason}),
             false,
         );
     } else {
-        println!("{n}");
+        if let Some(r) = &m.reason {
+            eprintln!("note: {r}");
+        }
+        println!("{}", m.usable);
     }
     Ok(crate::EXIT_OK)
 }
