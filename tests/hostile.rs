@@ -304,6 +304,75 @@ fn small_valid() -> Vec<u8> {
     common::compress_bytes(&c, "bdr16", kvpack::plan::Layout::default(), None)
 }
 
+/// Recomputes the header CRC after a patch of the prefix or body.
+fn fix_header_crc(b: &mut [u8]) {
+    let body_len = u32::from_le_bytes(b[28..32].try_into().unwrap()) as usize;
+    let crc = crc32fast::hash(&[&b[..60], &b[64..64 + body_len]].concat());
+    b[60..64].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Invalid files every reader must reject, each with the rule (format/SPEC.md
+/// section) it breaks; written to `format/vectors/invalid/` by
+/// `write_invalid_vectors`.
+pub fn invalid_vectors() -> Vec<(&'static str, &'static str, Vec<u8>)> {
+    let good = small_valid();
+    let mut v: Vec<(&'static str, &'static str, Vec<u8>)> = vec![
+        (
+            "elements-2p48",
+            "8: decoded output above the memory limit (2^48 elements)",
+            elements_2p48(),
+        ),
+        (
+            "generation-max",
+            "8: generation larger than the data can hold",
+            generation_max(),
+        ),
+        (
+            "heads-2p30",
+            "8: decoded output above the memory limit (kv_heads 2^30)",
+            heads_2p30(),
+        ),
+        ("layer-max", "8: layer index above the limit", layer_max()),
+        (
+            "zstd-bomb",
+            "8: page body_len above 16 bytes per element + 1 MiB",
+            zstd_bomb(),
+        ),
+        (
+            "bdr-block-over-head-dim",
+            "9.9: codec parameters do not fit the tensor",
+            bdr_block_over_head_dim(),
+        ),
+        ("trailer-bit-flip", "5.3: trailer CRC", trailer_bit_flip()),
+    ];
+    let mut b = good.clone();
+    b[1] = b'X';
+    v.push(("bad-magic", "3: magic", b));
+    let mut b = good.clone();
+    b[8] = 2;
+    fix_header_crc(&mut b);
+    v.push(("major-2", "3: version_major must be 1", b));
+    let mut b = good.clone();
+    b[12] = 1;
+    fix_header_crc(&mut b);
+    v.push(("required-flag", "3: unknown required flag", b));
+    let mut b = good.clone();
+    b[70] ^= 1;
+    v.push(("header-crc", "4.1: header_crc", b));
+    let hl = u32::from_le_bytes(good[24..28].try_into().unwrap()) as usize;
+    let mut b = good.clone();
+    b[hl + 64 + 3] ^= 0x80;
+    v.push(("page-body-crc", "6.1: body_crc over the stored body", b));
+    let mut b = good.clone();
+    b.truncate(b.len() - 1);
+    v.push((
+        "truncated",
+        "10.2: no valid trailer (single commit cut short)",
+        b,
+    ));
+    v
+}
+
 /// Every hostile file with its name.
 pub fn all() -> Vec<(&'static str, Vec<u8>)> {
     vec![
@@ -316,6 +385,58 @@ pub fn all() -> Vec<(&'static str, Vec<u8>)> {
         ("bdr_block_over_head_dim", bdr_block_over_head_dim()),
         ("trailer_bit_flip", trailer_bit_flip()),
     ]
+}
+
+/// Writes `format/vectors/invalid/*.kvpack` and `INVALID.json` (file ->
+/// rule broken).
+#[test]
+#[ignore = "regenerates committed vectors"]
+fn write_invalid_vectors() {
+    let dir = common::repo("format/vectors/invalid");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut rules = serde_json::Map::new();
+    for (name, rule, b) in invalid_vectors() {
+        let f = format!("{name}.kvpack");
+        std::fs::write(dir.join(&f), b).unwrap();
+        rules.insert(f, rule.into());
+    }
+    std::fs::write(
+        dir.join("INVALID.json"),
+        serde_json::to_string_pretty(&rules).unwrap() + "\n",
+    )
+    .unwrap();
+}
+
+/// Every committed invalid vector is rejected by the random-access reader
+/// (open or decode) and by the stream decoder, and is still what its
+/// builder makes (so the rule list stays true).
+#[test]
+fn invalid_vectors_are_rejected_by_every_reader() {
+    let dir = common::repo("format/vectors/invalid");
+    let rules: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(dir.join("INVALID.json")).unwrap()).unwrap();
+    let built = invalid_vectors();
+    assert_eq!(rules.len(), built.len());
+    for (name, rule, bytes) in built {
+        let f = format!("{name}.kvpack");
+        assert_eq!(rules[&f], rule, "{f}");
+        let committed = std::fs::read(dir.join(&f)).unwrap();
+        let ar = kvpack::decode::Archive::open(&committed);
+        let rejected = match ar {
+            Err(_) => true,
+            Ok(a) => a.decode(&Default::default(), None, None).is_err(),
+        };
+        assert!(rejected, "{f} ({rule}) accepted by the file reader");
+        assert!(
+            kvpack::stream_decode::decode_stream(&committed[..], None, &|_, _| {}).is_err(),
+            "{f} ({rule}) accepted by the stream decoder"
+        );
+        // The zstd bomb is built at level 19 and may differ across zstd
+        // versions byte for byte; all others are deterministic.
+        if name != "zstd-bomb" {
+            assert_eq!(committed, bytes, "{f} differs from its builder");
+        }
+    }
 }
 
 /// Writes every hostile file to `$KVPACK_HOSTILE_OUT` (for measuring the
