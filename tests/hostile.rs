@@ -464,6 +464,8 @@ fn run_cli(args: &[&str], bytes: &[u8]) -> (i32, String, f64, i64) {
         full.push(out.display().to_string());
     }
     let start = Instant::now();
+    // Reaped below with wait4, which also returns the child's peak RSS.
+    #[allow(clippy::zombie_processes)]
     let child = Command::new(env!("CARGO_BIN_EXE_kvpack"))
         .args(&full)
         .stdout(Stdio::null())
