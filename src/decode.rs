@@ -407,8 +407,14 @@ impl<'a> Archive<'a> {
             };
             return codec.decode(&view, &mut out);
         }
-        // Partial page: decode into a scratch page, copy the overlap.
+        // Partial page: decode into a scratch page, copy the overlap. The
+        // scratch size comes from the page's declared tokens: bounded first.
         let d = info.head_dim as usize;
+        self.reader.limits().check_memory(
+            (info.planes() as u64 * u64::from(m.tokens) * d as u64)
+                .saturating_mul(info.dtype.size() as u64),
+            &format!("decoding part of {}", view.what),
+        )?;
         let mut scratch = TensorData::zeros(info.dtype, info.planes() * m.tokens as usize * d);
         {
             let mut rest = scratch.as_elems_mut();

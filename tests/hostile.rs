@@ -602,3 +602,25 @@ fn inspect_dev_zero_is_refused_at_once() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("not a kvpack file"));
     assert!(start.elapsed() < Duration::from_secs(2));
 }
+
+/// Found by the file_reader fuzz target: decoding part of a page (a token
+/// selection) allocated a scratch page of the page's declared size (2^48
+/// elements here) before any check; it is now bounded by the memory limit.
+#[test]
+fn partial_page_scratch_is_bounded() {
+    let b = elements_2p48();
+    let mut limits = kvpack::format::Limits::default();
+    limits.max_memory = 64 << 20;
+    let ar = kvpack::decode::Archive::open_with(&b, limits).unwrap();
+    let e = ar
+        .decode(
+            &kvpack::decode::Selection {
+                tokens: Some(1..7),
+                ..Default::default()
+            },
+            Some(DType::F32),
+            None,
+        )
+        .unwrap_err();
+    assert!(matches!(e, kvpack::Error::Limits(_)), "{e}");
+}

@@ -37,7 +37,17 @@ for f in "$DIR"/*.kvpack; do
   measure "$n: decompress" "$BIN" decompress "$f" -o "$OUT/$n.safetensors" -f
   measure "$n: inspect" "$BIN" inspect "$f"
   port=$((port + 1))
-  ( sleep 0.5; cat "$f" > /dev/tcp/127.0.0.1/$port ) 2>/dev/null &
+  # kvpack >= the network handshake (SPEC 13) expects a hello first:
+  # HANDSHAKE=1 prefixes a minimal one (version 1.0, no model, no codecs).
+  if [ "${HANDSHAKE:-0}" = 1 ]; then
+    printf 'KVPH\x1e\x00\x00\x00\x01\x00\x00\x00\x00\x00\x00\x00' > "$OUT/sent"
+    head -c 16 /dev/zero >> "$OUT/sent"
+    printf '\x00\x00\x00\x00\x00\x00' >> "$OUT/sent"
+    cat "$f" >> "$OUT/sent"
+  else
+    cp "$f" "$OUT/sent"
+  fi
+  ( sleep 0.5; cat "$OUT/sent" > /dev/tcp/127.0.0.1/$port ) 2>/dev/null &
   measure "$n: recv" "$BIN" recv --listen 127.0.0.1:$port -o "$OUT/$n.out.safetensors" -f -q
   wait
 done
