@@ -12,8 +12,8 @@ use crate::cache::{KvCache, TensorData, TensorInfo};
 use crate::codec::{Codec, PageIn, raw::Raw};
 use crate::error::{Error, Result};
 use crate::format::{
-    CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Trailer, VERSION_MAJOR, VERSION_MINOR,
-    Writer,
+    CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Section, Trailer, VERSION_MAJOR,
+    VERSION_MINOR, Writer,
 };
 use crate::plan::{Layout, PlannedPage, plan};
 use crate::view::{CacheView, Strides, TensorView};
@@ -119,14 +119,24 @@ fn encode_page(
         tokens: p.tokens,
         planes,
     };
-    let sections = codec.encode(&page)?;
+    page_frame(p, &codec.encode(&page)?, slot, opts)
+}
+
+/// The frame of planned page `p` holding `sections`, with codec table slot
+/// `slot`.
+fn page_frame(
+    p: &PlannedPage,
+    sections: &[Section],
+    slot: usize,
+    opts: &CompressOptions,
+) -> Result<PageFrame> {
     let meta = PageMeta {
         tensor: p.tensor,
         token_start: p.token_start,
         tokens: p.tokens,
         codec: slot as u16,
     };
-    PageFrame::encode(meta, &sections, opts.zstd_level, 1 << opts.align_log2)
+    PageFrame::encode(meta, sections, opts.zstd_level, 1 << opts.align_log2)
 }
 
 /// Source bytes of planned page `p`.
@@ -297,7 +307,19 @@ impl FilePlan {
         }
         let prepared = codec.prepare(cache, &opts.layout)?;
         let c: &dyn Codec = prepared.as_deref().unwrap_or(codec);
-        let infos = cache.infos();
+        let mut file = FilePlan::unprepared(cache.infos(), &cache.metadata, c, opts)?;
+        file.prepared = prepared;
+        Ok(file)
+    }
+
+    /// The plan of a file of tensors `infos` encoded by `c` as it is (no
+    /// [`Codec::prepare`]).
+    fn unprepared(
+        infos: Vec<TensorInfo>,
+        metadata: &BTreeMap<String, String>,
+        c: &dyn Codec,
+        opts: &CompressOptions,
+    ) -> Result<FilePlan> {
         let pages = plan(&infos, &vec![0; infos.len()], opts.layout)?;
         let raw_pages = pages.iter().filter(|p| p.raw).count();
         let mut table = vec![CodecEntry {
@@ -316,13 +338,13 @@ impl FilePlan {
             align_log2: opts.align_log2,
             tensors: infos,
             codecs: table,
-            metadata: cache.metadata.clone(),
+            metadata: metadata.clone(),
             page_tokens: opts.layout.page_tokens,
             sink_tokens: opts.layout.sink,
             recent_tokens: opts.layout.recent,
         };
         Ok(FilePlan {
-            prepared,
+            prepared: None,
             header,
             pages,
             raw_pages,
@@ -335,14 +357,78 @@ impl FilePlan {
     }
 }
 
-/// An upper bound, exact to the byte for the file's structure, of the size
-/// of [`compress`] output for tensors shaped like `infos` with `metadata`
-/// and `token_ids` token ids, when `opts.raw_fallback` is set: the header
-/// (with the codec's parameter block), every planned page at its `raw`
-/// frame size, the index and the trailer. Computed without the data (the
-/// codec is prepared on zeros; parameter block sizes depend only on
-/// shapes). Without `raw_fallback` a codec with data-dependent side tables
-/// (e.g. `hqmq:...+med3` outliers) may exceed it.
+/// Writes a new kvpack file of tensors `infos` whose pages were encoded
+/// elsewhere (e.g. on the GPU): `sections(i)` returns the sections of
+/// `pages[i]` as `codec`'s encoder would. `pages` must be the plan of
+/// `infos` under `opts.layout`, without window (raw) pages; `codec` must
+/// need no [`Codec::prepare`] and `opts.raw_fallback` be off. Frames (and
+/// zstd) are built on all threads; the result is the file [`compress`]
+/// writes for the same tensors.
+///
+/// # Errors
+/// [`Error::Parameter`] when `pages` is not that plan, has window pages,
+/// or `raw_fallback` is set; the error of `sections`; [`Error::Io`] when
+/// writing fails.
+#[allow(clippy::too_many_arguments)]
+pub fn write_encoded<W: Write + Send>(
+    infos: Vec<TensorInfo>,
+    metadata: &BTreeMap<String, String>,
+    token_ids: &[u32],
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    pages: &[PlannedPage],
+    sections: &(dyn Fn(usize) -> Result<Vec<Section>> + Sync),
+    out: W,
+) -> Result<(W, CompressReport)> {
+    let start = Instant::now();
+    for i in &infos {
+        codec.check(i)?;
+    }
+    let elements: u64 = infos.iter().map(|i| i.elements()).sum();
+    let source_bytes: u64 = infos
+        .iter()
+        .map(|i| i.elements() * i.dtype.size() as u64)
+        .sum();
+    let file = FilePlan::unprepared(infos, metadata, codec, opts)?;
+    if pages != file.pages.as_slice() || file.raw_pages > 0 || opts.raw_fallback {
+        return Err(Error::param(
+            "encoded pages must be the layout's plan, without window pages or raw fallback",
+        ));
+    }
+    let mut w = Writer::new(out, &file.header)?;
+    let index: Vec<usize> = (0..pages.len()).collect();
+    ordered_map(
+        &index,
+        source_bytes / pages.len().max(1) as u64,
+        |&i| page_frame(&pages[i], &sections(i)?, 0, opts),
+        |frame| w.write_page(&frame),
+    )?;
+    let (out, trailer) = w.commit(token_ids)?;
+    Ok((
+        out,
+        CompressReport {
+            codec: codec.name(),
+            pages: pages.len(),
+            raw_pages: 0,
+            elements,
+            source_bytes,
+            output_bytes: trailer.header_len + trailer.commit_end,
+            seconds: start.elapsed().as_secs_f64(),
+        },
+    ))
+}
+
+/// An upper bound of the size in bytes of [`compress`] output for tensors
+/// shaped like `infos` with `metadata` and `token_ids` token ids, when
+/// `opts.raw_fallback` is set, computed without the data: the header (with
+/// the codec's parameter block, prepared on zeros: parameter block sizes
+/// depend only on shapes), the index, the trailer, and per page the smaller
+/// of its `raw` frame and, for codecs whose page size depends only on the
+/// shape ([`Codec::size_depends_only_on_shape`]), the codec's own frame.
+/// For such codecs without zstd the bound is the exact size; zstd only
+/// makes pages smaller; codecs with data-dependent side tables (e.g.
+/// `hqmq:...+med3` outliers) are bounded by the raw size. Without
+/// `raw_fallback` such a codec may exceed it.
 ///
 /// # Errors
 /// [`Error::Parameter`] when the codec cannot encode these shapes or a
@@ -372,16 +458,33 @@ pub fn max_compressed_size(
         token_ids: Vec::new(),
     };
     let file = FilePlan::new(&view, codec, opts)?;
+    let coder = file.codec(codec);
     let raw_slot = file.header.codecs.len() - 1;
-    let mut w = Writer::new(std::io::sink(), &file.header)?;
-    // Uncompressed raw frames: a zstd frame is kept only when smaller.
+    // Uncompressed frames: a zstd frame is kept only when smaller.
     let plain = CompressOptions {
         zstd_level: None,
         ..*opts
     };
-    for p in &file.pages {
-        let t = &view.tensors[p.tensor as usize];
-        w.write_page(&encode_page(t, p, &Raw, raw_slot, &plain)?)?;
+    let frames: Vec<PageFrame> = file
+        .pages
+        .par_iter()
+        .map(|p| {
+            let t = &view.tensors[p.tensor as usize];
+            let raw = encode_page(t, p, &Raw, raw_slot, &plain)?;
+            if p.raw || !coder.size_depends_only_on_shape() {
+                return Ok(raw);
+            }
+            let own = encode_page(t, p, coder, 0, &plain)?;
+            Ok(if own.bytes.len() < raw.bytes.len() {
+                own
+            } else {
+                raw
+            })
+        })
+        .collect::<Result<_>>()?;
+    let mut w = Writer::new(std::io::sink(), &file.header)?;
+    for f in &frames {
+        w.write_page(f)?;
     }
     let (_, trailer) = w.commit(&vec![0; token_ids])?;
     Ok(trailer.header_len + trailer.commit_end)

@@ -88,6 +88,9 @@ impl Strides {
     fn non_overlapping(&self, info: &TensorInfo) -> bool {
         // Sort the axes by stride; each must step over everything the
         // smaller axes span.
+        if info.elements() == 0 {
+            return true;
+        }
         let d = info.head_dim as usize;
         let mut axes = [
             (self.token, info.tokens as usize),

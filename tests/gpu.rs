@@ -16,6 +16,7 @@ use common::{LayerSpec, Rng, compress_bytes, synthetic};
 use half::{bf16, f16};
 use kvpack::cache::{DType, Kind, KvCache, TensorData};
 use kvpack::decode::{Archive, Selection};
+use kvpack::gpu::paged::{PagedLayout, PagedShape};
 use kvpack::gpu::{Device, Gpu, HostLayout, OutType, POISON};
 use kvpack::plan::{Layout, plan};
 
@@ -80,6 +81,35 @@ fn oracle(archive: &Archive<'_>, tensor: usize, out: OutType, layout: &HostLayou
                     }
                     let dst = (s as usize * heads + h) * d;
                     let src = (p * t_all + t) * d;
+                    o[dst..dst + d].copy_from_slice(&bits[src..src + d]);
+                }
+            }
+            o
+        }
+        HostLayout::Blocks {
+            layout,
+            shape,
+            block_ids,
+        } => {
+            // The C-contiguous index of each layout, written out (not the
+            // library's addressing): K is index 0 of the K/V axis, V 1;
+            // HND holds K then V.
+            let (nb, bs, h) = (
+                shape.num_blocks as usize,
+                shape.block_size as usize,
+                shape.kv_heads as usize,
+            );
+            let kv = usize::from(info.kind == Kind::Value);
+            let mut o = vec![POISON; 2 * nb * bs * h * d];
+            for head in 0..h {
+                for t in 0..t_all {
+                    let (blk, r) = (block_ids[t / bs] as usize, t % bs);
+                    let dst = match layout {
+                        PagedLayout::FlashAttn => (((kv * nb + blk) * bs + r) * h + head) * d,
+                        PagedLayout::FlashInfer => (((blk * 2 + kv) * bs + r) * h + head) * d,
+                        PagedLayout::Hnd => kv * nb * h * bs * d + ((blk * h + head) * bs + r) * d,
+                    };
+                    let src = (head * t_all + t) * d;
                     o[dst..dst + d].copy_from_slice(&bits[src..src + d]);
                 }
             }
@@ -671,6 +701,280 @@ fn vq_cases() -> Vec<Case> {
             false,
         ),
     ]
+}
+
+/// A shuffled block table of `n` distinct ids below `num_blocks`.
+fn block_table(rng: &mut Rng, n: usize, num_blocks: u32) -> Vec<i64> {
+    let mut ids: Vec<i64> = (0..i64::from(num_blocks)).collect();
+    for i in (1..ids.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        ids.swap(i, j);
+    }
+    ids.truncate(n);
+    ids
+}
+
+/// Every codec the GPU decodes, into vLLM's paged layouts (FlashAttention,
+/// FlashInfer, HND) through a shuffled block table, bf16 and fp16, K and V
+/// of one layer into one cache image: bit-exact with the CPU decoder, and
+/// every element outside the tensor's rows untouched.
+#[test]
+fn decode_paged_layouts_match_cpu() {
+    let cases = [
+        ("raw", spec(1, 2, 70, 64), DType::Bf16),
+        ("raw", spec(1, 2, 37, 6), DType::F16),
+        ("int4", spec(1, 2, 70, 64), DType::Bf16),
+        ("int3", spec(1, 3, 21, 6), DType::F16),
+        ("bdr64", spec(1, 2, 70, 64), DType::Bf16),
+        ("bdr16", spec(1, 2, 33, 48), DType::F16),
+        ("hqmq:s96r4", spec(1, 2, 70, 128), DType::Bf16),
+        ("hqmq:s24r3+med3", spec(1, 2, 40, 64), DType::F16),
+        ("polar:m4n4", spec(1, 2, 70, 64), DType::Bf16),
+        ("kivi:2", spec(1, 2, 70, 64), DType::Bf16),
+        ("innerq:k2v2", spec(1, 2, 70, 64), DType::F16),
+        ("turbo:b3", spec(1, 2, 40, 64), DType::Bf16),
+        ("octopus:b3", spec(1, 2, 40, 64), DType::Bf16),
+    ];
+    let files: Vec<Vec<u8>> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, (codec, s, dtype))| {
+            let cache = synthetic(&[*s], *dtype, 401 + i as u64);
+            compress_bytes(&cache, codec, layout(32, 0, 0), None)
+        })
+        .collect();
+    for dev in devices() {
+        let (mut n, mut inexact) = (0, 0);
+        for (i, ((codec, s, _), file)) in cases.iter().zip(&files).enumerate() {
+            let archive = Archive::open(file).unwrap();
+            let mut rng = Rng(77 + i as u64);
+            let shape = PagedShape {
+                num_blocks: s.tokens.div_ceil(16) + 3,
+                block_size: 16,
+                kv_heads: s.heads,
+                head_dim: s.head_dim,
+            };
+            let ids = block_table(&mut rng, s.tokens.div_ceil(16) as usize, shape.num_blocks);
+            for pl in [
+                PagedLayout::FlashAttn,
+                PagedLayout::FlashInfer,
+                PagedLayout::Hnd,
+            ] {
+                let l = HostLayout::Blocks {
+                    layout: pl,
+                    shape,
+                    block_ids: ids.clone(),
+                };
+                for out in [OutType::Bf16, OutType::F16] {
+                    // The whole-layer call (Gpu::decode_paged on CUDA): K
+                    // and V into one image.
+                    let mut want = oracle(&archive, 0, out, &l);
+                    for (w, v) in want.iter_mut().zip(oracle(&archive, 1, out, &l)) {
+                        if v != POISON {
+                            *w = v;
+                        }
+                    }
+                    let got = dev
+                        .decode_paged(&archive, 0, pl, &shape, &ids, out)
+                        .unwrap_or_else(|e| panic!("{codec} {pl:?} on {}: {e}", dev.name()));
+                    let label = format!("{codec} on {}: layer {out:?} {pl:?}", dev.name());
+                    inexact += assert_close(&got, &want, &label);
+                    n += got.len();
+                    for t in 0..archive.tensors().len() {
+                        let want = oracle(&archive, t, out, &l);
+                        let got = dev
+                            .decode_tensor(&archive, t, out, &l)
+                            .unwrap_or_else(|e| panic!("{codec} {pl:?} on {}: {e}", dev.name()));
+                        let label = format!("{codec} on {}: tensor {t} {out:?} {pl:?}", dev.name());
+                        inexact += assert_close(&got, &want, &label);
+                        n += got.len();
+                    }
+                }
+            }
+        }
+        println!(
+            "paged layouts on {}: {n} elements within 1 ulp of the CPU, {inexact} not bit-identical",
+            dev.name()
+        );
+        assert_eq!(
+            inexact,
+            0,
+            "paged decode on {} is not bit-exact",
+            dev.name()
+        );
+    }
+}
+
+/// A paged cache image (K then V for HND) of random bf16/fp16 values.
+fn random_image(rng: &mut Rng, shape: &PagedShape, dtype: DType) -> Vec<u16> {
+    (0..2 * shape.kv_elements())
+        .map(|_| {
+            let x = (rng.normal() * 0.7) as f32;
+            match dtype {
+                DType::Bf16 => bf16::from_f32(x).to_bits(),
+                _ => f16::from_f32(x).to_bits(),
+            }
+        })
+        .collect()
+}
+
+/// Encode from the three paged layouts through a shuffled block table:
+/// the GPU encoders (int, bdr, hqmq) and the host fallback (every other
+/// codec) write files byte-identical to the CPU's, which the CPU reader
+/// opens and decodes to the gathered rows (raw: exactly).
+#[test]
+fn encode_paged_layouts_match_cpu_bytes() {
+    let all = ["raw", "int4", "bdr32", "hqmq:s96r4", "kivi:2", "polar:m4n4"];
+    let devs = devices();
+    let mut rng = Rng(909);
+    for (dtype, heads, head_dim, tokens, codecs) in [
+        (DType::Bf16, 2, 64, 75, &all[..]),
+        (DType::F16, 3, 32, 40, &all[..]),
+        // head_dim not a multiple of 8: the element-wise gather.
+        (DType::F16, 2, 6, 20, &all[..2]),
+    ] {
+        let shape = PagedShape {
+            num_blocks: 9,
+            block_size: 16,
+            kv_heads: heads,
+            head_dim,
+        };
+        let image = random_image(&mut rng, &shape, dtype);
+        let ids = block_table(&mut rng, 9, 9);
+        for pl in [
+            PagedLayout::FlashAttn,
+            PagedLayout::FlashInfer,
+            PagedLayout::Hnd,
+        ] {
+            for &codec in codecs {
+                let c = kvpack::codec::parse(codec).unwrap();
+                let opts = kvpack::compress::CompressOptions {
+                    layout: layout(32, 0, 0),
+                    ..Default::default()
+                };
+                let want = Device::Cpu
+                    .encode_paged(
+                        &image,
+                        pl,
+                        &shape,
+                        dtype,
+                        &ids,
+                        tokens,
+                        c.as_ref(),
+                        3,
+                        &opts,
+                    )
+                    .unwrap();
+                let archive = Archive::open(&want).unwrap();
+                assert_eq!(archive.tensors().len(), 2);
+                assert_eq!(archive.tensors()[1].name, "past_key_values.3.value");
+                if codec == "raw" {
+                    // The stored rows are the cache's rows of the block table.
+                    let gathered =
+                        kvpack::gpu::paged::gather_host(&image, pl, &shape, &ids, tokens).unwrap();
+                    for (t, g) in gathered.iter().enumerate() {
+                        let l = HostLayout::Contiguous {
+                            first_token: 0,
+                            tokens,
+                        };
+                        let out = OutType::from_dtype(dtype).unwrap();
+                        assert_eq!(&oracle(&archive, t, out, &l), g, "{pl:?} tensor {t}");
+                    }
+                }
+                for dev in &devs[1..] {
+                    let got = dev
+                        .encode_paged(
+                            &image,
+                            pl,
+                            &shape,
+                            dtype,
+                            &ids,
+                            tokens,
+                            c.as_ref(),
+                            3,
+                            &opts,
+                        )
+                        .unwrap_or_else(|e| panic!("{codec} {pl:?} on {}: {e}", dev.name()));
+                    assert!(
+                        got == want,
+                        "{codec} {pl:?} {dtype:?} on {}: file differs from the CPU's",
+                        dev.name()
+                    );
+                }
+            }
+        }
+    }
+    for dev in &devs {
+        println!(
+            "paged encode on {}: files byte-identical to the CPU's",
+            dev.name()
+        );
+    }
+}
+
+/// Bad block tables and shapes are refused with a parameter error, on
+/// every device, before anything runs.
+#[test]
+fn paged_inputs_are_validated() {
+    let cache = synthetic(&[spec(1, 2, 40, 64)], DType::Bf16, 3);
+    let file = compress_bytes(&cache, "int4", layout(16, 0, 0), None);
+    let archive = Archive::open(&file).unwrap();
+    let shape = PagedShape {
+        num_blocks: 4,
+        block_size: 16,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let wrong_heads = PagedShape {
+        kv_heads: 4,
+        ..shape
+    };
+    for dev in devices() {
+        for (ids, sh, layer) in [
+            (vec![0, 1], shape, 0),     // 40 tokens need 3 blocks
+            (vec![0, 1, 4], shape, 0),  // id past the cache
+            (vec![0, 1, 1], shape, 0),  // repeated block
+            (vec![0, -1, 2], shape, 0), // negative id
+            (vec![0, 1, 2], wrong_heads, 0),
+            (vec![0, 1, 2], shape, 1), // no layer 1
+        ] {
+            let e = dev
+                .decode_paged(
+                    &archive,
+                    layer,
+                    PagedLayout::FlashAttn,
+                    &sh,
+                    &ids,
+                    OutType::Bf16,
+                )
+                .unwrap_err();
+            assert!(
+                matches!(e, kvpack::Error::Parameter(_)),
+                "{} {ids:?}: {e}",
+                dev.name()
+            );
+        }
+        let image = vec![0u16; 2 * shape.kv_elements() as usize];
+        let c = kvpack::codec::parse("int4").unwrap();
+        let e = dev
+            .encode_paged(
+                &image,
+                PagedLayout::Hnd,
+                &shape,
+                DType::Bf16,
+                &[0, 1],
+                40,
+                c.as_ref(),
+                0,
+                &Default::default(),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, kvpack::Error::Parameter(_)),
+            "{}: {e}",
+            dev.name()
+        );
+    }
 }
 
 #[test]

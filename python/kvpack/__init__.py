@@ -541,7 +541,10 @@ def chunk_max_size(
     of ``shape`` (``[2, layers, tokens, kv_heads*head_dim]`` for
     ``layout="lmcache"``) and ``dtype`` (``"bf16"``, ``torch.bfloat16``,
     ``numpy.float16``, ...) with the same options. Guaranteed: a chunk
-    never encodes larger. Cached per distinct arguments.
+    never encodes larger. For codecs whose page size depends only on the
+    shape (every codec but ``hqmq:...+med``) and no zstd, it is the exact
+    size; otherwise pages count at their raw size. Cached per distinct
+    arguments.
 
     Raises:
         ParameterError: bad shape, unknown codec or one that cannot take

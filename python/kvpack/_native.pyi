@@ -105,3 +105,64 @@ def tensor_table(data: Union[bytes, Array]) -> List[InfoTuple]: ...
 def bench_decode_into(data: bytes, runs: int, dtype: Optional[str] = None) -> List[float]: ...
 def codec_families() -> List[Tuple[int, str, str, str]]: ...
 def canonical_codec(name: str) -> str: ...
+
+class CudaJob:
+    """Paged decode work enqueued on a CUDA stream (see
+    :func:`kvpack.cuda.decode_paged`); holds the cache tensors and the
+    pinned staging until the work is done. Dropping it waits for the work
+    (an event wait, never the device)."""
+
+    def wait(self) -> Optional[Dict[str, int]]:
+        """Waits (GIL released) and checks the kernels' status; returns
+        ``{pages, file_bytes, uploaded_bytes, output_bytes}``, or ``None``
+        when already waited for."""
+    def done(self) -> bool:
+        """True when the work has finished (does not block)."""
+
+def cuda_decode_paged(
+    data: Union[Archive, bytes, Array],
+    kv_cache: Sequence[Array],
+    block_ids: Sequence[int],
+    *,
+    layer: int,
+    layout: str,
+    stream: int,
+) -> CudaJob: ...
+def cuda_encode_paged(
+    kv_cache: Sequence[Array],
+    block_ids: Sequence[int],
+    num_tokens: int,
+    codec: str,
+    *,
+    layout: str,
+    layer: int,
+    stream: int,
+    out: Optional[Array] = None,
+    page_tokens: Optional[int] = None,
+    sink: Optional[int] = None,
+    recent: Optional[int] = None,
+    zstd_level: Optional[int] = None,
+    align_log2: int = 6,
+    raw_fallback: bool = False,
+) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]: ...
+def cuda_bench_decode_paged(
+    data: bytes,
+    kv_cache: Sequence[Array],
+    block_ids: Sequence[int],
+    *,
+    layer: int,
+    layout: str,
+    stream: int,
+    runs: int,
+) -> List[float]: ...
+def cuda_bench_encode_paged(
+    kv_cache: Sequence[Array],
+    block_ids: Sequence[int],
+    num_tokens: int,
+    codec: str,
+    *,
+    layout: str,
+    stream: int,
+    runs: int,
+) -> List[float]: ...
+def cuda_built() -> bool: ...

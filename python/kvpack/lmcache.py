@@ -36,7 +36,6 @@ key             default    meaning
 ``head_dim``    (required) per-head width of the model's K/V vectors
 ``sink``        0          leading tokens of each chunk kept exact (raw)
 ``recent``      0          trailing tokens of each chunk kept exact (raw)
-``size``        "auto"     how a chunk layout is sized: "auto" or "bound"
 ``pad``         true       zero-fill each object up to its layout's size
 ``max_workers`` 1          threads of LMCache's async serde processor
 ==============  =========  ===================================================
@@ -46,17 +45,11 @@ dtype) the same size, ``estimate_serialized_size``, and reads back exactly
 that many bytes (its local-disk back end counts a shorter file as a miss),
 although the serde contract lets ``serialize`` return fewer. So the size of
 a layout is what every stored object of it occupies:
-
-- ``"auto"``: the serializer encodes two probe chunks of the first layout
-  it meets (zeros, and seeded Gaussian noise with outliers). When both give
-  the same size, the codec's output size depends on the shapes only, and
-  each layout's size is the exact size of its encoding (one probe encoding
-  per layout and process): objects are stored without padding. (Measured
-  for raw, int2-8, bdr*, hqmq without ``+med``, octopus, turbo, polar,
-  innerq and kivi.) Otherwise (the ``+med`` outlier tables of hqmq) the
-  layout's size is the guaranteed bound :func:`kvpack.chunk_max_size`,
-  about the uncompressed size.
-- ``"bound"``: always :func:`kvpack.chunk_max_size`.
+:func:`kvpack.chunk_max_size`, computed from the shape alone. For every
+codec whose output size depends only on the shape (raw, int, bdr, hqmq
+without ``+med``, octopus, turbo, polar, innerq, kivi) that is the exact
+encoded size, so objects are stored without padding; for ``+med`` outlier
+tables it is a guaranteed bound (pages count at their raw size).
 
 With ``pad`` the serializer zero-fills the object after the kvpack file up
 to the layout's size and reports that size; the deserializer finds the
@@ -141,8 +134,6 @@ class KvpackSerdeConfig:
             last axis must be a multiple of it.
         sink: leading tokens of every chunk stored exactly (>= 0).
         recent: trailing tokens of every chunk stored exactly (>= 0).
-        size: ``"auto"`` or ``"bound"``: how a chunk layout's stored size is
-            found (see the module docstring).
         pad: zero-fill every serialized object up to its layout's size.
         max_workers: thread-pool size of LMCache's ``AsyncSerdeProcessor``
             (>= 1; kvpack releases the GIL while it encodes and decodes).
@@ -152,11 +143,10 @@ class KvpackSerdeConfig:
     head_dim: int = 0
     sink: int = 0
     recent: int = 0
-    size: str = "auto"
     pad: bool = True
     max_workers: int = 1
 
-    _KEYS = ("codec", "head_dim", "sink", "recent", "size", "pad", "max_workers")
+    _KEYS = ("codec", "head_dim", "sink", "recent", "pad", "max_workers")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> KvpackSerdeConfig:
@@ -183,9 +173,6 @@ class KvpackSerdeConfig:
         codec = values.get("codec", "bdr128")
         if not isinstance(codec, str) or not codec:
             raise _param_error(f"kvpack serde config: 'codec' must be a codec name, got {codec!r}")
-        size = values.get("size", "auto")
-        if size not in ("auto", "bound"):
-            raise _param_error(f'kvpack serde config: \'size\' must be "auto" or "bound", got {size!r}')
         pad = values.get("pad", True)
         if not isinstance(pad, bool):
             raise _param_error(f"kvpack serde config: 'pad' must be true or false, got {pad!r}")
@@ -194,7 +181,6 @@ class KvpackSerdeConfig:
             head_dim=_int_field(values, "head_dim", None, 1),
             sink=_int_field(values, "sink", 0, 0),
             recent=_int_field(values, "recent", 0, 0),
-            size=size,
             pad=pad,
             max_workers=_int_field(values, "max_workers", 1, 1),
         )
@@ -320,65 +306,32 @@ def file_length(buffer: np.ndarray) -> int:
     return end
 
 
-def _probe_chunk(shape: tuple[int, ...], dtype: str, noise: bool) -> Any:
-    """Zeros, or seeded Gaussian noise with outlier channels, ``shape``/``dtype``."""
-    import torch  # LMCache chunks are torch tensors
-
-    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
-    if not noise:
-        return torch.zeros(shape, dtype=torch_dtype)
-    values = torch.randn(shape, generator=torch.Generator().manual_seed(0))
-    values[..., ::17] *= 64.0
-    return values.to(torch_dtype)
-
-
 class LayoutSizes:
-    """Stored size of every chunk of a layout (see the module docstring).
-
-    With ``"size": "auto"`` the first layout is probed with two chunks
-    (zeros and noise); whether they encode to the same size tells whether
-    the codec's output size depends on the shapes only. Later layouts then
-    cost one probe encoding (shape-determined codecs) or none (the bound).
-    Thread safe; each layout is sized once.
+    """Stored size of every chunk of a layout: :func:`kvpack.chunk_max_size`
+    (exact where the codec's output size depends only on the shape), cached
+    per layout. Thread safe.
 
     Args:
-        config: the validated serde config (codec, windows, ``size`` mode).
+        config: the validated serde config (codec, windows).
     """
 
     def __init__(self, config: KvpackSerdeConfig) -> None:
         self.config = config
         self._lock = threading.Lock()
-        self._sizes: dict[tuple[tuple[int, ...], str], tuple[int, int]] = {}
-        # None until the first probe: does the codec's size depend on shapes only?
-        self._shape_determined: bool | None = None if config.size == "auto" else False
+        self._sizes: dict[tuple[tuple[int, ...], str], int] = {}
 
-    def get(self, shape: tuple[int, ...], dtype: str) -> tuple[int, int]:
-        """(size, bound) of chunks shaped ``shape`` in ``dtype``, bytes.
-
-        ``size`` is what every serialized chunk of the layout occupies (with
-        ``pad``); ``bound`` is :func:`kvpack.chunk_max_size`, and
-        ``size <= bound``.
+    def get(self, shape: tuple[int, ...], dtype: str) -> int:
+        """Bytes every serialized chunk shaped ``shape`` in ``dtype`` occupies.
 
         Raises:
             kvpack.ParameterError: bad shape, dtype or codec.
         """
         layout = (shape, dtype)
         with self._lock:
-            cached = self._sizes.get(layout)
-            if cached is None:
-                bound = self.config.max_size(shape, dtype)
-                cached = self._sizes[layout] = (self._probe(shape, dtype, bound), bound)
-            return cached
-
-    def _probe(self, shape: tuple[int, ...], dtype: str, bound: int) -> int:
-        if self._shape_determined is False:
-            return bound
-        scratch = np.empty(bound, dtype=np.uint8)
-        size = self.config.encode(_probe_chunk(shape, dtype, noise=False), scratch)
-        if self._shape_determined is None:
-            noisy = self.config.encode(_probe_chunk(shape, dtype, noise=True), scratch)
-            self._shape_determined = noisy == size
-        return size if self._shape_determined else bound
+            size = self._sizes.get(layout)
+            if size is None:
+                size = self._sizes[layout] = self.config.max_size(shape, dtype)
+            return size
 
 
 class KvpackSerializer:
@@ -401,9 +354,9 @@ class KvpackSerializer:
                 and one dtype (bf16, fp16 or fp32).
 
         Returns:
-            The layout's size: the exact encoded size where the codec's
-            output size depends on the shape only (``"size": "auto"``), else
-            :func:`kvpack.chunk_max_size`, a guaranteed upper bound.
+            The layout's size, :func:`kvpack.chunk_max_size`: the exact
+            encoded size where the codec's output size depends on the shape
+            only, else a guaranteed upper bound.
 
         Raises:
             kvpack.ParameterError: more than one shape group, an unsupported
@@ -411,7 +364,7 @@ class KvpackSerializer:
                 a multiple of ``head_dim``.
         """
         shape, dtype = _single_layout(layout_desc)
-        return self.sizes.get(shape, dtype)[0]
+        return self.sizes.get(shape, dtype)
 
     def serialize(self, src: Any, dst: Any, key: Any = None) -> int:
         """Encode ``src``'s chunk as a kvpack file into ``dst``'s bytes.
@@ -430,30 +383,20 @@ class KvpackSerializer:
             size (the kvpack file, then zeros), else the file's length.
 
         Raises:
-            kvpack.ParameterError: bad shape or dtype, ``dst`` smaller than
-                the layout's size, or (``"size": "auto"`` only) a chunk that
-                encodes larger than its layout's probed size.
+            kvpack.ParameterError: bad shape or dtype, or ``dst`` smaller
+                than the layout's size.
             kvpack.UnsupportedError: ``dst`` is not in CPU memory.
             kvpack.KvpackError: any other encoder error.
         """
         del key
         chunk = _tensor(src, "source")
-        size, bound = self.sizes.get(tuple(int(d) for d in chunk.shape), _dtype_name(chunk.dtype))
+        size = self.sizes.get(tuple(int(d) for d in chunk.shape), _dtype_name(chunk.dtype))
         out = _byte_array(dst, "destination", used=False)
         if out.size < size:
             raise _param_error(
                 f"kvpack serde: destination buffer holds {out.size} bytes, the chunk needs {size}"
             )
-        try:
-            written = self.config.encode(chunk, out[:size])
-        except (kvpack.KvpackIOError, kvpack.ParameterError) as err:
-            if size == bound:
-                raise
-            raise _param_error(
-                f"kvpack serde: this {tuple(chunk.shape)} chunk encodes with {self.config.codec!r} "
-                f"to more than the {size} bytes its layout was probed at (the codec's output "
-                'size depends on the data here); configure "size": "bound"'
-            ) from err
+        written = self.config.encode(chunk, out[:size])
         if not self.config.pad:
             return int(written)
         out[written:size] = 0

@@ -163,6 +163,10 @@ impl Affine {
 }
 
 impl Codec for Affine {
+    fn size_depends_only_on_shape(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         match self.block {
             None => format!("int{}", self.bits),

@@ -417,6 +417,10 @@ impl InnerQ {
 }
 
 impl Codec for InnerQ {
+    fn size_depends_only_on_shape(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         let mut n = format!("innerq:k{}v{}", self.key_bits, self.value_bits);
         if self.mode != Mode::Hybrid {

@@ -113,6 +113,10 @@ impl Kivi {
 }
 
 impl Codec for Kivi {
+    fn size_depends_only_on_shape(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         let mut n = format!("kivi:{}", self.bits);
         if self.group != DEFAULT_GROUP {

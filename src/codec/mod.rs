@@ -141,6 +141,16 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
         (0, 0)
     }
 
+    /// True when the encoded size of a page depends only on its shape
+    /// (tensor info and token count), never on the values: no
+    /// data-dependent side tables such as outliers. Then
+    /// [`crate::compress::max_compressed_size`] bounds such pages by their
+    /// exact size instead of the raw size. Default `false` (always safe);
+    /// `tests/views.rs` checks every codec that claims it.
+    fn size_depends_only_on_shape(&self) -> bool {
+        false
+    }
+
     /// Encodes one page into sections.
     ///
     /// # Errors

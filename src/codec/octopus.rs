@@ -654,6 +654,10 @@ impl Octopus {
 }
 
 impl Codec for Octopus {
+    fn size_depends_only_on_shape(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         let mut n = match self.split.nominal() {
             Some(b) => format!("octopus:b{b}"),

@@ -34,6 +34,10 @@ pub const FAMILY: super::Family = super::Family {
 };
 
 impl Codec for Raw {
+    fn size_depends_only_on_shape(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         "raw".into()
     }

@@ -236,6 +236,10 @@ impl Turbo {
 }
 
 impl Codec for Turbo {
+    fn size_depends_only_on_shape(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         let mut n = format!("turbo:b{}", self.bits);
         if self.options.qjl {

@@ -19,10 +19,13 @@ use std::process::Command;
 
 use sha2::Digest;
 
-use super::cuda::{Args, Staged, add_page, check_status, group_args, pack_groups, stage_page};
+use super::cuda::{
+    Args, PagedImage, Staged, add_page, check_status, group_args, pack_groups, stage_page,
+};
+use super::paged::{self, PagedLayout, PagedShape};
 use super::spec::{DstSpec, KernelChoice};
 use super::{HostLayout, OutType, POISON, host, sources};
-use crate::cache::{Tensor, TensorData};
+use crate::cache::{Kind, Tensor, TensorData};
 use crate::codec::Codec;
 use crate::decode::Archive;
 use crate::error::{Error, Result};
@@ -253,7 +256,24 @@ impl Emulator {
                 slots: arena.place(bytemuck::cast_slice(slots)),
                 slots_len: slots.len() as u64,
                 slot_stride: info.tokens,
+                addr: None,
             },
+            HostLayout::Blocks {
+                layout,
+                shape,
+                block_ids,
+            } => {
+                let slots = super::paged::slot_mapping(block_ids, shape, info.tokens)?;
+                let (off, len, addr) = shape.image_target(*layout, info.kind);
+                DstSpec::Paged {
+                    ptr: out_at + 2 * off,
+                    len,
+                    slots: arena.place(bytemuck::cast_slice(&slots)),
+                    slots_len: slots.len() as u64,
+                    slot_stride: 0,
+                    addr: Some(addr),
+                }
+            }
         };
         let mut groups = BTreeMap::new();
         for (s, &body) in staged.iter().zip(&bodies) {
@@ -280,6 +300,123 @@ impl Emulator {
         let st: Vec<u64> = bytemuck::pod_collect_to_vec(arena.at(status, 16));
         check_status(&st)?;
         Ok(bytemuck::pod_collect_to_vec(arena.at(out_at, 2 * len)))
+    }
+
+    /// [`super::Device::decode_paged`] through the emulated kernels: the
+    /// image, descriptors and launches of [`super::Gpu::decode_paged`].
+    ///
+    /// # Errors
+    /// As [`super::Gpu::decode_paged`], and [`Error::Io`] when the
+    /// emulator cannot be built or fails.
+    pub fn decode_paged(
+        &self,
+        archive: &Archive<'_>,
+        layer: u32,
+        layout: PagedLayout,
+        shape: &PagedShape,
+        block_ids: &[i64],
+        out: OutType,
+    ) -> Result<Vec<u16>> {
+        let img = PagedImage::new(archive, layer, shape, block_ids)?;
+        let len = usize::try_from(2 * shape.kv_elements())
+            .map_err(|_| Error::param("paged cache too large for this host"))?;
+        let mut arena = Arena { bytes: Vec::new() };
+        let cache = arena.place(bytemuck::cast_slice(&vec![POISON; len]));
+        let target = |k| {
+            let (off, n, addr) = shape.image_target(layout, k);
+            (cache + 2 * off, n, addr)
+        };
+        let tlen = img.tables(0, target, out)?.0.len();
+        let base = arena.place(&vec![0u8; img.fixed + tlen]);
+        let (tables, launches, _) = img.tables(base, target, out)?;
+        let o = (base - BASE) as usize;
+        img.fill(&mut arena.bytes[o..o + img.fixed]);
+        arena.bytes[o + img.fixed..o + img.fixed + tlen].copy_from_slice(&tables);
+        let status = base + img.status0 as u64;
+        let launches: Vec<Launch> = launches
+            .iter()
+            .map(|(key, d, w, blocks)| Launch {
+                kernel: key.0.clone(),
+                descs: base + *d as u64,
+                work: base + *w as u64,
+                blocks: *blocks,
+                args: group_args(key, status),
+            })
+            .collect();
+        self.run(&mut arena, &launches)?;
+        check_status(&bytemuck::pod_collect_to_vec::<u8, u64>(
+            arena.at(status, 16),
+        ))?;
+        Ok(bytemuck::pod_collect_to_vec(arena.at(cache, 2 * len)))
+    }
+
+    /// [`super::Device::encode_paged`] through the emulated kernels: the
+    /// gather and encode launches of [`super::Gpu::encode_paged`] (the
+    /// host fallback for codecs without a GPU encoder).
+    ///
+    /// # Errors
+    /// As [`super::Gpu::encode_paged`], and [`Error::Io`] when the
+    /// emulator cannot be built or fails.
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_paged(
+        &self,
+        image: &[u16],
+        layout: PagedLayout,
+        shape: &PagedShape,
+        dtype: crate::cache::DType,
+        block_ids: &[i64],
+        num_tokens: u32,
+        codec: &dyn Codec,
+        layer: u32,
+        opts: &crate::compress::CompressOptions,
+    ) -> Result<(Vec<u8>, crate::compress::CompressReport)> {
+        if num_tokens == 0 {
+            return Err(Error::param("encode_paged needs at least one token"));
+        }
+        let infos = paged::layer_infos(shape, dtype, layer, num_tokens);
+        let slots = paged::slot_mapping(block_ids, shape, num_tokens)?;
+        let mut arena = Arena { bytes: Vec::new() };
+        let cache = arena.place(bytemuck::cast_slice(image));
+        let slots_at = arena.place(bytemuck::cast_slice(&slots));
+        let n = infos[0].elements() as usize;
+        let outs = [arena.place(&vec![0; 2 * n]), arena.place(&vec![0; 2 * n])];
+        let targets = [Kind::Key, Kind::Value].map(|k| {
+            let (off, len, addr) = shape.image_target(layout, k);
+            (cache + 2 * off, len, addr)
+        });
+        let (kernel, descs, work) = paged::gather_plan(shape, targets, slots_at, num_tokens, outs)?;
+        let launch = Launch {
+            kernel,
+            descs: arena.place(bytemuck::cast_slice(&descs)),
+            work: arena.place(bytemuck::cast_slice(&work)),
+            blocks: work.len() as u32,
+            args: Args {
+                bits: None,
+                h: None,
+                c: None,
+                status: arena.place(&[0xff; 16]),
+            },
+        };
+        let status = launch.args.status;
+        self.run(&mut arena, &[launch])?;
+        check_status(&bytemuck::pod_collect_to_vec::<u8, u64>(
+            arena.at(status, 16),
+        ))?;
+        let host = outs.map(|o| bytemuck::pod_collect_to_vec::<u8, u16>(arena.at(o, 2 * n)));
+        let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
+        if !paged::encodes_on_gpu(&infos, &pages, codec, opts) {
+            return paged::file_from_host(infos, host, codec, opts, Vec::new());
+        }
+        let tensors = infos
+            .iter()
+            .cloned()
+            .zip(host)
+            .map(|(i, v)| paged::host_tensor(i, v))
+            .collect::<Result<Vec<_>>>()?;
+        let sections = paged::sections_by_tensor(&pages, 2, |t, mine| {
+            self.encode_tensor(&tensors[t], codec, mine)
+        })?;
+        paged::file_from_sections(infos, codec, opts, &pages, sections, Vec::new())
     }
 
     /// [`super::Device::encode_tensor`] through the emulated kernels.

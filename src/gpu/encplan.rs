@@ -105,6 +105,17 @@ pub fn plan(
     }
 }
 
+/// True when the GPU encodes `codec` for tensor `info` ([`plan`] accepts
+/// it): `int{b}`, `bdr{h}` and `hqmq` without `+med`, on a tensor the
+/// codec takes.
+pub fn gpu_encodes(codec: &dyn Codec, info: &TensorInfo) -> bool {
+    codec.check(info).is_ok()
+        && matches!(
+            KernelCodec::of(codec, info),
+            Ok(KernelCodec::Affine { .. } | KernelCodec::Hqmq { med: false, .. })
+        )
+}
+
 fn empty() -> EncodeLayout {
     EncodeLayout {
         layouts: Vec::new(),

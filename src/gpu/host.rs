@@ -42,6 +42,19 @@ pub fn layout_len(info: &TensorInfo, layout: &HostLayout) -> Result<usize> {
             }
             Ok(*num_slots as usize * info.heads as usize * row)
         }
+        HostLayout::Blocks { shape, .. } => {
+            if info.batch != 1 || info.heads != shape.kv_heads || info.head_dim != shape.head_dim {
+                return Err(Error::param(format!(
+                    "{} ({}) does not fit a paged cache of {} kv heads x head_dim {}                      (batch 1 needed)",
+                    info.name,
+                    info.describe(),
+                    shape.kv_heads,
+                    shape.head_dim
+                )));
+            }
+            usize::try_from(2 * shape.kv_elements())
+                .map_err(|_| Error::param("paged cache too large for this host"))
+        }
     }
 }
 
@@ -55,7 +68,7 @@ pub fn token_range(info: &TensorInfo, layout: &HostLayout) -> (u32, u32) {
             (*first_token).min(info.tokens),
             first_token.saturating_add(*tokens).min(info.tokens),
         ),
-        HostLayout::Paged { .. } => (0, info.tokens),
+        HostLayout::Paged { .. } | HostLayout::Blocks { .. } => (0, info.tokens),
     }
 }
 
@@ -70,12 +83,46 @@ pub fn decode_tensor(
     out: OutType,
     layout: &HostLayout,
 ) -> Result<Vec<u16>> {
-    let infos = archive.tensors();
-    let info = &infos[t];
-    let len = layout_len(info, layout)?;
-    let mut dst = vec![POISON; len];
+    let info = tensor_info(archive, t)?;
+    let mut dst = vec![POISON; layout_len(&info, layout)?];
+    decode_tensor_into(archive, t, out, layout, &mut dst)?;
+    Ok(dst)
+}
+
+/// [`decode_tensor`] into `dst` (of [`layout_len`] elements): elements no
+/// page of tensor `t` writes keep their value.
+///
+/// # Errors
+/// As [`super::Device::decode_tensor`], and [`Error::Parameter`] when `dst`
+/// has the wrong length.
+pub fn decode_tensor_into(
+    archive: &Archive<'_>,
+    t: usize,
+    out: OutType,
+    layout: &HostLayout,
+    dst: &mut [u16],
+) -> Result<()> {
+    let info = &tensor_info(archive, t)?;
+    if dst.len() != layout_len(info, layout)? {
+        return Err(Error::param(format!(
+            "output of {} elements for a layout of {}",
+            dst.len(),
+            layout_len(info, layout)?
+        )));
+    }
     let d = info.head_dim as usize;
     let (lo, hi) = token_range(info, layout);
+    let blocks = match layout {
+        HostLayout::Blocks {
+            layout,
+            shape,
+            block_ids,
+        } => Some((
+            shape.image_target(*layout, info.kind),
+            super::paged::slot_mapping(block_ids, shape, info.tokens)?,
+        )),
+        _ => None,
+    };
     for pi in archive.reader().pages_overlapping(t, lo, hi) {
         let view = archive.reader().page(pi)?;
         let m = view.header.meta;
@@ -128,13 +175,17 @@ pub fn decode_tensor(
                         }
                         (s as usize * info.heads as usize + h) * d
                     }
+                    HostLayout::Blocks { .. } => {
+                        let ((off, _, addr), slots) = blocks.as_ref().expect("set above");
+                        (off + addr.offset(slots[tok] as u64, h as u32)) as usize
+                    }
                 };
                 let src = (p * n + r) * d;
                 dst[at..at + d].copy_from_slice(&bits[src..src + d]);
             }
         }
     }
-    Ok(dst)
+    Ok(())
 }
 
 /// Encodes planned pages of `tensor` with the CPU codec.

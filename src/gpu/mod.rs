@@ -83,6 +83,7 @@ pub mod body;
 pub mod codecs;
 pub mod encplan;
 pub mod host;
+pub mod paged;
 pub mod side;
 pub mod sources;
 pub mod spec;
@@ -93,7 +94,8 @@ mod cuda;
 pub mod emu;
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    DecodePlan, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages, compile_all,
+    DecodePlan, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages, PagedJob,
+    compile_all,
 };
 #[cfg(feature = "cuda")]
 pub use emu::Emulator;
@@ -101,7 +103,10 @@ pub use emu::Emulator;
 #[cfg(not(feature = "cuda"))]
 mod stub;
 #[cfg(not(feature = "cuda"))]
-pub use stub::{DecodePlan, Emulator, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuElem, GpuPages};
+pub use stub::{
+    DecodePlan, Emulator, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages,
+    PagedJob,
+};
 
 pub use spec::OutType;
 
@@ -166,6 +171,17 @@ pub enum Dst<'a> {
         /// `[batch, tokens]` mapping).
         slot_stride: u32,
     },
+    /// One of K or V of a paged cache in any [`paged::PagedLayout`]: token
+    /// `t` of the (batch 1) tensor goes to slot `slots[t]` (a negative slot
+    /// is skipped), addressed as [`paged::PagedAddr`] says.
+    Blocks {
+        /// The cache.
+        cache: &'a paged::PagedCache,
+        /// Which of K or V this tensor fills.
+        kind: crate::cache::Kind,
+        /// The slot mapping, one i64 per token ([`paged::slot_mapping`]).
+        slots: &'a GpuBuffer<i64>,
+    },
 }
 
 /// One tensor of a decode: its index in the file's tensor table and where
@@ -195,6 +211,20 @@ pub struct StreamStats {
     pub seconds: f64,
 }
 
+/// Counters of one [`Gpu::decode_paged`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PagedStats {
+    /// Pages decoded (K and V).
+    pub pages: u64,
+    /// Page frame bytes of the layer in the file.
+    pub file_bytes: u64,
+    /// Bytes copied host to device (bodies, side tables, slots,
+    /// descriptors).
+    pub uploaded_bytes: u64,
+    /// Bytes written into the cache.
+    pub output_bytes: u64,
+}
+
 /// A host-side destination layout for [`Device::decode_tensor`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum HostLayout {
@@ -215,6 +245,18 @@ pub enum HostLayout {
         num_slots: u32,
         /// The slot mapping, `batch * tokens` entries.
         slots: Vec<i64>,
+    },
+    /// A paged cache image of one layer ([`paged::PagedShape::image_target`]:
+    /// the tensor of a joint layout, or K then V for HND,
+    /// `2 * kv_elements` elements); the tensor (batch 1) fills its K or V
+    /// part, token `t` in block `block_ids[t / block_size]`.
+    Blocks {
+        /// The layout.
+        layout: paged::PagedLayout,
+        /// The geometry (kv_heads and head_dim must match the tensor).
+        shape: paged::PagedShape,
+        /// The block table ([`paged::slot_mapping`]).
+        block_ids: Vec<i64>,
     },
 }
 
@@ -288,6 +330,7 @@ impl Device {
                 let gp = GpuPages::upload(gpu, archive, &pages)?;
                 let buf = gpu.upload(&vec![POISON; len])?;
                 let slots;
+                let cache;
                 let dst = match layout {
                     HostLayout::Contiguous {
                         first_token,
@@ -305,6 +348,32 @@ impl Device {
                             slot_stride: info.tokens,
                         }
                     }
+                    HostLayout::Blocks {
+                        layout,
+                        shape,
+                        block_ids,
+                    } => {
+                        slots = gpu.upload(&paged::slot_mapping(block_ids, shape, info.tokens)?)?;
+                        let at = buf.device_ptr();
+                        let v = (!layout.joint()).then_some(at + 2 * shape.kv_elements());
+                        // SAFETY: `buf` is a live allocation of
+                        // 2 * kv_elements elements (host::layout_len), K
+                        // then V for HND, alive until after `finish`.
+                        cache = unsafe {
+                            paged::PagedCache::from_raw(
+                                *layout,
+                                out.dtype(),
+                                &shape.dims(*layout),
+                                at,
+                                v,
+                            )?
+                        };
+                        Dst::Blocks {
+                            cache: &cache,
+                            kind: info.kind,
+                            slots: &slots,
+                        }
+                    }
                 };
                 let plan = gpu.plan_decode(
                     &gp,
@@ -319,6 +388,130 @@ impl Device {
                 buf.to_vec()
             }
         }
+    }
+
+    /// Decodes layer `layer` (K and V) into a host image of a paged cache
+    /// ([`paged::PagedShape::image_target`]: `2 * kv_elements` elements,
+    /// initially [`POISON`]) through the block table `block_ids`, as
+    /// [`Gpu::decode_paged`] does on CUDA (there on a borrowed handle of
+    /// kvpack's stream, [`Gpu::with_stream`]).
+    ///
+    /// # Errors
+    /// As [`Gpu::decode_paged`].
+    pub fn decode_paged(
+        &self,
+        archive: &Archive<'_>,
+        layer: u32,
+        layout: paged::PagedLayout,
+        shape: &paged::PagedShape,
+        block_ids: &[i64],
+        out: OutType,
+    ) -> Result<Vec<u16>> {
+        let len = usize::try_from(2 * shape.kv_elements())
+            .map_err(|_| crate::error::Error::param("paged cache too large for this host"))?;
+        match self {
+            Device::Cpu => {
+                let mut image = vec![POISON; len];
+                let hl = HostLayout::Blocks {
+                    layout,
+                    shape: *shape,
+                    block_ids: block_ids.to_vec(),
+                };
+                for (t, _) in paged::layer_tensors(archive, layer, shape)? {
+                    host::decode_tensor_into(archive, t as usize, out, &hl, &mut image)?;
+                }
+                Ok(image)
+            }
+            Device::Emulated(e) => e.decode_paged(archive, layer, layout, shape, block_ids, out),
+            Device::Cuda(gpu) => {
+                let buf = gpu.upload(&vec![POISON; len])?;
+                let at = buf.device_ptr();
+                let v = (!layout.joint()).then_some(at + 2 * shape.kv_elements());
+                // SAFETY: `buf` is a live allocation of the image (K then V
+                // for HND), kept until the job has finished; kvpack's own
+                // stream outlives the borrowed handle.
+                let job = unsafe {
+                    let cache = paged::PagedCache::from_raw(
+                        layout,
+                        out.dtype(),
+                        &shape.dims(layout),
+                        at,
+                        v,
+                    )?;
+                    gpu.with_stream(gpu.raw_stream())
+                        .decode_paged(archive, layer, &cache, block_ids)?
+                };
+                job.wait()?;
+                buf.to_vec()
+            }
+        }
+    }
+
+    /// Encodes tokens `0..num_tokens` of a host image of a paged cache
+    /// (`image`, [`paged::PagedShape::image_target`]; bf16/fp16 bits as
+    /// `dtype`) into a kvpack file, as [`Gpu::encode_paged`] does on CUDA.
+    /// The CPU gathers the rows and compresses them with the CPU codecs:
+    /// the reference every device's bytes are compared with.
+    ///
+    /// # Errors
+    /// As [`Gpu::encode_paged`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_paged(
+        &self,
+        image: &[u16],
+        layout: paged::PagedLayout,
+        shape: &paged::PagedShape,
+        dtype: crate::cache::DType,
+        block_ids: &[i64],
+        num_tokens: u32,
+        codec: &dyn Codec,
+        layer: u32,
+        opts: &crate::compress::CompressOptions,
+    ) -> Result<Vec<u8>> {
+        if image.len() as u64 != 2 * shape.kv_elements() {
+            return Err(crate::error::Error::param(format!(
+                "paged cache image of {} elements, {} expected",
+                image.len(),
+                2 * shape.kv_elements()
+            )));
+        }
+        let r = match self {
+            Device::Cpu => {
+                if num_tokens == 0 {
+                    return Err(crate::error::Error::param(
+                        "encode_paged needs at least one token",
+                    ));
+                }
+                let host = paged::gather_host(image, layout, shape, block_ids, num_tokens)?;
+                let infos = paged::layer_infos(shape, dtype, layer, num_tokens);
+                paged::file_from_host(infos, host, codec, opts, Vec::new())
+            }
+            Device::Emulated(e) => e.encode_paged(
+                image, layout, shape, dtype, block_ids, num_tokens, codec, layer, opts,
+            ),
+            Device::Cuda(gpu) => {
+                let buf = gpu.upload(image)?;
+                let at = buf.device_ptr();
+                let v = (!layout.joint()).then_some(at + 2 * shape.kv_elements());
+                // SAFETY: `buf` is a live allocation of the image (K then V
+                // for HND), alive until the call returns (it waits);
+                // kvpack's own stream outlives the borrowed handle.
+                unsafe {
+                    let cache =
+                        paged::PagedCache::from_raw(layout, dtype, &shape.dims(layout), at, v)?;
+                    gpu.with_stream(gpu.raw_stream()).encode_paged(
+                        &cache,
+                        block_ids,
+                        num_tokens,
+                        codec,
+                        layer,
+                        opts,
+                        Vec::new(),
+                    )
+                }
+            }
+        };
+        r.map(|(bytes, _)| bytes)
     }
 
     /// Encodes the planned pages of `tensor` with `codec` (`int{b}` or

@@ -513,6 +513,10 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
             }
         }
     }
+    for d in [64, 6] {
+        let k = super::paged::gather_kernel(d);
+        v.push((k.source, k.name));
+    }
     v.extend(super::codecs::all_kernel_names());
     v.sort();
     v.dedup();
@@ -520,7 +524,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
 }
 
 /// One page to decode, as the kernels read it (`struct PageDesc` in
-/// `kernels/common.cuh`, 96 bytes). Device addresses are absolute.
+/// `kernels/common.cuh`, 160 bytes). Device addresses are absolute.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
 pub struct PageDesc {
@@ -582,6 +586,16 @@ pub struct PageDesc {
     pub p2: u32,
     /// See `p0`.
     pub p3: u32,
+    /// Paged: elements between blocks ([`super::paged::PagedStrides`]).
+    pub blk_stride: u64,
+    /// Paged: elements between the rows (tokens) of a block.
+    pub tok_stride: u64,
+    /// Paged: elements between the heads of a row.
+    pub head_stride: u64,
+    /// Paged: slots per block (1 for a flat slot mapping).
+    pub block_size: u32,
+    /// [`magic`] of `block_size`.
+    pub m_block: u32,
 }
 
 /// One page to encode (`struct EncDesc` in `kernels/common.cuh`, 104 bytes).
@@ -709,13 +723,14 @@ pub enum DstSpec {
         /// Tokens the buffer holds per plane.
         tokens: u32,
     },
-    /// vLLM `[num_blocks, block_size, kv_heads, head_dim]`: token `t` of
-    /// batch item `b` goes to slot `slots[b * slot_stride + t]` (skipped
-    /// when negative).
+    /// A paged cache: token `t` of batch item `b` goes to slot
+    /// `slots[b * slot_stride + t]` (skipped when negative), addressed by
+    /// `addr` from `ptr`.
     Paged {
-        /// Device address of the cache.
+        /// Device address of element (block 0, row 0, head 0) of this
+        /// tensor (the K/V offset already applied).
         ptr: u64,
-        /// Elements in the cache.
+        /// Elements from `ptr` to the end of the allocation.
         len: u64,
         /// Device address of the i64 slot mapping.
         slots: u64,
@@ -723,6 +738,10 @@ pub enum DstSpec {
         slots_len: u64,
         /// Slot-mapping entries between batch items.
         slot_stride: u32,
+        /// Block geometry; `None` for vLLM's flat
+        /// `[num_slots, kv_heads, head_dim]` (slots of `kv_heads x
+        /// head_dim` elements, as many as fit in `len`).
+        addr: Option<super::paged::PagedAddr>,
     },
 }
 
@@ -830,11 +849,25 @@ pub fn page_desc(
             slots,
             slots_len,
             slot_stride,
+            addr,
         } => {
-            let per_slot = u64::from(g.heads) * d;
-            if !len.is_multiple_of(per_slot) {
+            let addr = match addr {
+                Some(a) => a,
+                None => {
+                    let per_slot = u64::from(g.heads) * d;
+                    if !len.is_multiple_of(per_slot) {
+                        return Err(Error::param(format!(
+                            "paged cache of {len} elements is not a whole number of slots of {per_slot}"
+                        )));
+                    }
+                    super::paged::PagedAddr::flat(len / per_slot, g.heads, g.head_dim)
+                }
+            };
+            addr.check(len, g.heads, g.head_dim)?;
+            if slot_stride == 0 && g.batch > 1 {
                 return Err(Error::param(format!(
-                    "paged cache of {len} elements is not a whole number of slots of {per_slot}"
+                    "a block-table destination takes one sequence, not a batch of {}",
+                    g.batch
                 )));
             }
             let need = u64::from(g.batch - 1) * u64::from(slot_stride)
@@ -850,7 +883,12 @@ pub fn page_desc(
             desc.dst = ptr;
             desc.slots = slots;
             desc.stride = u64::from(slot_stride);
-            desc.limit = len / per_slot;
+            desc.limit = addr.slots();
+            desc.blk_stride = addr.strides.block;
+            desc.tok_stride = addr.strides.token;
+            desc.head_stride = addr.strides.head;
+            desc.block_size = addr.block_size;
+            desc.m_block = magic(addr.block_size);
             desc.tok_off = g.token_start as i32;
             Ok(Some((desc, rows)))
         }
@@ -996,7 +1034,7 @@ mod tests {
 
     #[test]
     fn struct_sizes_match_cuda() {
-        assert_eq!(std::mem::size_of::<PageDesc>(), 128);
+        assert_eq!(std::mem::size_of::<PageDesc>(), 160);
         assert_eq!(std::mem::size_of::<EncDesc>(), 104);
         // The CUDA side must declare the same constants.
         let c = super::super::sources::COMMON;
@@ -1110,6 +1148,7 @@ mod tests {
             slots: 0x3000,
             slots_len: 500,
             slot_stride: 512,
+            addr: None,
         };
         assert!(page_desc(&g, 0x2000, &paged, 8).is_err());
     }

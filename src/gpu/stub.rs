@@ -6,9 +6,11 @@
 use std::convert::Infallible;
 use std::marker::PhantomData;
 
-use super::{GpuInfo, NO_CUDA, OutType, StreamStats, Target};
+use super::paged::{PagedCache, PagedLayout, PagedShape};
+use super::{GpuInfo, NO_CUDA, OutType, PagedStats, StreamStats, Target};
 use crate::cache::TensorInfo;
 use crate::codec::Codec;
+use crate::compress::{CompressOptions, CompressReport};
 use crate::decode::Archive;
 use crate::error::{Error, Result};
 use crate::format::Section;
@@ -359,6 +361,128 @@ impl FileDecoder {
     }
 }
 
+/// Paged decode work on a stream (never constructed in this build).
+#[derive(Debug)]
+pub struct PagedJob {
+    gpu: Gpu,
+}
+
+impl PagedJob {
+    /// True when the work has finished.
+    pub fn is_complete(&self) -> bool {
+        match self.gpu.never {}
+    }
+
+    /// Waits for the work and checks its status.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn wait(self) -> Result<PagedStats> {
+        match self.gpu.never {}
+    }
+
+    /// What the job moves.
+    pub fn stats(&self) -> &PagedStats {
+        match self.gpu.never {}
+    }
+}
+
+/// A prepared paged gather (never constructed in this build).
+#[derive(Debug)]
+pub struct GatherPlan<'a> {
+    gpu: Gpu,
+    _b: PhantomData<&'a ()>,
+}
+
+impl GatherPlan<'_> {
+    /// Submits the gather.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn launch(&self) -> Result<()> {
+        match self.gpu.never {}
+    }
+
+    /// Waits and checks the status.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn finish(&self) -> Result<()> {
+        match self.gpu.never {}
+    }
+
+    /// Bytes read and written.
+    pub fn bytes(&self) -> (u64, u64) {
+        match self.gpu.never {}
+    }
+
+    /// The kernel's name.
+    pub fn kernel(&self) -> &str {
+        match self.gpu.never {}
+    }
+}
+
+impl Gpu {
+    /// Plans a paged gather.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn plan_gather<'a>(
+        &self,
+        _cache: &PagedCache,
+        _slots: &'a GpuBuffer<i64>,
+        _tokens: u32,
+        _outs: [&'a GpuBuffer<u16>; 2],
+    ) -> Result<GatherPlan<'a>> {
+        match self.never {}
+    }
+
+    /// This handle for submitting to a caller's stream.
+    ///
+    /// # Safety
+    /// As the CUDA build's `Gpu::with_stream`; unreachable in this build.
+    pub unsafe fn with_stream(&self, _stream: u64) -> Gpu {
+        match self.never {}
+    }
+
+    /// The raw stream this handle submits to.
+    pub fn raw_stream(&self) -> u64 {
+        match self.never {}
+    }
+
+    /// Decodes a layer into a paged cache.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn decode_paged(
+        &self,
+        _archive: &Archive<'_>,
+        _layer: u32,
+        _cache: &PagedCache,
+        _block_ids: &[i64],
+    ) -> Result<PagedJob> {
+        match self.never {}
+    }
+
+    /// Encodes a layer of a paged cache into a kvpack file.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_paged<W: std::io::Write + Send>(
+        &self,
+        _cache: &PagedCache,
+        _block_ids: &[i64],
+        _num_tokens: u32,
+        _codec: &dyn Codec,
+        _layer: u32,
+        _opts: &CompressOptions,
+        _out: W,
+    ) -> Result<(W, CompressReport)> {
+        match self.never {}
+    }
+}
+
 /// The SIMT emulator (never constructed in this build).
 #[derive(Debug, Clone)]
 pub struct Emulator {
@@ -385,6 +509,43 @@ impl Emulator {
         _out: OutType,
         _layout: &super::HostLayout,
     ) -> Result<Vec<u16>> {
+        match self.never {}
+    }
+
+    /// Decodes a layer into a paged cache image through the emulated
+    /// kernels.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn decode_paged(
+        &self,
+        _archive: &Archive<'_>,
+        _layer: u32,
+        _layout: PagedLayout,
+        _shape: &PagedShape,
+        _block_ids: &[i64],
+        _out: OutType,
+    ) -> Result<Vec<u16>> {
+        match self.never {}
+    }
+
+    /// Encodes a paged cache image through the emulated kernels.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_paged(
+        &self,
+        _image: &[u16],
+        _layout: PagedLayout,
+        _shape: &PagedShape,
+        _dtype: crate::cache::DType,
+        _block_ids: &[i64],
+        _num_tokens: u32,
+        _codec: &dyn Codec,
+        _layer: u32,
+        _opts: &CompressOptions,
+    ) -> Result<(Vec<u8>, CompressReport)> {
         match self.never {}
     }
 

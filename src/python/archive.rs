@@ -50,7 +50,8 @@ pub fn info_tuple(i: &TensorInfo) -> InfoTuple {
 }
 
 impl Archive {
-    fn with<R>(&self, f: impl for<'a> FnOnce(&Inner<'a>) -> R) -> R {
+    /// Runs `f` on the parsed file.
+    pub(super) fn with<R>(&self, f: impl for<'a> FnOnce(&Inner<'a>) -> R) -> R {
         self.cell.with_dependent(|_, a| f(a))
     }
 }

@@ -171,7 +171,7 @@ fn host_check(t: &Imported, what: &str) -> PyResult<()> {
             t.device.device_type
         )));
     }
-    if t.ptr % t.elem_bytes().max(1) != 0 {
+    if !t.ptr.is_multiple_of(t.elem_bytes().max(1)) {
         return Err(PyValueError::new_err(format!(
             "{what}: data pointer is not aligned to its element size"
         )));

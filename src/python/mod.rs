@@ -13,6 +13,7 @@
 
 mod archive;
 mod arrays;
+mod cuda;
 mod dlpack;
 mod errors;
 
@@ -113,6 +114,14 @@ impl Write for SliceWriter<'_> {
     }
 }
 
+/// What `compress` returns: the report, the file as `bytes` (no path or
+/// out buffer given), the bytes written into `out`.
+type Compressed<'py> = (
+    Bound<'py, pyo3::types::PyDict>,
+    Option<Bound<'py, PyBytes>>,
+    Option<usize>,
+);
+
 /// Compresses tensors given as `(layer, kind, array[, dtype_hint])`:
 /// `array` is a host tensor `[batch, kv_heads, tokens, head_dim]` (or 3-d
 /// without batch) of bf16/fp16/fp32 in any strides with a contiguous
@@ -141,11 +150,7 @@ fn compress<'py>(
     raw_fallback: bool,
     metadata: Option<BTreeMap<String, String>>,
     token_ids: Option<Vec<u32>>,
-) -> PyResult<(
-    Bound<'py, pyo3::types::PyDict>,
-    Option<Bound<'py, PyBytes>>,
-    Option<usize>,
-)> {
+) -> PyResult<Compressed<'py>> {
     let codec = crate::codec::parse(codec).py_err()?;
     let opts = Opts {
         page_tokens,
@@ -221,6 +226,15 @@ fn compress<'py>(
                     SliceWriter { buf: bytes, pos: 0 },
                     &none,
                 )
+            })
+            .map_err(|e| match e {
+                // A full caller buffer is the caller's sizing, not the OS.
+                crate::Error::Io { source, .. }
+                    if source.kind() == std::io::ErrorKind::WriteZero =>
+                {
+                    crate::Error::param(source.to_string())
+                }
+                e => e,
             })
             .py_err()?;
         return Ok((report_dict(py, &report)?, None, Some(w.pos)));
@@ -422,6 +436,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tensor_table, m)?)?;
     m.add_function(wrap_pyfunction!(bench_decode_into, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_codec, m)?)?;
+    m.add_class::<cuda::CudaJob>()?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_decode_paged, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_encode_paged, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_bench_decode_paged, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_bench_encode_paged, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda::cuda_built, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add(
         "FORMAT_VERSION",

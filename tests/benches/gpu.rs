@@ -13,6 +13,9 @@
 //! * `KVPACK_BENCH_BASE=0`: skip raw, int and bdr (phase 1's codecs).
 //! * `KVPACK_BENCH_VQ`: the VQ / group codecs to run (comma-separated name
 //!   prefixes, e.g. `hqmq,polar`; `0` for none; default all).
+//! * `KVPACK_BENCH_PAGED`: `only` runs just the copy ceiling and the paged
+//!   I/O part (vLLM layouts through a block table, kernels and whole calls
+//!   on a caller's stream); `0` skips the paged part.
 //!
 //! Every kernel time is the median over 31 batches of 20 launches (after 3
 //! warm-up batches), CUDA events around each batch, the 20 launches
@@ -27,6 +30,7 @@ use half::bf16;
 use kvpack::cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use kvpack::compress::{CompressOptions, compress};
 use kvpack::decode::{Archive, Selection};
+use kvpack::gpu::paged::{PagedCache, PagedLayout, PagedShape, slot_mapping};
 use kvpack::gpu::{
     DecodePlan, Dst, EncodePlan, FileDecoder, Gpu, GpuBuffer, GpuPages, OutType, Target,
 };
@@ -402,6 +406,302 @@ fn bench_encode(
     b.record(shape, label, "encode", kernel, med, rw);
 }
 
+/// Median wall-clock microseconds of `runs` calls of `f` (after one
+/// warm-up call).
+fn wall_us(runs: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut v: Vec<f64> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// `n` distinct block ids out of `num_blocks`, shuffled.
+fn shuffled_ids(n: u32, num_blocks: u32, seed: u64) -> Vec<i64> {
+    let mut ids: Vec<i64> = (0..i64::from(num_blocks)).collect();
+    let mut s = seed | 1;
+    for i in (1..ids.len()).rev() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ids.swap(i, (s % (i as u64 + 1)) as usize);
+    }
+    ids.truncate(n as usize);
+    ids
+}
+
+/// A device cache of `layout` (K then V for HND) and its description.
+fn paged_cache(b: &Bench, layout: PagedLayout, shape: &PagedShape) -> (GpuBuffer<u16>, PagedCache) {
+    let buf = b
+        .gpu
+        .alloc::<u16>(2 * shape.kv_elements() as usize)
+        .unwrap();
+    let at = buf.device_ptr();
+    let v = (!layout.joint()).then_some(at + 2 * shape.kv_elements());
+    // SAFETY: `buf` is a live allocation of both tensors, dropped after
+    // every use of the description (the bench synchronizes before).
+    let c =
+        unsafe { PagedCache::from_raw(layout, DType::Bf16, &shape.dims(layout), at, v).unwrap() };
+    (buf, c)
+}
+
+/// Paged I/O of one Llama-3-8B layer (8 KV heads, head_dim 128, 32768
+/// tokens) in vLLM's layouts, block size 16, shuffled block ids:
+/// * kernels: decode into each layout (FlashAttention, FlashInfer, HND),
+///   and for encode the gather out of the FlashAttention layout plus the
+///   encode kernels, timed as the other rows (GB/s, % of copy);
+/// * whole calls, what the Python `kvpack.cuda` functions run:
+///   `Archive::open` + `Gpu::decode_paged` + `PagedJob::wait` (CPU staging,
+///   one upload, kernels, on a stream given by raw handle), and
+///   `Gpu::encode_paged` to a complete file (checked byte-identical to the
+///   CPU's file), wall clock, median of 9.
+fn paged(b: &mut Bench, llama: &KvCache) {
+    let tokens = 32768u32;
+    let shape = PagedShape {
+        num_blocks: tokens / 16 + 64,
+        block_size: 16,
+        kv_heads: 8,
+        head_dim: 128,
+    };
+    let ids = shuffled_ids(tokens / 16, shape.num_blocks, 0x5eed);
+    let slots = b
+        .gpu
+        .upload(&slot_mapping(&ids, &shape, tokens).unwrap())
+        .unwrap();
+    let label = "llama3-8b layer K+V paged bs16";
+    // The stream a serving engine would pass: here kvpack's own, wrapped by
+    // its raw handle like a torch stream.
+    // SAFETY: kvpack's stream lives as long as the process's Gpu.
+    let ext = unsafe { b.gpu.with_stream(b.gpu.raw_stream()) };
+    let layouts = [
+        PagedLayout::FlashAttn,
+        PagedLayout::FlashInfer,
+        PagedLayout::Hnd,
+    ];
+    let caches: Vec<Vec<(GpuBuffer<u16>, PagedCache)>> = layouts
+        .iter()
+        .map(|&l| (0..SETS).map(|_| paged_cache(b, l, &shape)).collect())
+        .collect();
+    let mut summary = Vec::new();
+    for codec in [
+        "raw",
+        "int4",
+        "bdr128",
+        "hqmq:s96r4",
+        "polar:m4n4",
+        "kivi:2",
+        "innerq:k2v2",
+        "turbo:b3",
+        "octopus:b3",
+    ] {
+        if !vq_selected(codec) {
+            continue;
+        }
+        let file = compress_mem(llama, codec, 256);
+        let archive = Archive::open(&file).unwrap();
+        let pages: Vec<usize> = (0..2)
+            .flat_map(|t| archive.reader().pages_overlapping(t, 0, u32::MAX))
+            .collect();
+        let gp: Vec<GpuPages> = (0..SETS)
+            .map(|_| GpuPages::upload(&b.gpu, &archive, &pages).unwrap())
+            .collect();
+        let mut kernel_gbs = 0.0;
+        for (li, l) in layouts.iter().enumerate() {
+            let plans: Vec<DecodePlan<'_>> = (0..SETS)
+                .map(|s| {
+                    let c = &caches[li][s].1;
+                    let targets = [Kind::Key, Kind::Value].map(|kind| Target {
+                        tensor: u32::from(kind == Kind::Value),
+                        dst: Dst::Blocks {
+                            cache: c,
+                            kind,
+                            slots: &slots,
+                        },
+                    });
+                    b.gpu.plan_decode(&gp[s], &targets, OutType::Bf16).unwrap()
+                })
+                .collect();
+            b.decode(
+                label,
+                codec,
+                &format!("paged decode bf16 {}", l.name()),
+                &plans,
+            );
+            if li == 0 {
+                let r = b.rows.last().unwrap();
+                kernel_gbs = gbs(r.read + r.written, r.us);
+            }
+        }
+        // The whole call, FlashAttention layout.
+        let cache = &caches[0][0].1;
+        let mut stats = None;
+        let us = wall_us(9, || {
+            let a = Archive::open(&file).unwrap();
+            let job = ext.decode_paged(&a, 0, cache, &ids).unwrap();
+            stats = Some(job.wait().unwrap());
+        });
+        let st = stats.unwrap();
+        let out_gbs = gbs(st.output_bytes, us);
+        println!(
+            "  {label} {codec:<12} decode_paged call (open + stage + upload + kernels + wait):              {us:>9.1} us, {out_gbs:.1} GB/s of bf16 written ({:.1} MB file)",
+            st.file_bytes as f64 / 1e6
+        );
+        b.rows.push(Row {
+            shape: label.into(),
+            codec: codec.into(),
+            op: "decode_paged call (wall)".into(),
+            kernels: "staging+H2D+kernels".into(),
+            us,
+            read: st.file_bytes,
+            written: st.output_bytes,
+        });
+        summary.push(format!(
+            "| {codec} | decode | {kernel_gbs:.0} | {:.0}% | {us:.0} | {out_gbs:.1} |",
+            100.0 * kernel_gbs / b.ceiling
+        ));
+    }
+    // Encode from the FlashAttention layout: the cache holds the layer's
+    // rows at the block table's slots.
+    let (fa_buf, fa) = paged_cache(b, PagedLayout::FlashAttn, &shape);
+    {
+        let mut image = vec![0u16; 2 * shape.kv_elements() as usize];
+        let d = 128usize;
+        for t in llama.tensors.iter().take(2) {
+            let TensorData::Bf16(v) = &t.data else {
+                panic!("bf16 cache expected")
+            };
+            let (off, _, addr) = shape.image_target(PagedLayout::FlashAttn, t.info.kind);
+            for h in 0..8u32 {
+                for tok in 0..tokens as usize {
+                    let slot = (ids[tok / 16] * 16 + (tok % 16) as i64) as u64;
+                    let at = (off + addr.offset(slot, h)) as usize;
+                    let src = (h as usize * tokens as usize + tok) * d;
+                    image[at..at + d].copy_from_slice(bytemuck::cast_slice(&v[src..src + d]));
+                }
+            }
+        }
+        fa_buf.write(&image).unwrap();
+    }
+    let n = 8 * tokens as usize * 128;
+    let gathered: Vec<[GpuBuffer<u16>; 2]> = (0..SETS)
+        .map(|_| {
+            [
+                b.gpu.alloc::<u16>(n).unwrap(),
+                b.gpu.alloc::<u16>(n).unwrap(),
+            ]
+        })
+        .collect();
+    let gathers: Vec<_> = gathered
+        .iter()
+        .map(|g| {
+            b.gpu
+                .plan_gather(&fa, &slots, tokens, [&g[0], &g[1]])
+                .unwrap()
+        })
+        .collect();
+    let (_, gus, _) = b.time(|s| gathers[s].launch().unwrap());
+    let gname = gathers[0].kernel().to_string();
+    b.record(
+        label,
+        "-",
+        "gather (flash_attn)",
+        gname,
+        gus,
+        gathers[0].bytes(),
+    );
+    for codec in ["int4", "bdr128", "hqmq:s96r4"] {
+        if !vq_selected(codec) {
+            continue;
+        }
+        let c = kvpack::codec::parse(codec).unwrap();
+        let infos: Vec<TensorInfo> = llama.tensors[..2].iter().map(|t| t.info.clone()).collect();
+        let pages: Vec<_> = (0..2)
+            .map(|t| plan(std::slice::from_ref(&infos[t]), &[0], Layout::default()).unwrap())
+            .collect();
+        let plans: Vec<Vec<EncodePlan<'_>>> = gathered
+            .iter()
+            .map(|g| {
+                (0..2)
+                    .map(|t| {
+                        b.gpu
+                            .plan_encode(&g[t], &infos[t], c.as_ref(), &pages[t])
+                            .unwrap()
+                    })
+                    .collect()
+            })
+            .collect();
+        let (_, us, _) = b.time(|s| {
+            gathers[s].launch().unwrap();
+            for p in &plans[s] {
+                p.launch().unwrap();
+            }
+        });
+        let mut rw = gathers[0].bytes();
+        for p in &plans[0] {
+            p.finish().unwrap();
+            rw.0 += p.bytes().0;
+            rw.1 += p.bytes().1;
+        }
+        let kernels = format!("{}+{}", gathers[0].kernel(), plans[0][0].kernel());
+        b.record(
+            label,
+            codec,
+            "paged encode (gather+encode)",
+            kernels,
+            us,
+            rw,
+        );
+        let kernel_gbs = gbs(rw.0 + rw.1, us);
+        let opts = CompressOptions::default();
+        let mut bytes = Vec::new();
+        let us = wall_us(9, || {
+            bytes = ext
+                .encode_paged(&fa, &ids, tokens, c.as_ref(), 0, &opts, Vec::new())
+                .unwrap()
+                .0;
+        });
+        let same = bytes == compress_mem(llama, codec, 256);
+        let src_bytes = 2 * n as u64 * 2;
+        let in_gbs = gbs(src_bytes, us);
+        println!(
+            "  {label} {codec:<12} encode_paged call (gather + encode + download + file):              {us:>9.1} us, {in_gbs:.1} GB/s of bf16 read, {:.1} MB file, identical to the CPU's              file: {same}",
+            bytes.len() as f64 / 1e6
+        );
+        if !same {
+            println!("  WARNING: {codec} encode_paged differs from the CPU's file");
+        }
+        b.rows.push(Row {
+            shape: label.into(),
+            codec: codec.into(),
+            op: "encode_paged call (wall)".into(),
+            kernels: "gather+encode+D2H+frames".into(),
+            us,
+            read: src_bytes,
+            written: bytes.len() as u64,
+        });
+        summary.push(format!(
+            "| {codec} | encode | {kernel_gbs:.0} | {:.0}% | {us:.0} | {in_gbs:.1} |",
+            100.0 * kernel_gbs / b.ceiling
+        ));
+    }
+    b.gpu.synchronize().unwrap();
+    println!(
+        "\nPaged I/O, Llama-3-8B layer (8 KV heads, head_dim 128, 32768 tokens, bs 16, shuffled \
+         blocks, flash_attn layout); copy ceiling {:.0} GB/s:",
+        b.ceiling
+    );
+    println!("| codec | op | kernels GB/s | vs copy | whole call (us) | whole call GB/s (bf16) |");
+    println!("|---|---|---|---|---|---|");
+    for l in summary {
+        println!("{l}");
+    }
+}
+
 /// Copy ceiling: 16-byte copy kernel (64 MiB rotating over 6 pairs, and
 /// 1 GiB), and the driver's device-to-device copy (1 GiB).
 fn ceiling(b: &mut Bench) {
@@ -636,6 +936,12 @@ fn main() {
         ceiling: 0.0,
     };
     ceiling(&mut b);
+    let paged_mode = std::env::var("KVPACK_BENCH_PAGED").unwrap_or_default();
+    if paged_mode == "only" {
+        let llama = cache(1, 8, 32768, 128, 7);
+        paged(&mut b, &llama);
+        return;
+    }
 
     // Llama-3-8B layer: K and V, 8 KV heads, head_dim 128, 32768 tokens,
     // both tensors in one launch.
@@ -735,6 +1041,9 @@ fn main() {
         kvpack::gpu::codecs::prefer_global_hqmq_codebook(false);
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s96r4", "hqmq:s96r4");
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s24r3", "hqmq:s24r3");
+    }
+    if paged_mode != "0" && !ncu() {
+        paged(&mut b, &llama);
     }
     drop(llama);
     if ncu() {

@@ -233,3 +233,21 @@ def test_load_refuses_a_file_not_written_by_kvpack_hf(tmp_path):
     kvpack.compress([(k, k)], "raw", path=str(path))
     with pytest.raises(kvpack.ParameterError, match="hf.format"):
         hf.load(path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (run on the GPU machine)")
+def test_cuda_cache_saves_and_loads_onto_the_gpu(tmp_path):
+    model = build("gemma3").to("cuda")
+    with torch.inference_mode():
+        cache = model(input_ids=torch.tensor([PROMPT], device="cuda"), use_cache=True).past_key_values
+    path = tmp_path / "gpu.kvpack"
+    hf.save(cache, path, model=model, token_ids=PROMPT)
+    loaded = hf.load(path, model=model, device="cuda")
+    assert loaded.layers[1].keys.device.type == "cuda"
+    for a, b in zip(cache.layers, loaded.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    nxt = torch.tensor([NEXT], device="cuda")
+    with torch.inference_mode():
+        want = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
+        got = model(input_ids=nxt, past_key_values=loaded, use_cache=True).logits
+    assert torch.equal(want, got)

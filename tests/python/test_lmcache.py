@@ -270,10 +270,10 @@ def test_estimate_is_the_exact_size_for_shape_determined_codecs(chunks, name, co
         proc.close()
 
 
-@pytest.mark.parametrize(("codec", "size"), [("hqmq:s96r4+med3", "auto"), ("bdr128", "bound")])
-def test_estimate_is_kvpacks_bound_for_data_dependent_codecs_or_on_request(chunks, codec, size):
+@pytest.mark.parametrize("codec", ["hqmq:s96r4+med3", "hqmq:s5r2+med2"])
+def test_estimate_is_kvpacks_bound_for_data_dependent_codecs(chunks, codec):
     chunk, head_dim = chunks["gemma3-270m"]
-    proc = processor(codec=codec, head_dim=head_dim, size=size)
+    proc = processor(codec=codec, head_dim=head_dim)
     try:
         bound = kvpack.chunk_max_size(tuple(chunk.shape), "bf16", codec, head_dim=head_dim)
         assert proc.estimate_serialized_size(layout_of(chunk)) == bound
@@ -284,7 +284,7 @@ def test_estimate_is_kvpacks_bound_for_data_dependent_codecs_or_on_request(chunk
 
 @pytest.mark.parametrize("codec", ["bdr128", "hqmq:s96r4+med3"])
 def test_one_serializer_sizes_each_layout_it_meets(chunks, codec):
-    """Later layouts reuse what the first probe learnt about the codec."""
+    """Every layout (shape, dtype) gets its own size."""
     full, head_dim = chunks["gemma3-270m"]
     tail, _ = chunks["gemma3-270m-tail"]
     config = klm.KvpackSerdeConfig.from_dict({"codec": codec, "head_dim": head_dim})
@@ -578,9 +578,10 @@ def test_lmcache_0_5_6_reads_back_the_full_estimate(tmp_path, chunks):
     estimate_serialized_size bytes and counts a shorter object as a miss."""
     chunk, head_dim = chunks["gemma3-270m"]
     keys = [key_of(30)]
-    serde = {"type": "kvpack", "codec": "bdr128", "head_dim": head_dim, "size": "bound", "pad": False}
+    codec = "hqmq:s96r4+med3"  # data-dependent size: shorter than the estimate
+    serde = {"type": "kvpack", "codec": codec, "head_dim": head_dim, "pad": False}
     with storage_manager(tmp_path, serde) as manager:
         (path,) = store(manager, tmp_path, keys, [chunk])
-        assert path.read_bytes() == kvpack.encode_chunk(chunk, "bdr128", head_dim=head_dim)
+        assert path.read_bytes() == kvpack.encode_chunk(chunk, codec, head_dim=head_dim)
         hits, _ = retrieve(manager, keys, layout_of(chunk))
         assert hits == 0

@@ -181,6 +181,10 @@ fn symbol_split(s: u32, b: u8) -> (u32, u64) {
 }
 
 impl Codec for Hqmq {
+    fn size_depends_only_on_shape(&self) -> bool {
+        self.outlier_multiplier.is_none()
+    }
+
     fn name(&self) -> String {
         params::name(self)
     }

@@ -322,6 +322,10 @@ impl Polar {
 }
 
 impl Codec for Polar {
+    fn size_depends_only_on_shape(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> String {
         let mut s = format!("polar:m{}n{}", self.angle_bits, self.radius_bits);
         if self.pairing == Pairing::Adjacent {

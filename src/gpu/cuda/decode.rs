@@ -170,7 +170,19 @@ pub(crate) fn dst_spec(d: &Dst<'_>) -> DstSpec {
             slots: slots.device_ptr(),
             slots_len: slots.len() as u64,
             slot_stride,
+            addr: None,
         },
+        Dst::Blocks { cache, kind, slots } => {
+            let (ptr, len, addr) = cache.target(kind);
+            DstSpec::Paged {
+                ptr,
+                len,
+                slots: slots.device_ptr(),
+                slots_len: slots.len() as u64,
+                slot_stride: 0,
+                addr: Some(addr),
+            }
+        }
     }
 }
 

@@ -9,11 +9,14 @@
 
 mod decode;
 mod encode;
+mod paged;
 mod stream;
 
 pub use decode::{DecodePlan, GpuPages};
 pub(crate) use decode::{Staged, add_page, check_status, group_args, pack_groups, stage_page};
 pub use encode::EncodePlan;
+pub(crate) use paged::PagedImage;
+pub use paged::{GatherPlan, PagedJob};
 pub use stream::FileDecoder;
 
 use std::collections::HashMap;
@@ -21,8 +24,8 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, PushKernelArg,
-    result, sys,
+    CudaContext, CudaFunction, CudaModule, CudaStream, DriverError, LaunchConfig, PinnedHostSlice,
+    PushKernelArg, result, sys,
 };
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
@@ -61,12 +64,16 @@ fn nvrtc_present() -> bool {
 #[derive(Clone)]
 pub struct Gpu {
     inner: Arc<Inner>,
+    /// The stream this handle submits to: kvpack's own, or a caller's
+    /// ([`Gpu::with_stream`]).
+    stream: Arc<CudaStream>,
 }
 
 struct Inner {
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
     info: GpuInfo,
+    /// Pinned host staging buffers of finished paged jobs, for reuse.
+    pinned: Mutex<Vec<PinnedHostSlice<u8>>>,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// Dynamic shared memory limit raised per kernel (bytes).
@@ -144,12 +151,13 @@ impl Gpu {
         let g = Gpu {
             inner: Arc::new(Inner {
                 ctx,
-                stream,
                 info,
+                pinned: Mutex::new(Vec::new()),
                 modules: Mutex::new(HashMap::new()),
                 functions: Mutex::new(HashMap::new()),
                 smem: Mutex::new(HashMap::new()),
             }),
+            stream,
         };
         map.insert(ordinal, g.clone());
         Ok(g)
@@ -165,10 +173,78 @@ impl Gpu {
     }
 
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
-        &self.inner.stream
+        &self.stream
     }
 
-    /// Waits until all work submitted by kvpack on this device is done.
+    /// This handle for submitting to `stream` instead: a raw `CUstream` of
+    /// the device's primary context, such as a serving engine's current
+    /// stream (`torch.cuda.current_stream().cuda_stream`; 0 is the legacy
+    /// default stream). Everything done through the returned handle
+    /// (allocations, copies, kernel launches, and the stream-ordered frees
+    /// of buffers it allocated) is enqueued on that stream, ordered after
+    /// the work the caller enqueued there before. kvpack never
+    /// synchronizes the device or the context; the calls that document a
+    /// wait ([`GpuBuffer::write`], [`Gpu::download`], [`Gpu::synchronize`])
+    /// synchronize only this stream. The kernels and device memory are
+    /// shared with `self`.
+    ///
+    /// # Safety
+    /// `stream` must be a valid stream of this device's primary context
+    /// (the one torch uses), and stay valid for as long as the returned
+    /// handle, or any buffer, plan or job made with it, lives (their drops
+    /// enqueue frees on it).
+    pub unsafe fn with_stream(&self, stream: u64) -> Gpu {
+        // SAFETY: the caller guarantees `stream` is a live stream of this
+        // context that outlives everything using the wrapper; cudarc does
+        // not destroy a borrowed stream.
+        let s = unsafe {
+            self.ctx()
+                .wrap_borrowed_stream(stream as usize as sys::CUstream)
+        };
+        Gpu {
+            inner: self.inner.clone(),
+            stream: s,
+        }
+    }
+
+    /// The raw `CUstream` this handle submits to (for interop, e.g. to wrap
+    /// kvpack's own stream in a framework's stream object).
+    pub fn raw_stream(&self) -> u64 {
+        self.stream.cu_stream() as usize as u64
+    }
+
+    /// Pinned host memory of at least `len` bytes, reused from finished
+    /// jobs when one is large enough.
+    pub(crate) fn take_pinned(&self, len: usize) -> Result<PinnedHostSlice<u8>> {
+        let mut pool = self.inner.pinned.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = (0..pool.len())
+            .filter(|&i| pool[i].len() >= len)
+            .min_by_key(|&i| pool[i].len())
+        {
+            return Ok(pool.swap_remove(i));
+        }
+        drop(pool);
+        let n = len.max(1 << 20).next_power_of_two();
+        // SAFETY: kvpack writes the bytes it stages before any of them is
+        // copied to the device; plain (not write-combined) memory, since
+        // the host also reads results back from it.
+        unsafe { self.ctx().alloc_pinned_with_flags::<u8>(n, 0) }
+            .map_err(cuda_err("pinned allocation"))
+    }
+
+    /// Returns a pinned buffer no pending copy uses to the pool (at most
+    /// four are kept; the smallest is freed first).
+    pub(crate) fn give_pinned(&self, p: PinnedHostSlice<u8>) {
+        let mut pool = self.inner.pinned.lock().unwrap_or_else(|e| e.into_inner());
+        pool.push(p);
+        if pool.len() > 4 {
+            pool.sort_by_key(|b| std::cmp::Reverse(b.len()));
+            pool.truncate(4);
+        }
+    }
+
+    /// Waits until all work submitted through this handle's stream is
+    /// done (a stream synchronize; never the device).
     ///
     /// # Errors
     /// [`Error::Io`] for a failed kernel or copy.
@@ -235,24 +311,41 @@ impl Gpu {
     /// # Errors
     /// [`Error::Io`] when the allocation fails (out of memory).
     pub fn alloc<T: GpuElem>(&self, len: usize) -> Result<GpuBuffer<T>> {
+        let b = self.alloc_uninit::<T>(len)?;
+        // SAFETY: exactly the buffer's bytes, on the stream it was
+        // allocated on, before any use.
+        unsafe {
+            result::memset_d8_async(
+                b.ptr,
+                0,
+                len * std::mem::size_of::<T>(),
+                self.stream().cu_stream(),
+            )
+        }
+        .map_err(cuda_err("memset"))?;
+        Ok(b)
+    }
+
+    /// A buffer of `len` elements whose content is undefined until written
+    /// (stream-ordered allocation on this handle's stream where the device
+    /// has memory pools).
+    pub(crate) fn alloc_uninit<T: GpuElem>(&self, len: usize) -> Result<GpuBuffer<T>> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .ok_or_else(|| Error::param("GPU allocation size overflows"))?;
         self.ctx().bind_to_thread().map_err(cuda_err("bind"))?;
         let s = self.stream().cu_stream();
         // SAFETY: a fresh allocation of `bytes` (at least 1) on our stream
-        // (or synchronous where the device has no memory pools), zeroed on
-        // the same stream before any use.
+        // (or synchronous where the device has no memory pools); T is Pod,
+        // so any bytes are a valid value once written.
         let ptr = unsafe {
-            let p = if self.ctx().has_async_alloc() {
+            if self.ctx().has_async_alloc() {
                 result::malloc_async(s, bytes.max(1))
             } else {
                 result::malloc_sync(bytes.max(1))
             }
-            .map_err(cuda_err("allocation"))?;
-            result::memset_d8_async(p, 0, bytes, s).map_err(cuda_err("memset"))?;
-            p
-        };
+        }
+        .map_err(cuda_err("allocation"))?;
         Ok(GpuBuffer {
             ptr,
             len,

@@ -40,7 +40,7 @@ typedef long long i64;
 #define SRC_F16 2
 #define SRC_F32 3
 
-// One page to decode (mirrors gpu::spec::PageDesc, 128 bytes).
+// One page to decode (mirrors gpu::spec::PageDesc, 160 bytes).
 struct PageDesc {
     u64 body;     // device address of the page body (uncompressed)
     u64 dst;      // output base: contiguous = element (plane 0, output token 0); paged = cache base
@@ -68,6 +68,14 @@ struct PageDesc {
     u32 p1;
     u32 p2;
     u32 p3;
+    // Paged row addressing (gpu::paged::PagedStrides): slot s is row
+    // s % block_size of block s / block_size; head h of it starts at element
+    // block * blk_stride + row * tok_stride + h * head_stride from dst.
+    u64 blk_stride;
+    u64 tok_stride;
+    u64 head_stride;
+    u32 block_size;
+    u32 m_block;  // udiv magic of block_size
 };
 
 // One page to encode (mirrors gpu::spec::EncDesc, 104 bytes).
@@ -257,7 +265,10 @@ __device__ __forceinline__ i64 row_dst_pt(const PageDesc& d, u32 row, u32 p, u32
         atomicMin(status, (u64)row);
         return -1;
     }
-    return (slot * (i64)d.heads + (i64)h) * (i64)d.head_dim;
+    // limit <= 2^32 (checked on the host), so the slot fits 32 bits.
+    u32 blk = udiv((u32)slot, d.block_size, d.m_block);
+    u32 off = (u32)slot - blk * d.block_size;
+    return (i64)blk * (i64)d.blk_stride + (i64)off * (i64)d.tok_stride + (i64)h * (i64)d.head_stride;
 }
 
 // Walsh-Hadamard butterflies on W consecutive elements held by one thread

@@ -1,0 +1,530 @@
+//! Decode of one layer into a paged KV cache on a caller's stream
+//! ([`Gpu::decode_paged`], [`PagedJob`]), and the host-side image it
+//! uploads ([`PagedImage`], shared with the emulator).
+//!
+//! One call stages the layer's pages on the CPU (CRC, zstd, section checks;
+//! all threads) straight into pinned host memory laid out as
+//!
+//! ```text
+//! [page bodies][side tables][slot mapping][status][descriptors + work lists]
+//! ```
+//!
+//! and enqueues on the stream: one host-to-device copy of that image, the
+//! decode kernels (one launch per kernel), and a 16-byte copy of the status
+//! words back into the pinned buffer, followed by an event. Nothing waits
+//! on the host until [`PagedJob::wait`].
+
+use std::collections::BTreeMap;
+
+use cudarc::driver::{CudaEvent, PinnedHostSlice, result, sys};
+use rayon::prelude::*;
+
+use super::decode::{
+    BODY_ALIGN, GroupKey, Staged, add_page, check_status, pack_groups, stage_page,
+};
+use super::{Gpu, GpuBuffer, cuda_err};
+use crate::cache::Kind;
+use crate::decode::Archive;
+use crate::error::{Error, Result};
+use crate::gpu::paged::{PagedAddr, PagedCache, PagedShape, layer_tensors, slot_mapping};
+use crate::gpu::spec::DstSpec;
+use crate::gpu::{OutType, PagedStats};
+
+/// One launch of an image: key, descriptors offset, work offset (from
+/// the image's base), blocks.
+pub(crate) type Launch = (GroupKey, usize, usize, u32);
+
+/// The validated pages of one layer and the fixed part of the image that
+/// carries them to the device (module docs).
+pub(crate) struct PagedImage<'a> {
+    staged: Vec<Staged<'a>>,
+    /// Body offset of each staged page in the image.
+    bodies: Vec<usize>,
+    tables: Vec<u8>,
+    side_at: BTreeMap<(u16, u32), u64>,
+    side0: usize,
+    slots: Vec<i64>,
+    slots0: usize,
+    /// Offset of the two u64 status words.
+    pub status0: usize,
+    /// Length of bodies, side tables, slots and status (where the
+    /// descriptor tables start).
+    pub fixed: usize,
+    tensors: [(u32, Kind); 2],
+    /// Page frame bytes of the layer (for statistics).
+    pub file_bytes: u64,
+}
+
+impl<'a> PagedImage<'a> {
+    /// Validates every page of layer `layer` (CRC, zstd, sections; all
+    /// threads) and the block table.
+    ///
+    /// # Errors
+    /// As [`Gpu::decode_paged`].
+    pub fn new(
+        archive: &Archive<'a>,
+        layer: u32,
+        shape: &PagedShape,
+        block_ids: &[i64],
+    ) -> Result<PagedImage<'a>> {
+        let tensors = layer_tensors(archive, layer, shape)?;
+        let tokens = archive.reader().tokens(tensors[0].0 as usize);
+        let v_tokens = archive.reader().tokens(tensors[1].0 as usize);
+        if v_tokens != tokens {
+            return Err(Error::param(format!(
+                "layer {layer} holds {tokens} K tokens but {v_tokens} V tokens"
+            )));
+        }
+        let slots = slot_mapping(block_ids, shape, tokens)?;
+        let pages: Vec<usize> = tensors
+            .iter()
+            .flat_map(|&(t, _)| archive.reader().pages_overlapping(t as usize, 0, tokens))
+            .collect();
+        let entries = &archive.reader().index().entries;
+        let file_bytes = pages.iter().map(|&p| entries[p].frame_len).sum();
+        let staged: Vec<Staged<'a>> = pages
+            .par_iter()
+            .map(|&pi| stage_page(archive, pi))
+            .collect::<Result<_>>()?;
+        let mut bodies = Vec::with_capacity(staged.len());
+        let mut at = 0usize;
+        for s in &staged {
+            bodies.push(at);
+            at += s.view.body().len().next_multiple_of(BODY_ALIGN);
+        }
+        let (tables, side_at) =
+            crate::gpu::side::for_archive(archive, staged.iter().map(|s| (s.codec, s.tensor)))?;
+        let side0 = at;
+        let slots0 = side0 + tables.len().next_multiple_of(BODY_ALIGN);
+        let status0 = slots0 + (8 * slots.len()).next_multiple_of(BODY_ALIGN);
+        let fixed = status0 + BODY_ALIGN;
+        Ok(PagedImage {
+            staged,
+            bodies,
+            tables,
+            side_at,
+            side0,
+            slots,
+            slots0,
+            status0,
+            fixed,
+            tensors,
+            file_bytes,
+        })
+    }
+
+    /// Writes bodies, side tables, slot mapping and status words (all
+    /// `u64::MAX`) into `out[..self.fixed]`, bodies on all threads.
+    pub fn fill(&self, out: &mut [u8]) {
+        let (head, rest) = out.split_at_mut(self.side0);
+        let mut parts = Vec::with_capacity(self.staged.len());
+        let mut tail = head;
+        let mut pos = 0;
+        for (s, &o) in self.staged.iter().zip(&self.bodies) {
+            let (_, r) = std::mem::take(&mut tail).split_at_mut(o - pos);
+            let n = s.view.body().len();
+            let (mine, r) = r.split_at_mut(n);
+            parts.push((mine, s.view.body()));
+            tail = r;
+            pos = o + n;
+        }
+        parts
+            .into_par_iter()
+            .for_each(|(d, b)| d.copy_from_slice(b));
+        let rest = &mut rest[..self.fixed - self.side0];
+        rest[..self.tables.len()].copy_from_slice(&self.tables);
+        let s = self.slots0 - self.side0;
+        rest[s..s + 8 * self.slots.len()].copy_from_slice(bytemuck::cast_slice(&self.slots));
+        let st = self.status0 - self.side0;
+        rest[st..st + 16].fill(0xff);
+    }
+
+    /// The descriptor tables for the image placed at device address `base`
+    /// (to be written at `base + self.fixed`), decoding into `target(kind)`
+    /// = (address of (block 0, row 0, head 0), elements from there, the
+    /// addressing), with each launch's (key, descriptors offset, work
+    /// offset, blocks), offsets from `base`.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when a destination does not hold the tensor;
+    /// [`Error::Unsupported`] for a head_dim the kernels do not take.
+    pub fn tables(
+        &self,
+        base: u64,
+        target: impl Fn(Kind) -> (u64, u64, PagedAddr),
+        out: OutType,
+    ) -> Result<(Vec<u8>, Vec<Launch>, u64)> {
+        let dst = |kind: Kind| {
+            let (ptr, len, addr) = target(kind);
+            DstSpec::Paged {
+                ptr,
+                len,
+                slots: base + self.slots0 as u64,
+                slots_len: self.slots.len() as u64,
+                slot_stride: 0,
+                addr: Some(addr),
+            }
+        };
+        let by_tensor: BTreeMap<u32, DstSpec> =
+            self.tensors.iter().map(|&(t, k)| (t, dst(k))).collect();
+        let mut groups = BTreeMap::new();
+        let mut written = 0;
+        for (s, &o) in self.staged.iter().zip(&self.bodies) {
+            let mut g = s.geom;
+            if let Some(&t) = self.side_at.get(&(s.codec, s.tensor)) {
+                g.side = base + (self.side0 as u64) + t;
+            }
+            let (_, w) = add_page(&mut groups, &g, base + o as u64, &by_tensor[&s.tensor], out)?;
+            written += w;
+        }
+        // pack_groups aligns each part relative to the start of its vector;
+        // `fixed` is a multiple of BODY_ALIGN, so alignment holds on the
+        // device too.
+        let mut bytes = Vec::new();
+        let launches = pack_groups(groups, &mut bytes)
+            .into_iter()
+            .map(|(k, d, w, b)| (k, self.fixed + d, self.fixed + w, b))
+            .collect();
+        Ok((bytes, launches, written))
+    }
+}
+
+/// Decode work enqueued on a stream by [`Gpu::decode_paged`]. Holds the
+/// pinned host staging and the device buffer until the work is done.
+///
+/// Dropping it without [`PagedJob::wait`] is safe: the drop waits for the
+/// job's event (the work this job enqueued, and what the stream held
+/// before it; never the device) before the staging is reused, and the
+/// device buffer is freed in stream order. Errors the kernels report (a
+/// page failing its codec's content checks) are only seen by `wait`.
+pub struct PagedJob {
+    gpu: Gpu,
+    _dev: GpuBuffer<u8>,
+    staging: Option<PinnedHostSlice<u8>>,
+    status_at: usize,
+    event: CudaEvent,
+    stats: PagedStats,
+}
+
+impl std::fmt::Debug for PagedJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagedJob")
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
+impl PagedJob {
+    /// True when the enqueued work has finished (does not block).
+    pub fn is_complete(&self) -> bool {
+        self.event.is_complete()
+    }
+
+    /// Blocks the calling thread until the job's work on its stream is
+    /// done (an event wait: the device and other streams keep running),
+    /// then checks what the kernels reported.
+    ///
+    /// # Errors
+    /// [`Error::Format`] when a kernel found page content its codec's spec
+    /// forbids; [`Error::Io`] when the copy or a kernel failed.
+    pub fn wait(mut self) -> Result<PagedStats> {
+        self.event.synchronize().map_err(cuda_err("event wait"))?;
+        let staging = self.staging.take().expect("present until drop");
+        let r = {
+            // SAFETY: the event covers the status copy into these bytes;
+            // the host reads them only after it completed.
+            let bytes = unsafe {
+                std::slice::from_raw_parts(
+                    staging.as_ptr().map_err(cuda_err("pinned buffer"))?,
+                    staging.len(),
+                )
+            };
+            let words: Vec<u64> =
+                bytemuck::pod_collect_to_vec(&bytes[self.status_at..self.status_at + 16]);
+            check_status(&words)
+        };
+        self.gpu.give_pinned(staging);
+        r.map(|()| self.stats.clone())
+    }
+
+    /// What the job moves.
+    pub fn stats(&self) -> &PagedStats {
+        &self.stats
+    }
+}
+
+impl Drop for PagedJob {
+    fn drop(&mut self) {
+        if let Some(s) = self.staging.take() {
+            // The copies out of and into the staging must be done before
+            // it is reused or freed.
+            if self.event.synchronize().is_ok() {
+                self.gpu.give_pinned(s);
+            } else {
+                std::mem::forget(s);
+            }
+        }
+    }
+}
+
+impl Gpu {
+    /// Decodes layer `layer` of `archive` (its K and V tensors, batch 1,
+    /// all committed tokens) into the paged cache `cache`: token `t` goes to
+    /// row `t % block_size` of block `block_ids[t / block_size]`, as
+    /// `cache.dtype()` (bf16 or fp16), bit-exact with the CPU decoder. Rows
+    /// of other blocks are not touched.
+    ///
+    /// Stream-ordered and asynchronous: the host-to-device copy of the
+    /// staged pages, the kernels and the status read-back are enqueued on
+    /// this handle's stream (see [`Gpu::with_stream`]) after whatever the
+    /// caller enqueued there; the call returns once the CPU staging (CRC,
+    /// zstd) is done and the work is enqueued. Call [`PagedJob::wait`]
+    /// before reading its status, or keep using the cache on the same
+    /// stream.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when the file lacks the layer, its tensors do
+    /// not fit the cache (kv_heads, head_dim, batch 1), or the block table
+    /// is too short, out of range or repeats a block; [`Error::Format`]
+    /// for a corrupted page; [`Error::Unsupported`] for a codec or head_dim
+    /// the GPU kernels do not take; [`Error::Io`] for a CUDA failure.
+    pub fn decode_paged(
+        &self,
+        archive: &Archive<'_>,
+        layer: u32,
+        cache: &PagedCache,
+        block_ids: &[i64],
+    ) -> Result<PagedJob> {
+        let out = OutType::from_dtype(cache.dtype())?;
+        let img = PagedImage::new(archive, layer, &cache.shape(), block_ids)?;
+        let target = |k: Kind| cache.target(k);
+        // The tables' size does not depend on the base address.
+        let tlen = img.tables(0, target, out)?.0.len();
+        let total = img.fixed + tlen;
+        let dev = self.alloc_uninit(total)?;
+        let base = dev.device_ptr();
+        let (tables, launches, written) = img.tables(base, target, out)?;
+        let status_at = total.next_multiple_of(16);
+        let mut staging = self.take_pinned(status_at + 16)?;
+        {
+            let host = staging.as_mut_slice().map_err(cuda_err("pinned buffer"))?;
+            img.fill(&mut host[..img.fixed]);
+            host[img.fixed..total].copy_from_slice(&tables);
+        }
+        let s = self.stream().cu_stream();
+        let status = base + img.status0 as u64;
+        let enqueue = || -> Result<()> {
+            let host = staging.as_slice().map_err(cuda_err("pinned buffer"))?;
+            // SAFETY: `dev` holds `total` bytes; the pinned staging stays
+            // alive and unchanged until the job's event completes (PagedJob).
+            unsafe { result::memcpy_htod_async(base, &host[..total], s) }
+                .map_err(cuda_err("host-to-device copy"))?;
+            for (key, d, w, blocks) in &launches {
+                let args = super::decode::group_args(key, status);
+                self.launch_items(&key.0, base + *d as u64, base + *w as u64, *blocks, &args)?;
+            }
+            Ok(())
+        };
+        let r = enqueue();
+        let event = self
+            .ctx()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(cuda_err("event"))?;
+        let read_back = r.and_then(|()| {
+            let host = staging.as_mut_slice().map_err(cuda_err("pinned buffer"))?;
+            // SAFETY: 16 bytes of status on the device into 16 bytes of
+            // the pinned staging, which outlives the copy (PagedJob).
+            unsafe { result::memcpy_dtoh_async(&mut host[status_at..status_at + 16], status, s) }
+                .map_err(cuda_err("device-to-host copy"))
+        });
+        // Record even after a failure, so the drop of the job waits for
+        // whatever was enqueued.
+        event
+            .record(self.stream())
+            .map_err(cuda_err("event record"))?;
+        let job = PagedJob {
+            gpu: self.clone(),
+            _dev: dev,
+            staging: Some(staging),
+            status_at,
+            event,
+            stats: PagedStats {
+                pages: img.bodies.len() as u64,
+                file_bytes: img.file_bytes,
+                uploaded_bytes: total as u64,
+                output_bytes: written,
+            },
+        };
+        read_back.map(|()| job)
+    }
+}
+
+impl Gpu {
+    /// Encodes tokens `0..num_tokens` of the paged cache `cache` (K and V of
+    /// one layer; token `t` in row `t % block_size` of block
+    /// `block_ids[t / block_size]`) with `codec` into a complete kvpack
+    /// file written to `out` (tensors `past_key_values.{layer}.key` /
+    /// `.value`, batch 1, `cache.dtype()`), byte-identical to what the CPU
+    /// writes for the same tensors (`kvpack inspect` and the CPU reader
+    /// open it). Returns `out` and the compression report.
+    ///
+    /// The rows are first gathered on this handle's stream into contiguous
+    /// `[kv_heads, num_tokens, head_dim]` device buffers. Codecs with a GPU
+    /// encoder (`int{b}`, `bdr{h}`, `hqmq` without `+med`; layouts without
+    /// sink/recent windows) encode there and only the page bodies come
+    /// back; every other codec takes the documented fallback: the gathered
+    /// tensors are copied to the host on the same stream and encoded by the
+    /// CPU codec ([`crate::gpu::paged::file_from_host`]).
+    ///
+    /// Returns when the file is on the host: the call waits for the work it
+    /// enqueued (stream synchronizes of this handle's stream, so also for
+    /// the work the caller enqueued there before; never the device).
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when `num_tokens` is 0, the block table is too
+    /// short, out of range or repeats a block, or the codec cannot encode
+    /// the tensors (shape, NaN or inf: the row is named);
+    /// [`Error::Io`] for a CUDA failure.
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_paged<W: std::io::Write + Send>(
+        &self,
+        cache: &PagedCache,
+        block_ids: &[i64],
+        num_tokens: u32,
+        codec: &dyn crate::codec::Codec,
+        layer: u32,
+        opts: &crate::compress::CompressOptions,
+        out: W,
+    ) -> Result<(W, crate::compress::CompressReport)> {
+        if num_tokens == 0 {
+            return Err(Error::param("encode_paged needs at least one token"));
+        }
+        let shape = cache.shape();
+        let infos = crate::gpu::paged::layer_infos(&shape, cache.dtype(), layer, num_tokens);
+        let slots = self.upload(&slot_mapping(block_ids, &shape, num_tokens)?)?;
+        let n = infos[0].elements() as usize;
+        let gathered = [self.alloc_uninit::<u16>(n)?, self.alloc_uninit::<u16>(n)?];
+        let gather = self.plan_gather(cache, &slots, num_tokens, [&gathered[0], &gathered[1]])?;
+        gather.launch()?;
+        gather.finish()?;
+        let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
+        if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
+            let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
+            return crate::gpu::paged::file_from_host(infos, host, codec, opts, out);
+        }
+        let sections = crate::gpu::paged::sections_by_tensor(&pages, 2, |t, mine| {
+            let plan = self.plan_encode(&gathered[t], &infos[t], codec, mine)?;
+            plan.launch()?;
+            plan.finish()?;
+            plan.sections()
+        })?;
+        crate::gpu::paged::file_from_sections(infos, codec, opts, &pages, sections, out)
+    }
+}
+
+/// A prepared gather of K and V out of a paged cache into contiguous
+/// `[kv_heads, tokens, head_dim]` buffers (the first step of
+/// [`Gpu::encode_paged`]). Launch it as often as needed; the buffers stay
+/// borrowed.
+pub struct GatherPlan<'a> {
+    gpu: Gpu,
+    kernel: crate::gpu::spec::KernelChoice,
+    table: GpuBuffer<u8>,
+    items: GpuBuffer<u32>,
+    blocks: u32,
+    status: GpuBuffer<u64>,
+    bytes: u64,
+    _borrow: std::marker::PhantomData<&'a ()>,
+}
+
+impl std::fmt::Debug for GatherPlan<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatherPlan")
+            .field("kernel", &self.kernel.name)
+            .field("blocks", &self.blocks)
+            .finish()
+    }
+}
+
+impl Gpu {
+    /// Plans the gather of tokens `0..tokens` of K and V of `cache`, the
+    /// rows of slots `slots` ([`slot_mapping`], one i64 per token), into
+    /// `outs[0]` (K) and `outs[1]` (V), each `[kv_heads, tokens, head_dim]`.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when `slots` has fewer than `tokens` entries or
+    /// an output is too small; [`Error::Io`] for a CUDA failure.
+    pub fn plan_gather<'a>(
+        &self,
+        cache: &PagedCache,
+        slots: &'a GpuBuffer<i64>,
+        tokens: u32,
+        outs: [&'a GpuBuffer<u16>; 2],
+    ) -> Result<GatherPlan<'a>> {
+        let shape = cache.shape();
+        let n = u64::from(shape.kv_heads) * u64::from(tokens) * u64::from(shape.head_dim);
+        if (slots.len() as u64) < u64::from(tokens) || outs.iter().any(|o| (o.len() as u64) < n) {
+            return Err(Error::param(format!(
+                "gather of {tokens} tokens needs {tokens} slots and outputs of {n} elements"
+            )));
+        }
+        let (kernel, descs, work) = crate::gpu::paged::gather_plan(
+            &shape,
+            [cache.target(Kind::Key), cache.target(Kind::Value)],
+            slots.device_ptr(),
+            tokens,
+            [outs[0].device_ptr(), outs[1].device_ptr()],
+        )?;
+        Ok(GatherPlan {
+            gpu: self.clone(),
+            kernel,
+            table: self.upload::<u8>(bytemuck::cast_slice(&descs))?,
+            items: self.upload::<u32>(bytemuck::cast_slice(&work))?,
+            blocks: work.len() as u32,
+            status: self.upload(&[u64::MAX; 2])?,
+            bytes: 2 * n * 2,
+            _borrow: std::marker::PhantomData,
+        })
+    }
+}
+
+impl GatherPlan<'_> {
+    /// Submits the gather (asynchronous).
+    ///
+    /// # Errors
+    /// [`Error::Io`] when the launch fails.
+    pub fn launch(&self) -> Result<()> {
+        let args = super::Args {
+            bits: None,
+            h: None,
+            c: None,
+            status: self.status.device_ptr(),
+        };
+        self.gpu.launch_items(
+            &self.kernel,
+            self.table.device_ptr(),
+            self.items.device_ptr(),
+            self.blocks,
+            &args,
+        )
+    }
+
+    /// Waits for the stream and checks the status words.
+    ///
+    /// # Errors
+    /// [`Error::Io`] for a failed kernel; [`Error::Parameter`] for a slot
+    /// past the cache.
+    pub fn finish(&self) -> Result<()> {
+        check_status(&self.status.to_vec()?)
+    }
+
+    /// Bytes the kernel reads and writes, `(read, written)`.
+    pub fn bytes(&self) -> (u64, u64) {
+        (self.bytes / 2, self.bytes / 2)
+    }
+
+    /// The kernel's name.
+    pub fn kernel(&self) -> &str {
+        &self.kernel.name
+    }
+}

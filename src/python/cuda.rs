@@ -1,0 +1,357 @@
+//! CUDA paged I/O for Python (`kvpack.cuda`): decode a layer of a kvpack
+//! file into a serving engine's paged KV cache, and encode one out of it,
+//! on the caller's CUDA stream ([`crate::gpu::Gpu::decode_paged`],
+//! [`crate::gpu::Gpu::encode_paged`]). Cache tensors come in through
+//! DLPack (torch, cupy): device memory is borrowed, never copied to the
+//! host for decode. In a build without the `cuda` feature every call
+//! raises `UnsupportedError`.
+
+use std::sync::Mutex;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use super::Opts;
+use super::archive::Archive;
+use super::dlpack::{self, Imported};
+use super::errors::IntoPy;
+use crate::cache::DType;
+use crate::gpu::paged::{PagedCache, PagedLayout};
+use crate::gpu::{Gpu, PagedJob, PagedStats};
+
+/// `kDLCUDA`.
+const DEVICE_CUDA: i32 = 2;
+
+/// The cache tensors (one for the joint layouts, K and V for `hnd`),
+/// borrowed through DLPack, described as a [`PagedCache`], with the CUDA
+/// device ordinal.
+///
+/// `stream` (the raw `CUstream` the work goes to) is handed to each
+/// producer's `__dlpack__`, which orders the producer's pending work on
+/// the tensor before that stream (DLPack names the legacy default stream 1,
+/// where a raw handle is 0).
+fn import_cache(
+    tensors: &[Bound<'_, PyAny>],
+    layout: PagedLayout,
+    writable: bool,
+    stream: u64,
+) -> PyResult<(Vec<Imported>, PagedCache, usize)> {
+    let want = if layout.joint() { 1 } else { 2 };
+    if tensors.len() != want {
+        return Err(PyValueError::new_err(format!(
+            "the {} layout takes {want} cache tensor(s) {}, got {}",
+            layout.name(),
+            layout.axes(),
+            tensors.len()
+        )));
+    }
+    let imported = tensors
+        .iter()
+        .map(|t| {
+            let cuda = t
+                .getattr(pyo3::intern!(t.py(), "__dlpack_device__"))
+                .and_then(|f| f.call0())
+                .and_then(|d| d.extract::<(i32, i32)>())
+                .is_ok_and(|(ty, _)| ty == DEVICE_CUDA);
+            let s = if stream == 0 { 1 } else { stream as isize };
+            dlpack::import(t, cuda.then_some(s))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    let first = &imported[0];
+    let what = |i: usize| {
+        if want == 1 {
+            "kv_cache"
+        } else {
+            ["K cache", "V cache"][i]
+        }
+    };
+    for (i, t) in imported.iter().enumerate() {
+        if t.device.device_type != DEVICE_CUDA || t.device.device_id != first.device.device_id {
+            return Err(PyValueError::new_err(format!(
+                "{} is not on CUDA device {} (DLPack device type {}, id {})",
+                what(i),
+                first.device.device_id,
+                t.device.device_type,
+                t.device.device_id
+            )));
+        }
+        if !t.is_contiguous() {
+            return Err(PyValueError::new_err(format!(
+                "{} is not contiguous; paged caches must be C-contiguous {}",
+                what(i),
+                layout.axes()
+            )));
+        }
+        if t.shape != first.shape || t.dtype != first.dtype {
+            return Err(PyValueError::new_err(
+                "the K and V caches differ in shape or dtype",
+            ));
+        }
+        if writable {
+            t.check_writable(what(i))?;
+        }
+    }
+    let dtype = match first.dtype {
+        dlpack::BF16 => DType::Bf16,
+        dlpack::F16 => DType::F16,
+        _ => {
+            return Err(PyValueError::new_err(
+                "paged caches must be bfloat16 or float16",
+            ));
+        }
+    };
+    let ordinal = usize::try_from(first.device.device_id)
+        .map_err(|_| PyValueError::new_err("negative CUDA device id"))?;
+    let v = imported.get(1).map(|t| t.ptr as u64);
+    // SAFETY: the pointers, shape and dtype come from the producers' DLPack
+    // capsules, which `imported` holds (and the caller keeps, for as long as
+    // the work may run): live, C-contiguous device memory of that many
+    // elements (checked above) on device `ordinal`.
+    let cache = unsafe { PagedCache::from_raw(layout, dtype, &first.shape, first.ptr as u64, v) }
+        .py_err()?;
+    Ok((imported, cache, ordinal))
+}
+
+/// The device handle submitting to `stream` (a raw `CUstream`).
+fn gpu_on(ordinal: usize, stream: u64) -> PyResult<Gpu> {
+    let gpu = Gpu::new(ordinal).py_err()?;
+    // SAFETY: the Python caller passes its current stream of this device
+    // (`torch.cuda.current_stream().cuda_stream` by default, see
+    // kvpack/cuda.py), which outlives the call and the job holding it.
+    Ok(unsafe { gpu.with_stream(stream) })
+}
+
+/// Counters of a paged decode as a dict.
+fn stats_dict<'py>(py: Python<'py>, s: &PagedStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("pages", s.pages)?;
+    d.set_item("file_bytes", s.file_bytes)?;
+    d.set_item("uploaded_bytes", s.uploaded_bytes)?;
+    d.set_item("output_bytes", s.output_bytes)?;
+    Ok(d)
+}
+
+/// Paged decode work enqueued on a CUDA stream (`kvpack.cuda.CudaJob`).
+/// Holds the cache tensors and the pinned staging until the work is done;
+/// dropping it waits for the work (an event wait, never the device).
+#[pyclass(module = "kvpack._native", name = "CudaJob", frozen)]
+pub struct CudaJob {
+    job: Mutex<Option<PagedJob>>,
+    _hold: Vec<Imported>,
+}
+
+#[pymethods]
+impl CudaJob {
+    /// Waits (GIL released) until the work has finished on its stream and
+    /// checks what the kernels reported; returns counters `{pages,
+    /// file_bytes, uploaded_bytes, output_bytes}`. A second call returns
+    /// `None`.
+    ///
+    /// Raises `FormatError` when a page failed its codec's content checks,
+    /// `KvpackIOError` for a CUDA failure.
+    fn wait<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let job = self.job.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(job) = job else {
+            return Ok(None);
+        };
+        let stats = py.detach(|| job.wait()).py_err()?;
+        Ok(Some(stats_dict(py, &stats)?))
+    }
+
+    /// True when the work has finished (does not block).
+    fn done(&self) -> bool {
+        self.job
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_none_or(|j| j.is_complete())
+    }
+}
+
+/// Decodes layer `layer` of a kvpack file into a paged cache on `stream`
+/// (see `kvpack.cuda.decode_paged`). `data` is a `kvpack._native.Archive`,
+/// `bytes` or a contiguous uint8 host array; `kv_cache` the cache
+/// tensor(s). Returns the enqueued [`CudaJob`].
+#[pyfunction]
+#[pyo3(signature = (data, kv_cache, block_ids, *, layer, layout, stream))]
+pub fn cuda_decode_paged(
+    py: Python<'_>,
+    data: &Bound<'_, PyAny>,
+    kv_cache: Vec<Bound<'_, PyAny>>,
+    block_ids: Vec<i64>,
+    layer: u32,
+    layout: &str,
+    stream: u64,
+) -> PyResult<CudaJob> {
+    let layout = PagedLayout::parse(layout).py_err()?;
+    let (hold, cache, ordinal) = import_cache(&kv_cache, layout, true, stream)?;
+    let gpu = gpu_on(ordinal, stream)?;
+    let run = |a: &crate::decode::Archive<'_>| gpu.decode_paged(a, layer, &cache, &block_ids);
+    let job = if let Ok(ar) = data.cast::<Archive>() {
+        let ar = ar.get();
+        py.detach(|| ar.with(run))
+    } else {
+        let held;
+        let bytes: &[u8] = if let Ok(b) = data.cast::<PyBytes>() {
+            b.as_bytes()
+        } else {
+            held = dlpack::import(data, None)?;
+            held.host_bytes("data")?
+        };
+        py.detach(|| run(&crate::decode::Archive::open(bytes)?))
+    }
+    .py_err()?;
+    Ok(CudaJob {
+        job: Mutex::new(Some(job)),
+        _hold: hold,
+    })
+}
+
+/// `(report, bytes | None, bytes written into out | None)`.
+type Encoded<'py> = (
+    Bound<'py, PyDict>,
+    Option<Bound<'py, PyBytes>>,
+    Option<usize>,
+);
+
+/// Encodes tokens `0..num_tokens` of a paged cache on `stream` into a
+/// complete kvpack file (see `kvpack.cuda.encode_paged`), returned as
+/// `bytes` or written into `out` (a writable contiguous uint8 host array
+/// of at least `kvpack.max_size` bytes). Returns `(report, bytes | None,
+/// written | None)`.
+#[pyfunction]
+#[pyo3(signature = (kv_cache, block_ids, num_tokens, codec, *, layout, layer, stream,
+    out=None, page_tokens=None, sink=None, recent=None, zstd_level=None, align_log2=6,
+    raw_fallback=false))]
+#[allow(clippy::too_many_arguments)]
+pub fn cuda_encode_paged<'py>(
+    py: Python<'py>,
+    kv_cache: Vec<Bound<'py, PyAny>>,
+    block_ids: Vec<i64>,
+    num_tokens: u32,
+    codec: &str,
+    layout: &str,
+    layer: u32,
+    stream: u64,
+    out: Option<Bound<'py, PyAny>>,
+    page_tokens: Option<u32>,
+    sink: Option<u32>,
+    recent: Option<u32>,
+    zstd_level: Option<i32>,
+    align_log2: u8,
+    raw_fallback: bool,
+) -> PyResult<Encoded<'py>> {
+    let codec = crate::codec::parse(codec).py_err()?;
+    let opts = Opts {
+        page_tokens,
+        sink,
+        recent,
+        zstd_level,
+        align_log2,
+        raw_fallback,
+    }
+    .resolve(codec.as_ref())?;
+    let layout = PagedLayout::parse(layout).py_err()?;
+    let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false, stream)?;
+    let gpu = gpu_on(ordinal, stream)?;
+    let c = codec.as_ref();
+    if let Some(out) = out {
+        let buf = dlpack::import(&out, None)?;
+        let bytes = buf.host_bytes_mut("out")?;
+        let w = super::SliceWriter { buf: bytes, pos: 0 };
+        let (w, report) = py
+            .detach(|| gpu.encode_paged(&cache, &block_ids, num_tokens, c, layer, &opts, w))
+            .py_err()?;
+        return Ok((super::report_dict(py, &report)?, None, Some(w.pos)));
+    }
+    let (file, report) = py
+        .detach(|| gpu.encode_paged(&cache, &block_ids, num_tokens, c, layer, &opts, Vec::new()))
+        .py_err()?;
+    Ok((
+        super::report_dict(py, &report)?,
+        Some(PyBytes::new(py, &file)),
+        None,
+    ))
+}
+
+/// Times the Rust library's own `Gpu::decode_paged` (open + stage + upload
+/// + kernels + wait) of `data` into `kv_cache`, `runs` times, with no
+/// Python in the loop: seconds per run. For comparing the Python call with
+/// the library in the same process (`tools/bench_cuda.py`).
+#[pyfunction]
+#[pyo3(signature = (data, kv_cache, block_ids, *, layer, layout, stream, runs))]
+#[allow(clippy::too_many_arguments)]
+pub fn cuda_bench_decode_paged(
+    py: Python<'_>,
+    data: &Bound<'_, PyBytes>,
+    kv_cache: Vec<Bound<'_, PyAny>>,
+    block_ids: Vec<i64>,
+    layer: u32,
+    layout: &str,
+    stream: u64,
+    runs: usize,
+) -> PyResult<Vec<f64>> {
+    let layout = PagedLayout::parse(layout).py_err()?;
+    let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, true, stream)?;
+    let gpu = gpu_on(ordinal, stream)?;
+    let bytes = data.as_bytes();
+    py.detach(|| {
+        (0..runs)
+            .map(|_| {
+                let t0 = std::time::Instant::now();
+                let a = crate::decode::Archive::open(bytes)?;
+                gpu.decode_paged(&a, layer, &cache, &block_ids)?.wait()?;
+                Ok(t0.elapsed().as_secs_f64())
+            })
+            .collect::<crate::Result<Vec<f64>>>()
+    })
+    .py_err()
+}
+
+/// Times the Rust library's own `Gpu::encode_paged` of `kv_cache` with
+/// `codec`, `runs` times (no Python in the loop): seconds per run.
+#[pyfunction]
+#[pyo3(signature = (kv_cache, block_ids, num_tokens, codec, *, layout, stream, runs))]
+#[allow(clippy::too_many_arguments)]
+pub fn cuda_bench_encode_paged(
+    py: Python<'_>,
+    kv_cache: Vec<Bound<'_, PyAny>>,
+    block_ids: Vec<i64>,
+    num_tokens: u32,
+    codec: &str,
+    layout: &str,
+    stream: u64,
+    runs: usize,
+) -> PyResult<Vec<f64>> {
+    let codec = crate::codec::parse(codec).py_err()?;
+    let opts = Opts {
+        page_tokens: None,
+        sink: None,
+        recent: None,
+        zstd_level: None,
+        align_log2: 6,
+        raw_fallback: false,
+    }
+    .resolve(codec.as_ref())?;
+    let layout = PagedLayout::parse(layout).py_err()?;
+    let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false, stream)?;
+    let gpu = gpu_on(ordinal, stream)?;
+    let c = codec.as_ref();
+    py.detach(|| {
+        (0..runs)
+            .map(|_| {
+                let t0 = std::time::Instant::now();
+                gpu.encode_paged(&cache, &block_ids, num_tokens, c, 0, &opts, Vec::new())?;
+                Ok(t0.elapsed().as_secs_f64())
+            })
+            .collect::<crate::Result<Vec<f64>>>()
+    })
+    .py_err()
+}
+
+/// True when this build has the `cuda` feature.
+#[pyfunction]
+pub fn cuda_built() -> bool {
+    cfg!(feature = "cuda")
+}
