@@ -185,6 +185,59 @@ pub fn hqmq_48_slots() -> Vec<u8> {
     one_page_file(h, vec![tiny_page(0, 1)], 0)
 }
 
+/// 24 codec slots of hqmq with S = 65536, each used by one page of a
+/// 64-head tensor: decoding builds a 28 MB codebook per (layer, head),
+/// 1536 in all (43 GB if every codebook stayed cached, as the per-codec
+/// cache of 1024 entries allowed); the process-wide codebook budget keeps
+/// it at 512 MiB.
+pub fn hqmq_codebooks() -> Vec<u8> {
+    let c = kvpack::codec::parse("hqmq:s65536r4").unwrap();
+    let heads = 64;
+    let info = TensorInfo {
+        dtype: DType::F32,
+        ..tensor(0, Kind::Key, heads, 1, 4)
+    };
+    let data: Vec<f32> = (0..heads * 4)
+        .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.3)
+        .collect();
+    let td = kvpack::cache::TensorData::F32(data);
+    let planes: Vec<_> = (0..heads as usize)
+        .map(|p| td.as_elems().slice(p * 4, 4))
+        .collect();
+    let page = kvpack::codec::PageIn {
+        tensor: &info,
+        token_start: 0,
+        tokens: 1,
+        planes,
+    };
+    let sections = c.encode(&page).unwrap();
+    let layers = 24u32;
+    let tensors = (0..layers)
+        .map(|l| TensorInfo {
+            dtype: DType::F32,
+            ..tensor(l, Kind::Key, heads, 1, 4)
+        })
+        .collect();
+    let codecs = (0..layers)
+        .map(|_| CodecEntry {
+            id: c.id(),
+            params: c.params(),
+        })
+        .collect();
+    let frames = (0..layers)
+        .map(|l| {
+            let meta = PageMeta {
+                tensor: l,
+                token_start: 0,
+                tokens: 1,
+                codec: l as u16,
+            };
+            PageFrame::encode(meta, &sections, None, 64).unwrap()
+        })
+        .collect();
+    one_page_file(header(tensors, codecs), frames, 0)
+}
+
 /// Three zstd pages of ~33 kB, each declaring a 1 GiB body: one RAW
 /// section of 2^29 - 32 bf16 zeros, for a tensor of 8 elements per page.
 pub fn zstd_bomb() -> Vec<u8> {
@@ -448,6 +501,12 @@ fn write_hostile_files() {
     for (name, b) in all() {
         std::fs::write(Path::new(&dir).join(format!("{name}.kvpack")), b).unwrap();
     }
+    // Valid, but costly to decode without a codebook budget.
+    std::fs::write(
+        Path::new(&dir).join("hqmq_codebooks.kvpack"),
+        hqmq_codebooks(),
+    )
+    .unwrap();
 }
 
 /// Runs the release CLI on `bytes` saved as a file; returns (exit code,

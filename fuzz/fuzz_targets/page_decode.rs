@@ -24,9 +24,15 @@ fuzz_target!(|data: &[u8]| {
     let id = u16::from_le_bytes([id[0], id[1]]);
     let Some(pl) = take(&mut d, 4) else { return };
     let pl = u32::from_le_bytes(pl.try_into().unwrap()) as usize;
-    let Some(params) = take(&mut d, pl.min(1 << 16)) else { return };
+    let Some(params) = take(&mut d, pl.min(1 << 16)) else {
+        return;
+    };
     let Some(s) = take(&mut d, 6) else { return };
-    let kind = if s[0] & 1 == 0 { Kind::Key } else { Kind::Value };
+    let kind = if s[0] & 1 == 0 {
+        Kind::Key
+    } else {
+        Kind::Value
+    };
     let heads = u32::from(s[1] % 4) + 1;
     let tokens = u32::from(s[2] % 64) + 1;
     let head_dim = u32::from(u16::from_le_bytes([s[3], s[4]]) % 512) + 1;
@@ -35,7 +41,9 @@ fuzz_target!(|data: &[u8]| {
         id,
         params: params.to_vec(),
     };
-    let Ok(codec) = kvpack::codec::from_entry(0, &entry) else { return };
+    let Ok(codec) = kvpack::codec::from_entry(0, &entry) else {
+        return;
+    };
     let info = TensorInfo {
         name: "t".into(),
         layer: 0,
@@ -65,7 +73,8 @@ fuzz_target!(|data: &[u8]| {
         body_len: body.len() as u64,
         body_crc: kvpack_crc(&body),
     };
-    let Ok(view) = PageView::from_stored(h, body.into(), 0, String::new(), &Location::Header) else {
+    let Ok(view) = PageView::from_stored(h, body.into(), 0, String::new(), &Location::Header)
+    else {
         return;
     };
     let per = (tokens * head_dim) as usize;
@@ -91,7 +100,11 @@ fn kvpack_crc(b: &[u8]) -> u32 {
     for &x in b {
         c ^= u32::from(x);
         for _ in 0..8 {
-            c = if c & 1 != 0 { (c >> 1) ^ 0xEDB8_8320 } else { c >> 1 };
+            c = if c & 1 != 0 {
+                (c >> 1) ^ 0xEDB8_8320
+            } else {
+                c >> 1
+            };
         }
     }
     !c

@@ -173,6 +173,22 @@ mod tests {
         assert_eq!(secondaries(0, 3, 1, Kind::Key, 9)[..4], base[..]);
     }
 
+    /// Issue 12: 24 hqmq slots of S = 65536 over 64 heads cached 1536
+    /// codebooks of 28 MB each (43 GB); past the process budget a
+    /// codebook is built and used but not kept.
+    #[test]
+    fn cache_respects_the_process_budget() {
+        let c = Cache::default();
+        set_budget(0);
+        let a = c.get(1, 8, 0, 0, Kind::Key);
+        assert_eq!(c.map.read().unwrap().len(), 0);
+        set_budget(512 << 20);
+        let b = c.get(1, 8, 0, 0, Kind::Key);
+        assert_eq!(c.map.read().unwrap().len(), 1);
+        assert_eq!(*a, *b);
+        assert_eq!(c.bytes.load(Ordering::Relaxed), b.heap_bytes());
+    }
+
     #[test]
     fn joint_codebook_order_is_primary_major() {
         let cb = Codebook::new(secondaries(5, 0, 0, Kind::Value, 3));
