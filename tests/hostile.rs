@@ -668,8 +668,10 @@ fn inspect_dev_zero_is_refused_at_once() {
 #[test]
 fn partial_page_scratch_is_bounded() {
     let b = elements_2p48();
-    let mut limits = kvpack::format::Limits::default();
-    limits.max_memory = 64 << 20;
+    let limits = kvpack::format::Limits {
+        max_memory: 64 << 20,
+        ..Default::default()
+    };
     let ar = kvpack::decode::Archive::open_with(&b, limits).unwrap();
     let e = ar
         .decode(
