@@ -260,10 +260,12 @@ pub fn decode_stream_with<R: Read>(
             }
         }
     });
-    read_result?;
+    // A page that failed to decode explains more than the read error that
+    // may follow it (the sender seeing the receiver stop, a reset).
     if let Some(e) = first_err.into_inner().expect("lock") {
         return Err(e);
     }
+    read_result?;
     let received = start.elapsed();
     let idx = commit.ok_or_else(|| {
         Error::format(
