@@ -88,8 +88,21 @@ impl<'a> Archive<'a> {
             .iter()
             .enumerate()
             .map(|(i, e)| crate::codec::from_entry(i, e))
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<_>>>()?;
+        crate::codec::check_pages_fit(
+            &codecs,
+            &reader.header().tensors,
+            reader.index().entries.iter().map(|e| e.meta),
+        )?;
         Ok(Archive { reader, codecs })
+    }
+
+    /// Pages are copied out of the buffer before they are verified and
+    /// decoded ([`Reader::set_private_pages`]); for memory-mapped files
+    /// that another process could rewrite.
+    pub fn with_private_pages(mut self, on: bool) -> Self {
+        self.reader.set_private_pages(on);
+        self
     }
 
     /// The underlying container reader.
@@ -139,6 +152,7 @@ impl<'a> Archive<'a> {
         let h = self.reader.header();
         let mut tensors = Vec::new();
         let mut wanted = Vec::new();
+        let mut out_bytes = 0u64;
         for (i, info) in self.tensors().into_iter().enumerate() {
             if sel
                 .layers
@@ -160,6 +174,15 @@ impl<'a> Archive<'a> {
                 dtype: dtype.map_or(info.dtype, |d| d.for_source(info.dtype)),
                 ..info
             };
+            // Checked before allocating: sizes come from header fields.
+            out_bytes = out_bytes.saturating_add(
+                out_info
+                    .elements()
+                    .saturating_mul(out_info.dtype.size() as u64),
+            );
+            self.reader
+                .limits()
+                .check_memory(out_bytes, &format!("decoding up to {}", out_info.name))?;
             let data = TensorData::zeros(out_info.dtype, out_info.elements() as usize);
             tensors.push(Tensor {
                 info: out_info,
@@ -385,8 +408,14 @@ impl<'a> Archive<'a> {
             };
             return codec.decode(&view, &mut out);
         }
-        // Partial page: decode into a scratch page, copy the overlap.
+        // Partial page: decode into a scratch page, copy the overlap. The
+        // scratch size comes from the page's declared tokens: bounded first.
         let d = info.head_dim as usize;
+        self.reader.limits().check_memory(
+            (info.planes() as u64 * u64::from(m.tokens) * d as u64)
+                .saturating_mul(info.dtype.size() as u64),
+            &format!("decoding part of {}", view.what),
+        )?;
         let mut scratch = TensorData::zeros(info.dtype, info.planes() * m.tokens as usize * d);
         {
             let mut rest = scratch.as_elems_mut();

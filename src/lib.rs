@@ -47,7 +47,9 @@ pub mod io;
 #[doc(hidden)]
 pub mod kernels;
 pub mod metrics;
+pub mod net;
 pub mod plan;
+pub mod prompt;
 pub mod stream_decode;
 pub mod transport;
 pub mod view;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::cache::{DType, ElemsMut, KvCache, Tensor, TensorData, TensorInfo};
 use crate::codec::{Codec, PageOut};
 use crate::error::{Error, Location, Result};
-use crate::format::{FileHeader, PageView, StreamEvent, StreamReader};
+use crate::format::{FileHeader, Limits, PageView, StreamEvent, StreamReader};
 
 /// The result of [`decode_stream`].
 #[derive(Debug)]
@@ -111,8 +111,25 @@ pub fn decode_stream<R: Read>(
     dtype: Option<DType>,
     on_layer: &(dyn Fn(u32, Duration) + Sync),
 ) -> Result<StreamDecoded> {
+    decode_stream_with(r, dtype, Limits::default(), on_layer)
+}
+
+/// [`decode_stream`] with explicit [`Limits`]: the output the header
+/// declares must fit `limits.max_memory` (checked before anything is
+/// allocated), and every page is checked against the limits and its
+/// codec's constraints before it is decoded.
+///
+/// # Errors
+/// As [`decode_stream`]; [`Error::Limits`] when the declared output
+/// exceeds `limits.max_memory`.
+pub fn decode_stream_with<R: Read>(
+    r: R,
+    dtype: Option<DType>,
+    limits: Limits,
+    on_layer: &(dyn Fn(u32, Duration) + Sync),
+) -> Result<StreamDecoded> {
     let start = Instant::now();
-    let mut reader = StreamReader::new(r)?;
+    let mut reader = StreamReader::with_limits(r, limits)?;
     let header = reader.header().clone();
     let codecs: Vec<Box<dyn Codec>> = header
         .codecs
@@ -120,6 +137,12 @@ pub fn decode_stream<R: Read>(
         .enumerate()
         .map(|(i, e)| crate::codec::from_entry(i, e))
         .collect::<Result<_>>()?;
+    let mut out_bytes = 0u64;
+    for t in &header.tensors {
+        let size = dtype.unwrap_or(t.dtype).size() as u64;
+        out_bytes = out_bytes.saturating_add(t.elements().saturating_mul(size));
+        limits.check_memory(out_bytes, &format!("receiving up to {}", t.name))?;
+    }
     let mut tensors: Vec<Tensor> = header
         .tensors
         .iter()
@@ -138,29 +161,30 @@ pub fn decode_stream<R: Read>(
             .map(|t| (t.info.clone(), data_ptr(&mut t.data)))
             .collect(),
     };
-    let layers = header
-        .tensors
-        .iter()
-        .map(|t| t.layer as usize + 1)
-        .max()
-        .unwrap_or(0);
+    // Per-layer tables are indexed by the layer's position among the
+    // layers present (dense), never by the layer number itself.
+    let mut layer_ids: Vec<u32> = header.tensors.iter().map(|t| t.layer).collect();
+    layer_ids.dedup();
+    let pos = |layer: u32| layer_ids.binary_search(&layer).unwrap_or(0);
+    let layers = layer_ids.len();
     let mut per_layer = vec![0u32; layers];
     for t in &header.tensors {
-        per_layer[t.layer as usize] += 1;
+        per_layer[pos(t.layer)] += 1;
     }
     let decoded_tokens: Vec<AtomicU32> = header.tensors.iter().map(|_| AtomicU32::new(0)).collect();
     // Tensors with zero tokens are complete from the start.
     let mut empty = vec![0u32; layers];
     for t in header.tensors.iter().filter(|t| t.tokens == 0) {
-        empty[t.layer as usize] += 1;
+        empty[pos(t.layer)] += 1;
     }
     let layer_tensors_done: Vec<AtomicU32> = empty.iter().map(|&z| AtomicU32::new(z)).collect();
     let layer_done = Mutex::new(
         (0..layers)
             .filter(|&l| per_layer[l] > 0 && empty[l] == per_layer[l])
-            .map(|l| (l as u32, Duration::ZERO))
+            .map(|l| (layer_ids[l], Duration::ZERO))
             .collect::<Vec<_>>(),
     );
+    let mut checked = std::collections::HashSet::new();
     let first_err: Mutex<Option<Error>> = Mutex::new(None);
     let slots = (rayon::current_num_threads() * 4).max(2);
     let (tok_tx, tok_rx) = mpsc::sync_channel::<()>(slots);
@@ -184,7 +208,7 @@ pub fn decode_stream<R: Read>(
         codecs[m.codec as usize].decode(&page, &mut out)?;
         let done = decoded_tokens[t].fetch_add(m.tokens, Ordering::AcqRel) + m.tokens;
         if done == info.tokens {
-            let l = info.layer as usize;
+            let l = pos(info.layer);
             if layer_tensors_done[l].fetch_add(1, Ordering::AcqRel) + 1 == per_layer[l] {
                 let el = start.elapsed();
                 layer_done.lock().expect("lock").push((info.layer, el));
@@ -223,6 +247,9 @@ pub fn decode_stream<R: Read>(
                             },
                         ));
                     }
+                    if checked.insert((m.codec, m.tensor)) {
+                        crate::codec::check_page_fits(&codecs, &header.tensors, m)?;
+                    }
                     pages += 1;
                     tok_rx.recv().expect("token");
                     let (tok_tx, decode_one, first_err) = (&tok_tx, &decode_one, &first_err);
@@ -237,10 +264,12 @@ pub fn decode_stream<R: Read>(
             }
         }
     });
-    read_result?;
+    // A page that failed to decode explains more than the read error that
+    // may follow it (the sender seeing the receiver stop, a reset).
     if let Some(e) = first_err.into_inner().expect("lock") {
         return Err(e);
     }
+    read_result?;
     let received = start.elapsed();
     let idx = commit.ok_or_else(|| {
         Error::format(
@@ -265,4 +294,47 @@ pub fn decode_stream<R: Read>(
         decoded,
         layer_done,
     })
+}
+
+/// Decodes `page` into a scratch buffer and discards the result: the
+/// codec's own validation of its sections ([`Codec::decode`]) and its
+/// constraints on the tensor ([`crate::codec::check_page_fits`]), for a
+/// receiver that stores the stream as is (`recv -o x.kvpack`) and must not
+/// commit pages a decoder would reject. The scratch buffer (the page's
+/// elements as f32) is checked against `limits.max_memory` first.
+///
+/// # Errors
+/// [`Error::Format`] naming the page; [`Error::Limits`] when the page's
+/// elements exceed the memory limit.
+pub fn check_page(
+    codecs: &[Box<dyn Codec>],
+    header: &FileHeader,
+    page: &PageView<'_>,
+    limits: &Limits,
+) -> Result<()> {
+    let m = page.header.meta;
+    crate::codec::check_page_fits(codecs, &header.tensors, m)?;
+    let info = &header.tensors[m.tensor as usize];
+    let d = info.head_dim as usize;
+    let per_plane = m.tokens as u64 * d as u64;
+    limits.check_memory(
+        per_plane
+            .saturating_mul(info.planes() as u64)
+            .saturating_mul(4),
+        &format!("checking {}", page.what),
+    )?;
+    let mut scratch = TensorData::zeros(DType::F32, per_plane as usize * info.planes());
+    let mut rest = scratch.as_elems_mut();
+    let mut planes = Vec::with_capacity(info.planes());
+    for _ in 0..info.planes() {
+        let (a, b) = rest.split_at(per_plane as usize);
+        planes.push(a);
+        rest = b;
+    }
+    let mut out = PageOut {
+        tensor: info,
+        tokens: m.tokens,
+        planes,
+    };
+    codecs[m.codec as usize].decode(page, &mut out)
 }

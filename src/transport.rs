@@ -4,13 +4,14 @@
 //! is the kvpack stream (format/SPEC.md section 11), nothing else.
 
 use std::io::Write;
-use std::net::{TcpStream, ToSocketAddrs};
+use std::net::ToSocketAddrs;
 use std::time::{Duration, Instant};
 
 use crate::cache::KvCache;
 use crate::codec::Codec;
 use crate::compress::{CompressOptions, CompressReport, compress};
 use crate::error::{Error, Result};
+use crate::net::{Guarded, Hello, NetLimits};
 
 /// A writer that never exceeds `bytes_per_second` on average since its
 /// creation (a token bucket with no burst beyond one 64 KiB chunk),
@@ -76,13 +77,20 @@ pub struct SendReport {
     pub seconds: f64,
 }
 
-/// Connects to `addr` and streams `cache` encoded with `codec`: pages are
-/// encoded on the rayon pool while earlier pages are on the wire, in
-/// layer-major order, optionally through a [`RateLimited`] link of `gbit`.
+/// How [`send_with`] connects and what it announces.
+#[derive(Debug, Clone, Default)]
+pub struct SendOptions {
+    /// Connect/idle/total timeouts (the byte cap is the receiver's).
+    pub limits: NetLimits,
+    /// Shared secret: the stream is authenticated with HMAC-SHA256
+    /// ([`crate::net`]).
+    pub secret: Option<Vec<u8>>,
+}
+
+/// [`send_with`] with default timeouts and no secret.
 ///
 /// # Errors
-/// [`Error::Io`] when connecting or sending fails (e.g. the receiver closed
-/// the connection); the errors of [`compress`].
+/// As [`send_with`].
 pub fn send(
     cache: &KvCache,
     codec: &dyn Codec,
@@ -91,19 +99,62 @@ pub fn send(
     gbit: Option<f64>,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<SendReport> {
-    let what = format!("{addr:?}");
-    let stream =
-        TcpStream::connect(addr).map_err(|e| Error::io(format!("connecting to {what}"), e))?;
-    stream
-        .set_nodelay(true)
-        .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
+    send_with(
+        cache,
+        codec,
+        opts,
+        addr,
+        gbit,
+        &SendOptions::default(),
+        progress,
+    )
+}
+
+/// Connects to `addr` (within the connect timeout), runs the handshake
+/// (format version, model identity from `kvpack.model`, codec ids; the
+/// receiver may refuse) and streams `cache` encoded with `codec`: pages
+/// are encoded on the rayon pool while earlier pages are on the wire, in
+/// layer-major order, optionally through a [`RateLimited`] link of
+/// `gbit`. A receiver that stops reading for the idle timeout ends the
+/// send with an error.
+///
+/// # Errors
+/// [`Error::Io`] when connecting or sending fails or times out (e.g. the
+/// receiver closed the connection); [`Error::Parameter`] when the receiver
+/// refuses the handshake, with its reason; the errors of [`compress`].
+pub fn send_with(
+    cache: &KvCache,
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    addr: impl ToSocketAddrs + std::fmt::Debug,
+    gbit: Option<f64>,
+    net: &SendOptions,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<SendReport> {
+    let stream = crate::net::connect(addr, &net.limits)?;
     let start = Instant::now();
-    let w = std::io::BufWriter::with_capacity(1 << 20, RateLimited::new(stream, gbit));
+    let hello = Hello {
+        version: (crate::format::VERSION_MAJOR, crate::format::VERSION_MINOR),
+        model: cache
+            .metadata
+            .get(crate::decode::MODEL_KEY)
+            .cloned()
+            .unwrap_or_default(),
+        codecs: vec![crate::codec::raw::ID, codec.id()],
+        authenticated: net.secret.is_some(),
+    };
+    let out = crate::net::client_handshake(
+        Guarded::new(stream, net.limits),
+        &hello,
+        net.secret.as_deref(),
+    )?;
+    let w = std::io::BufWriter::with_capacity(1 << 20, RateLimited::new(out, gbit));
     let (w, report) = compress(cache, codec, opts, w, progress)?;
-    let stream = w
+    let out = w
         .into_inner()
         .map_err(|e| Error::io("flushing the socket", e.into_error()))?
         .into_inner();
+    let stream = out.finish()?.into_inner();
     stream
         .shutdown(std::net::Shutdown::Write)
         .map_err(|e| Error::io("closing the stream", e))?;

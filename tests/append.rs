@@ -320,3 +320,75 @@ fn killing_a_real_append_leaves_the_old_or_the_new_cache() {
         "no kill landed mid-write; the test did not exercise anything"
     );
 }
+
+/// Issue 12 section 3: a flipped bit anywhere in the final trailer of an
+/// appended file is reported as damage, never read as a torn append that
+/// silently falls back to the previous commit; and `append` refuses such a
+/// file without changing a byte.
+#[test]
+fn final_trailer_bit_flip_is_damage_not_a_torn_append() {
+    let (short, long) = small_pair();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.kvpack");
+    let layout = Layout {
+        page_tokens: 8,
+        sink: 2,
+        recent: 4,
+    };
+    write_file(&path, &compress_bytes(&short, "bdr64", layout, None));
+    let opts = CompressOptions {
+        layout,
+        ..Default::default()
+    };
+    append_file(&path, &long, false, &opts, &|_| {}).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let n = good.len();
+    for bit in 0..64 * 8 {
+        let mut b = good.clone();
+        b[n - 64 + bit / 8] ^= 1 << (bit % 8);
+        let e = Archive::open(&b).expect_err(&format!("bit {bit} accepted"));
+        assert!(e.to_string().contains("damaged"), "bit {bit}: {e}");
+    }
+    let mut b = good.clone();
+    b[n - 60] ^= 0x10;
+    write_file(&path, &b);
+    assert!(append_file(&path, &long, false, &opts, &|_| {}).is_err());
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        b,
+        "a refused append changed the file"
+    );
+}
+
+/// Issue 12 section 3: an append that is refused (here: the new cache is not
+/// an extension) leaves a file with a torn tail exactly as it was; the torn
+/// tail is no longer truncated before the append is known to proceed.
+#[test]
+fn refused_append_after_a_torn_tail_changes_nothing() {
+    let (short, long) = small_pair();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.kvpack");
+    let layout = Layout {
+        page_tokens: 8,
+        sink: 2,
+        recent: 4,
+    };
+    write_file(&path, &compress_bytes(&short, "bdr64", layout, None));
+    let old_len = std::fs::metadata(&path).unwrap().len() as usize;
+    let opts = CompressOptions {
+        layout,
+        ..Default::default()
+    };
+    append_file(&path, &long, false, &opts, &|_| {}).unwrap();
+    let new = std::fs::read(&path).unwrap();
+    let torn = new[..(old_len + new.len()) / 2].to_vec();
+    write_file(&path, &torn);
+    // A cache that is not an extension of the stored one.
+    let mut other = long.clone();
+    other.token_ids[0] ^= 1;
+    assert!(append_file(&path, &other, false, &opts, &|_| {}).is_err());
+    assert_eq!(std::fs::read(&path).unwrap(), torn);
+    // The proper append still recovers and matches a clean append.
+    append_file(&path, &long, false, &opts, &|_| {}).unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), new);
+}

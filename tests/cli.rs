@@ -310,3 +310,106 @@ fn codecs_lists_bits_per_element() {
     let o = kvpack(&["--help"]);
     assert!(String::from_utf8_lossy(&o.stdout).contains("Exit status"));
 }
+
+/// Issue 12 section 3: `verify --against` has a default quality floor, so
+/// a file that decodes to something unrelated to the original (here: the
+/// fixture negated, cosine -1) fails without any flag, while a real codec
+/// passes.
+#[test]
+fn verify_against_fails_garbage_by_default() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut neg = fixture().cache;
+    for t in &mut neg.tensors {
+        let v: Vec<f32> = t.data.to_f32().iter().map(|x| -x).collect();
+        t.data = kvpack::cache::TensorData::F32(v);
+        t.info.dtype = DType::F32;
+    }
+    let negp = dir.path().join("neg.safetensors");
+    write_cache(&negp, &neg);
+    let bad = dir.path().join("bad.kvpack");
+    let o = kvpack(&[
+        "compress",
+        negp.to_str().unwrap(),
+        "-c",
+        "raw",
+        "-o",
+        bad.to_str().unwrap(),
+        "-q",
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let fx = repo(FIXTURE);
+    let o = kvpack(&[
+        "verify",
+        bad.to_str().unwrap(),
+        "--against",
+        fx.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&o), 1, "{}", String::from_utf8_lossy(&o.stdout));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("cosine"));
+    let good = dir.path().join("good.kvpack");
+    let o = kvpack(&[
+        "compress",
+        fx.to_str().unwrap(),
+        "-c",
+        "int2",
+        "-o",
+        good.to_str().unwrap(),
+        "-q",
+    ]);
+    assert_eq!(code(&o), 0);
+    let o = kvpack(&[
+        "verify",
+        good.to_str().unwrap(),
+        "--against",
+        fx.to_str().unwrap(),
+    ]);
+    assert_eq!(code(&o), 0, "{}", String::from_utf8_lossy(&o.stdout));
+}
+
+/// Issue 12 section 5: Gemma's sliding layers hold positions 9..519 of the
+/// fixture's 520-token prefill, so a prompt matching only part of the
+/// prefix cannot be served (match used to say 300); the whole prefix can.
+#[test]
+fn match_accounts_for_rolled_sliding_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("c.kvpack");
+    let fx = repo(FIXTURE);
+    let o = kvpack(&[
+        "compress",
+        fx.to_str().unwrap(),
+        "-c",
+        "int4",
+        "-o",
+        out.to_str().unwrap(),
+        "-q",
+    ]);
+    assert_eq!(code(&o), 0);
+    let cache = fixture().cache;
+    let model = cache.metadata["kvpack.model"].clone();
+    let ids = cache.token_ids.clone();
+    let run = |prompt: &[u32]| {
+        let o = kvpack(&[
+            "match",
+            out.to_str().unwrap(),
+            "--model",
+            &model,
+            "--tokens",
+            &serde_json::to_string(prompt).unwrap(),
+            "--json",
+        ]);
+        assert_eq!(code(&o), 0, "{}", stderr(&o));
+        json(&o)
+    };
+    let part = run(&ids[..300]);
+    assert_eq!(part["matching_prefix"], 300);
+    assert_eq!(part["usable_prefix"], 0);
+    assert!(part["reason"].as_str().unwrap().contains("rolled"));
+    let rolled = part["rolled_layers"].as_array().unwrap();
+    assert_eq!(rolled.len(), 15);
+    assert_eq!(rolled[0]["holds"], serde_json::json!([9, 520]));
+    let mut longer = ids.clone();
+    longer.extend([1, 2, 3]);
+    let whole = run(&longer);
+    assert_eq!(whole["usable_prefix"], 520);
+    assert!(whole["reason"].is_null());
+}

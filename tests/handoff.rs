@@ -27,7 +27,9 @@ fn send_and_receive_the_real_cache_over_tcp() {
     let order = Mutex::new(Vec::new());
     let received = std::thread::scope(|s| {
         let rx = s.spawn(|| {
-            let (sock, _) = l.accept().unwrap();
+            let (hello, sock, _) =
+                kvpack::net::receive(&l, &Default::default(), &Default::default()).unwrap();
+            assert_eq!(hello.version.0, 1);
             decode_stream(std::io::BufReader::new(sock), None, &|layer, _| {
                 order.lock().unwrap().push(layer)
             })
@@ -226,9 +228,16 @@ fn cli_send_to_cli_recv_writes_output_only_when_complete() {
             break;
         }
     }
-    let mut sock = sock.expect("receiver listening");
-    sock.write_all(&bytes[..bytes.len() / 2]).unwrap();
-    drop(sock);
+    let hello = kvpack::net::Hello {
+        version: (1, 0),
+        model: String::new(),
+        codecs: vec![0, 1],
+        authenticated: false,
+    };
+    let mut out =
+        kvpack::net::client_handshake(sock.expect("receiver listening"), &hello, None).unwrap();
+    out.write_all(&bytes[..bytes.len() / 2]).unwrap();
+    drop(out);
     let o = recv.wait_with_output().unwrap();
     assert_eq!(o.status.code(), Some(2));
     assert!(

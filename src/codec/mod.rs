@@ -175,6 +175,71 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
     fn bits_per_element(&self, tensor: &TensorInfo) -> f64;
 }
 
+/// Checks, before any page is decoded, that every codec slot can decode
+/// every tensor it has pages for ([`Codec::check`]): parameters that do
+/// not fit the tensor (a BDR block larger than head_dim, hqmq chunks that
+/// do not divide it, ...) are a format error of the file, never a panic in
+/// a kernel.
+///
+/// # Errors
+/// [`crate::Error::Format`] at the header naming the codec slot, the tensor
+/// and the constraint; also when a page names a slot or tensor that does
+/// not exist.
+pub fn check_pages_fit(
+    codecs: &[Box<dyn Codec>],
+    tensors: &[TensorInfo],
+    pages: impl Iterator<Item = crate::format::PageMeta>,
+) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
+    for m in pages {
+        if seen.insert((m.codec, m.tensor)) {
+            check_page_fits(codecs, tensors, m)?;
+        }
+    }
+    Ok(())
+}
+
+/// [`check_pages_fit`] for one page.
+///
+/// # Errors
+/// As [`check_pages_fit`].
+pub fn check_page_fits(
+    codecs: &[Box<dyn Codec>],
+    tensors: &[TensorInfo],
+    m: crate::format::PageMeta,
+) -> Result<()> {
+    use crate::error::{Error, Location};
+    let (Some(c), Some(t)) = (codecs.get(m.codec as usize), tensors.get(m.tensor as usize)) else {
+        return Err(Error::format(
+            Location::Header,
+            format!(
+                "a page names codec slot {} and tensor {}, which do not exist",
+                m.codec, m.tensor
+            ),
+        ));
+    };
+    c.check(t).map_err(|e| {
+        Error::format(
+            Location::Header,
+            format!(
+                "codec slot {} ({}) cannot decode {} ({}): {e}",
+                m.codec,
+                c.name(),
+                t.name,
+                t.describe()
+            ),
+        )
+    })
+}
+
+/// Sets the process-wide budget, in bytes, for codebooks that codecs keep
+/// cached between pages (hqmq builds one per layer, kv head and K/V). Past
+/// it, codebooks are built per page and not kept. Default: 512 MiB
+/// ([`crate::format::Limits::max_codebook_bytes`]).
+pub fn set_codebook_budget(bytes: u64) {
+    hqmq::codebook::set_budget(bytes);
+}
+
 /// Checks that a section holds exactly `count` elements of `elem`.
 ///
 /// # Errors

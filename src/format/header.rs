@@ -58,7 +58,9 @@ impl FileHeader {
     /// `version_minor` is not the lowest minor the tensors need (a writer
     /// MUST emit it, format/SPEC.md section 3: fp8 and latents need 1.1,
     /// everything else 1.0; use [`FileHeader::required_minor`]), counts
-    /// overflow `u32`, or the alignment is outside 6..=12.
+    /// overflow `u32`, the alignment is outside 6..=12, or a layer index or
+    /// the codec count exceeds the default [`Limits`] (readers would refuse
+    /// the file).
     pub fn encode(&self) -> Result<Vec<u8>> {
         self.validate().map_err(|e| match e {
             Error::Format { msg, .. } => Error::param(msg),
@@ -70,6 +72,20 @@ impl FileHeader {
                 "a writer emits the lowest version that holds the file: {VERSION_MAJOR}.{minor} \
                  for these tensors, not {}.{}",
                 self.version_major, self.version_minor
+            )));
+        }
+        let limits = Limits::default();
+        if let Some(t) = self.tensors.iter().find(|t| t.layer > limits.max_layer) {
+            return Err(Error::param(format!(
+                "{}: layer index {} is above {}, the largest a reader accepts by default",
+                t.name, t.layer, limits.max_layer
+            )));
+        }
+        if self.codecs.len() as u64 > u64::from(limits.max_codecs) {
+            return Err(Error::param(format!(
+                "{} codec slots, a reader accepts at most {} by default",
+                self.codecs.len(),
+                limits.max_codecs
             )));
         }
         let mut body = Vec::new();
@@ -246,11 +262,23 @@ impl FileHeader {
                 limits.max_tensors
             )));
         }
+        if n_codecs > limits.max_codecs {
+            return Err(Error::Limits(format!(
+                "file header: n_codecs is {n_codecs}, the limit is {}",
+                limits.max_codecs
+            )));
+        }
         let mut c = Cursor::new(body, Location::Header);
         let mut tensors = Vec::with_capacity(n_tensors.min(4096) as usize);
         for i in 0..n_tensors {
             let what = format!("tensor record {i}");
             let layer = c.u32(&what)?;
+            if layer > limits.max_layer {
+                return Err(Error::Limits(format!(
+                    "file header: {what}: layer index {layer} is above the limit {}",
+                    limits.max_layer
+                )));
+            }
             let kind_code = c.u8(&what)?;
             let kind = Kind::from_code(kind_code)
                 .ok_or_else(|| c.err(format!("{what}: unknown kind code {kind_code}")))?;

@@ -51,10 +51,29 @@ pub const SECTION_ALIGN: usize = 64;
 /// Size of every fixed frame header (file prefix, page, index, trailer).
 pub const FRAME_HEADER_LEN: usize = 64;
 
-/// Bounds a reader enforces before allocating or trusting lengths.
+/// Bounds every reader (file, stream, CLI) enforces before allocating or
+/// trusting a length, in the manner of image-png's `Limits`: a file or
+/// stream can make a reader allocate at most what these allow, whatever it
+/// declares.
 ///
-/// Defaults: 16 MiB header, 1 GiB page body, 1 GiB index, 1 Mi tensors,
-/// 64 sections per page.
+/// | field | default |
+/// |---|---|
+/// | `max_header_bytes` | 16 MiB |
+/// | `max_page_bytes` (stored and uncompressed body) | 1 GiB |
+/// | `max_index_bytes` | 1 GiB |
+/// | `max_tensors` | 2^20 |
+/// | `max_sections` | 64 |
+/// | `max_codecs` (codec table slots) | 256 |
+/// | `max_layer` (largest layer index) | 65535 |
+/// | `max_memory` (decoded output of one decode, bytes) | 8 GiB |
+/// | `max_body_bytes_per_element` (uncompressed body, plus 1 MiB slack per page) | 16 |
+/// | `max_codebook_bytes` (codebooks cached by all codecs of the process) | 512 MiB |
+///
+/// Every size derived from header fields (elements of a tensor, output
+/// bytes, generations) is checked against these before anything is
+/// allocated. Output buffers are allocated zeroed (untouched pages cost no
+/// memory), so resident memory grows with the pages actually validated and
+/// decoded, never with declared sizes alone.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     /// Largest accepted `header_len`, bytes.
@@ -67,6 +86,20 @@ pub struct Limits {
     pub max_tensors: u32,
     /// Largest accepted section count in one page.
     pub max_sections: u16,
+    /// Largest accepted codec table (slots).
+    pub max_codecs: u32,
+    /// Largest accepted layer index (layer indices index per-layer tables).
+    pub max_layer: u32,
+    /// Largest decoded output one decode may allocate (all selected
+    /// tensors at the output dtype), bytes.
+    pub max_memory: u64,
+    /// A page's uncompressed body may hold at most this many bytes per
+    /// element of the page (`planes * tokens * head_dim`), plus 1 MiB: the
+    /// bound on what one zstd frame may inflate to.
+    pub max_body_bytes_per_element: u64,
+    /// Codebook memory that codecs may keep cached, process-wide, bytes
+    /// (applied with [`crate::codec::set_codebook_budget`]).
+    pub max_codebook_bytes: u64,
 }
 
 impl Default for Limits {
@@ -77,6 +110,38 @@ impl Default for Limits {
             max_index_bytes: 1 << 30,
             max_tensors: 1 << 20,
             max_sections: 64,
+            max_codecs: 256,
+            max_layer: u16::MAX as u32,
+            max_memory: 8 << 30,
+            max_body_bytes_per_element: 16,
+            max_codebook_bytes: 512 << 20,
         }
+    }
+}
+
+impl Limits {
+    /// Largest uncompressed body accepted for a page of `elements`
+    /// elements: `min(max_page_bytes, elements * max_body_bytes_per_element
+    /// + 1 MiB)`.
+    pub fn max_body_for(&self, elements: u64) -> u64 {
+        elements
+            .saturating_mul(self.max_body_bytes_per_element)
+            .saturating_add(1 << 20)
+            .min(self.max_page_bytes)
+    }
+
+    /// Checks that decoding `bytes` of output fits `max_memory`; `what`
+    /// names the output in the error.
+    ///
+    /// # Errors
+    /// [`crate::Error::Limits`] naming `what`, the size and the limit.
+    pub fn check_memory(&self, bytes: u64, what: &str) -> crate::Result<()> {
+        if bytes > self.max_memory {
+            return Err(crate::Error::Limits(format!(
+                "{what} needs {bytes} bytes of memory, the limit is {} (raise it with --max-memory)",
+                self.max_memory
+            )));
+        }
+        Ok(())
     }
 }

@@ -70,6 +70,24 @@ impl PageHeader {
         v.try_into().expect("64 bytes")
     }
 
+    /// Checks the declared uncompressed body length against what a page of
+    /// `elements` elements may need ([`Limits::max_body_for`]), before the
+    /// body is read or inflated.
+    ///
+    /// # Errors
+    /// [`Error::Limits`] naming the page at `at`.
+    pub fn check_body_bound(&self, elements: u64, limits: &Limits, at: &Location) -> Result<()> {
+        let max = limits.max_body_for(elements);
+        if self.body_len > max || self.stored_len > max {
+            return Err(Error::Limits(format!(
+                "{at}: page body_len {} (stored {}) for {elements} elements; the limit is {max} \
+                 ({} bytes per element + 1 MiB)",
+                self.body_len, self.stored_len, limits.max_body_bytes_per_element
+            )));
+        }
+        Ok(())
+    }
+
     /// Parses and checks a page header (magic, CRC, reserved bits, limits).
     ///
     /// # Errors
@@ -199,6 +217,41 @@ impl PageFrame {
     }
 }
 
+/// The 4 magic bytes of a zstd frame (RFC 8878 section 3.1.1).
+const ZSTD_MAGIC: [u8; 4] = [0x28, 0xB5, 0x2F, 0xFD];
+
+/// Checks that `stored` is exactly one zstd frame (no skippable frame, no
+/// second frame, no trailing bytes) whose declared content size, when
+/// present, is `body_len` (format/SPEC.md section 6.4). Done before any
+/// output is allocated.
+fn check_one_zstd_frame(stored: &[u8], body_len: u64, at: &Location) -> Result<()> {
+    let err = |m: String| Err(Error::format(at.clone(), m));
+    if stored.get(..4) != Some(&ZSTD_MAGIC[..]) {
+        return err(format!(
+            "stored body does not start with a zstd frame (found {:02x?}); skippable \
+             frames are not allowed",
+            &stored[..stored.len().min(4)]
+        ));
+    }
+    match zstd::zstd_safe::find_frame_compressed_size(stored) {
+        Ok(n) if n == stored.len() => {}
+        Ok(n) => {
+            return err(format!(
+                "{} bytes follow the zstd frame of {n} bytes; a page holds exactly one frame",
+                stored.len() - n
+            ));
+        }
+        Err(_) => return err("the zstd frame is malformed or truncated".into()),
+    }
+    match zstd::zstd_safe::get_frame_content_size(stored) {
+        Ok(Some(n)) if n != body_len => err(format!(
+            "the zstd frame declares {n} decompressed bytes, the page header says body_len {body_len}"
+        )),
+        Ok(_) => Ok(()),
+        Err(_) => err("the zstd frame header is malformed".into()),
+    }
+}
+
 /// A validated page: header, uncompressed body (borrowed from the file when
 /// stored uncompressed, owned after zstd), and its section table.
 #[derive(Debug, Clone)]
@@ -241,6 +294,7 @@ impl<'a> PageView<'a> {
             ));
         }
         let body: Cow<'a, [u8]> = if header.flags & FLAG_ZSTD != 0 {
+            check_one_zstd_frame(&stored, header.body_len, at)?;
             let out = zstd::bulk::decompress(&stored, header.body_len as usize).map_err(|e| {
                 Error::format(at.clone(), format!("zstd frame does not decompress: {e}"))
             })?;

@@ -24,6 +24,7 @@ pub struct Reader<'a> {
     torn_tail: u64,
     limits: Limits,
     by_tensor: Vec<Vec<usize>>,
+    private_pages: bool,
 }
 
 fn frame<'b>(data: &'b [u8], off: u64, len: u64, at: &Location) -> Result<&'b [u8]> {
@@ -212,7 +213,22 @@ impl<'a> Reader<'a> {
         let data = &buf[header_len as usize..];
         let align = header.align();
 
-        let (trailer, torn_tail) = find_commit(data, header_len)?;
+        let (trailer, torn_tail) = find_commit(data, header_len, align, &limits)?;
+        // Every commit takes at least an index frame and a trailer (128
+        // bytes): a generation the data cannot hold is rejected before the
+        // per-commit table is allocated.
+        let max_generation = trailer.commit_end / (2 * FRAME_HEADER_LEN as u64);
+        if u64::from(trailer.generation) >= max_generation.max(1) {
+            return Err(Error::format(
+                Location::Trailer {
+                    offset: header_len + trailer.commit_end - FRAME_HEADER_LEN as u64,
+                },
+                format!(
+                    "trailer generation {} needs more commits than {} data bytes can hold",
+                    trailer.generation, trailer.commit_end
+                ),
+            ));
+        }
         let index = load_index(data, &trailer, &limits, align)?;
 
         // Walk earlier commits: each is a prefix of the next.
@@ -350,7 +366,23 @@ impl<'a> Reader<'a> {
             torn_tail,
             limits,
             by_tensor,
+            private_pages: false,
         })
+    }
+
+    /// With `on`, [`Reader::page`] copies a page's stored bytes out of the
+    /// buffer before verifying its checksum, and the page is decoded from
+    /// that copy: what is decoded is exactly what was verified, even when
+    /// the buffer is a shared mapping of a file that another process
+    /// rewrites in place. Use it for memory-mapped files; a buffer owned by
+    /// this process cannot change and needs no copy (the default, `off`).
+    pub fn set_private_pages(&mut self, on: bool) {
+        self.private_pages = on;
+    }
+
+    /// The limits this reader enforces.
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
     /// The file header.
@@ -409,7 +441,8 @@ impl<'a> Reader<'a> {
     }
 
     /// Validates and returns page `i` (position in the index), borrowing
-    /// the body from the buffer unless it is zstd-compressed.
+    /// the body from the buffer unless it is zstd-compressed or
+    /// [`Reader::set_private_pages`] is on.
     ///
     /// # Errors
     /// [`Error::Format`] naming the page for a header or body CRC mismatch,
@@ -449,25 +482,34 @@ impl<'a> Reader<'a> {
                 "page frame length disagrees with its index entry",
             ));
         }
+        let elements = (info.planes() as u64)
+            .saturating_mul(u64::from(e.meta.tokens))
+            .saturating_mul(u64::from(info.head_dim));
+        h.check_body_bound(elements, &self.limits, &at)?;
         let end = FRAME_HEADER_LEN + h.stored_len as usize;
         check_zero_padding(
             &f[end..],
             self.header_len + e.offset + end as u64,
             at.clone(),
         )?;
-        PageView::from_stored(
-            h,
-            Cow::Borrowed(&f[FRAME_HEADER_LEN..end]),
-            i as u64,
-            what,
-            &at,
-        )
+        let stored = &f[FRAME_HEADER_LEN..end];
+        let stored = if self.private_pages {
+            Cow::Owned(stored.to_vec())
+        } else {
+            Cow::Borrowed(stored)
+        };
+        PageView::from_stored(h, stored, i as u64, what, &at)
     }
 }
 
 /// Finds the last complete commit: the trailer ending the data, or, after
 /// an interrupted append, the last valid trailer before it.
-fn find_commit(data: &[u8], header_len: u64) -> Result<(Trailer, u64)> {
+fn find_commit(
+    data: &[u8],
+    header_len: u64,
+    align: u64,
+    limits: &Limits,
+) -> Result<(Trailer, u64)> {
     let n = data.len() as u64;
     let at_end = |end: u64| -> Result<Trailer> {
         let off = end - FRAME_HEADER_LEN as u64;
@@ -500,9 +542,65 @@ fn find_commit(data: &[u8], header_len: u64) -> Result<(Trailer, u64)> {
         if data[end as usize - 8..end as usize] == super::MAGIC
             && let Ok(t) = at_end(end)
         {
+            if let Some(why) = damaged_final_trailer(data, end, align, limits) {
+                return Err(Error::format(
+                    Location::Trailer {
+                        offset: header_len + n - FRAME_HEADER_LEN as u64,
+                    },
+                    format!(
+                        "the final trailer is damaged ({}): {why}; this is corruption, not an \
+                         interrupted append (commit {} before it is intact)",
+                        match &first_err {
+                            Error::Format { msg, .. } => msg.clone(),
+                            other => other.to_string(),
+                        },
+                        t.generation
+                    ),
+                ));
+            }
             return Ok((t, n - end));
         }
         end -= 64;
     }
     Err(first_err)
+}
+
+/// Tells a damaged final trailer from the torn tail of an interrupted
+/// append (format/SPEC.md section 10.2). The tail after the last valid
+/// trailer (ending at data offset `end`) is damage, not a torn append, when
+/// the file's last 64 bytes carry both trailer magics (a trailer was
+/// written there completely, then altered), or when a complete, valid index
+/// frame ends exactly 64 bytes before the end of the file and those 64
+/// bytes are not all zero (the trailer is written only after its index was
+/// made durable, so a crash can leave it missing or zero-filled, never
+/// other bytes). Returns what was found.
+fn damaged_final_trailer(data: &[u8], end: u64, align: u64, limits: &Limits) -> Option<String> {
+    use super::index::{INDEX_MAGIC, TRAILER_MAGIC};
+    let n = data.len() as u64;
+    if n < end + FRAME_HEADER_LEN as u64 {
+        return None;
+    }
+    let last = &data[(n - 64) as usize..];
+    if last[..4] == TRAILER_MAGIC && last[56..] == super::MAGIC {
+        return Some("the last 64 bytes are a trailer that fails its checks".into());
+    }
+    if last.iter().all(|&b| b == 0) {
+        return None;
+    }
+    let index_end = n - FRAME_HEADER_LEN as u64;
+    let mut p = end.next_multiple_of(align);
+    while p + (FRAME_HEADER_LEN as u64) <= index_end {
+        let h = &data[p as usize..p as usize + FRAME_HEADER_LEN];
+        if h[..4] == INDEX_MAGIC
+            && let Ok(ih) = Index::parse_header(head64(h), &Location::Data { offset: p }, limits)
+            && (p + FRAME_HEADER_LEN as u64 + ih.body_len).next_multiple_of(align) == index_end
+        {
+            return Some(format!(
+                "a complete index frame (commit {}) ends right before them",
+                ih.generation
+            ));
+        }
+        p += align;
+    }
+    None
 }

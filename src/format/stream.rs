@@ -63,6 +63,36 @@ fn read_full<R: Read>(r: &mut R, buf: &mut [u8], what: &dyn Fn() -> Location) ->
     Ok(true)
 }
 
+/// Reads exactly `n` bytes into a buffer that grows with the bytes that
+/// actually arrive (a sender declaring a huge frame and sending nothing
+/// costs nothing); `Ok(None)` on a clean EOF before the first byte.
+fn read_growing<R: Read>(
+    r: &mut R,
+    n: u64,
+    what: &dyn Fn() -> Location,
+) -> Result<Option<Vec<u8>>> {
+    const CHUNK: u64 = 1 << 20;
+    let mut buf = Vec::with_capacity(n.min(CHUNK) as usize);
+    while (buf.len() as u64) < n {
+        let start = buf.len();
+        let step = (n - start as u64).min(CHUNK.max(start as u64)) as usize;
+        buf.resize(start + step, 0);
+        let got = read_full(r, &mut buf[start..], what);
+        match got {
+            Ok(true) => {}
+            Ok(false) if start == 0 => return Ok(None),
+            Ok(false) => {
+                return Err(Error::format(
+                    what(),
+                    format!("stream truncated: {start} of {n} bytes arrived"),
+                ));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(Some(buf))
+}
+
 impl<R: Read> StreamReader<R> {
     /// Reads and validates the header.
     ///
@@ -260,16 +290,24 @@ impl<R: Read> StreamReader<R> {
                 ),
             ));
         }
+        let info = &self.header.tensors[t];
+        let elements = (info.planes() as u64)
+            .saturating_mul(u64::from(m.tokens))
+            .saturating_mul(u64::from(info.head_dim));
+        h.check_body_bound(elements, &self.limits, &at)?;
         let frame_len = h.frame_len(self.header.align());
-        let mut rest = vec![0u8; (frame_len - FRAME_HEADER_LEN as u64) as usize];
         let at2 = at.clone();
-        if !read_full(&mut self.r, &mut rest, &|| at2.clone())? && !rest.is_empty() {
+        let Some(mut rest) =
+            read_growing(&mut self.r, frame_len - FRAME_HEADER_LEN as u64, &|| {
+                at2.clone()
+            })?
+        else {
             return Err(Error::format_with(
                 FormatCause::Truncated,
                 at,
                 "stream truncated inside the page",
             ));
-        }
+        };
         let stored_len = h.stored_len as usize;
         check_zero_padding(
             &rest[stored_len..],
@@ -298,15 +336,17 @@ impl<R: Read> StreamReader<R> {
         let h = Index::parse_header(&fh, &at, &self.limits)?;
         let align = self.header.align();
         let frame_len = (FRAME_HEADER_LEN as u64 + h.body_len).next_multiple_of(align);
-        let mut rest = vec![0u8; (frame_len - FRAME_HEADER_LEN as u64) as usize];
         let at2 = at.clone();
-        if !read_full(&mut self.r, &mut rest, &|| at2.clone())? && !rest.is_empty() {
+        let Some(rest) = read_growing(&mut self.r, frame_len - FRAME_HEADER_LEN as u64, &|| {
+            at2.clone()
+        })?
+        else {
             return Err(Error::format_with(
                 FormatCause::Truncated,
                 at,
                 "stream truncated inside the index",
             ));
-        }
+        };
         let body_len = h.body_len as usize;
         check_zero_padding(
             &rest[body_len..],

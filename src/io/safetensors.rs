@@ -25,8 +25,9 @@ use std::io::Write;
 
 use safetensors::{Dtype, SafeTensors};
 
-use crate::cache::{DType, Fp8, Fp8Format, Kind, KvCache, Tensor, TensorData, TensorInfo};
+use crate::cache::{DType, Elems, Fp8, Fp8Format, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use crate::error::{Error, Location, Result};
+use crate::view::{CacheView, Strides, TensorView};
 
 /// Metadata key holding the token ids of the cached prefix.
 pub const TOKEN_IDS_KEY: &str = "kvpack.token_ids";
@@ -132,7 +133,28 @@ fn classify(name: &str) -> Result<Name> {
     Ok(Name::Other)
 }
 
-/// Parses a safetensors file's bytes. `source` names the file in messages.
+/// A parsed safetensors KV cache whose elements stay in the input bytes
+/// (e.g. a memory map): nothing is copied.
+#[derive(Debug, Clone)]
+pub struct LoadedView<'a> {
+    /// Views of the K/V tensors (layer-major), metadata and token ids.
+    pub cache: CacheView<'a>,
+    /// `queries.{layer}` tensors, when present (copied, f32).
+    pub queries: Vec<Queries>,
+    /// Names of tensors that were neither K/V nor queries (ignored).
+    pub ignored: Vec<String>,
+}
+
+/// The validated content of a safetensors file, borrowing element bytes.
+struct Parsed<'a> {
+    kv: Vec<(TensorInfo, &'a [u8])>,
+    queries: Vec<Queries>,
+    ignored: Vec<String>,
+    metadata: BTreeMap<String, String>,
+    token_ids: Vec<u32>,
+}
+
+/// Parses a safetensors file's bytes.
 ///
 /// # Errors
 /// [`Error::Format`] (location: the input) for a malformed safetensors
@@ -141,6 +163,69 @@ fn classify(name: &str) -> Result<Name> {
 /// K/V, a scale that is not a positive finite scalar or belongs to no fp8
 /// tensor, bad `kvpack.token_ids`, or no K/V/latent tensors at all.
 pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
+    let p = parse_parts(bytes, source)?;
+    let tensors =
+        p.kv.into_iter()
+            .map(|(info, b)| {
+                let data = TensorData::from_le_bytes(info.dtype, b)?;
+                Tensor::new(info, data)
+            })
+            .collect::<Result<Vec<_>>>()?;
+    Ok(Loaded {
+        cache: KvCache {
+            tensors,
+            metadata: p.metadata,
+            token_ids: p.token_ids,
+        },
+        queries: p.queries,
+        ignored: p.ignored,
+    })
+}
+
+/// Like [`parse`], borrowing the K/V elements from `bytes` instead of
+/// copying them (compressing a memory-mapped file then needs memory for a
+/// few pages, not for the cache).
+///
+/// # Errors
+/// As [`parse`]; [`Error::Unsupported`] when an element array is not
+/// aligned for its type in `bytes` or the machine is big-endian (use
+/// [`parse`] then).
+pub fn parse_view<'a>(bytes: &'a [u8], source: &str) -> Result<LoadedView<'a>> {
+    let p = parse_parts(bytes, source)?;
+    let tensors =
+        p.kv.into_iter()
+            .map(|(info, b)| {
+                let cast = |e: bytemuck::PodCastError| {
+                    Error::Unsupported(format!(
+                        "{}: elements cannot be borrowed ({e:?})",
+                        info.name
+                    ))
+                };
+                if cfg!(target_endian = "big") {
+                    return Err(Error::Unsupported("big-endian host".into()));
+                }
+                let data = match info.dtype {
+                    DType::Bf16 => Elems::Bf16(bytemuck::try_cast_slice(b).map_err(cast)?),
+                    DType::F16 => Elems::F16(bytemuck::try_cast_slice(b).map_err(cast)?),
+                    DType::F32 => Elems::F32(bytemuck::try_cast_slice(b).map_err(cast)?),
+                    DType::Fp8(f) => Elems::Fp8(f, b),
+                };
+                let strides = Strides::head_major(&info);
+                TensorView::new(info, data, strides)
+            })
+            .collect::<Result<Vec<_>>>()?;
+    Ok(LoadedView {
+        cache: CacheView {
+            tensors,
+            metadata: p.metadata,
+            token_ids: p.token_ids,
+        },
+        queries: p.queries,
+        ignored: p.ignored,
+    })
+}
+
+fn parse_parts<'a>(bytes: &'a [u8], source: &str) -> Result<Parsed<'a>> {
     let st = SafeTensors::deserialize(bytes).map_err(|e| {
         Error::format(
             Location::Input(source.to_string()),
@@ -149,7 +234,7 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
     })?;
     let (_, meta) = SafeTensors::read_metadata(bytes)
         .map_err(|e| Error::format(Location::Input(source.to_string()), e.to_string()))?;
-    let mut kv: BTreeMap<(u32, Kind), Tensor> = BTreeMap::new();
+    let mut kv: BTreeMap<(u32, Kind), (TensorInfo, &'a [u8])> = BTreeMap::new();
     let mut scales: BTreeMap<(u32, Kind), (String, f32)> = BTreeMap::new();
     let mut queries = Vec::new();
     let mut ignored = Vec::new();
@@ -184,8 +269,15 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
                         view.shape()
                     )));
                 }
-                let data = TensorData::from_le_bytes(dtype, view.data())?;
-                kv.insert((layer, kind), Tensor::new(info, data)?);
+                let data: &'a [u8] = view.data();
+                if data.len() as u64 != info.elements() * dtype.size() as u64 {
+                    return Err(Error::param(format!(
+                        "tensor {name}: {} bytes for shape {:?}",
+                        data.len(),
+                        view.shape()
+                    )));
+                }
+                kv.insert((layer, kind), (info, data));
             }
             Name::Scale(layer, kind) => {
                 let dtype = dtype_of(view.dtype(), name)?;
@@ -214,19 +306,15 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
                 kind.name()
             ))
         })?;
-        let DType::Fp8(f) = t.info.dtype else {
+        let DType::Fp8(f) = t.0.dtype else {
             return Err(Error::param(format!(
                 "{name}: {} is {}, not fp8; only fp8 tensors carry a scale",
-                t.info.name,
-                t.info.dtype.name()
+                t.0.name,
+                t.0.dtype.name()
             )));
         };
         let f = Fp8::new(f.format(), s).map_err(|e| Error::param(format!("{name}: {e}")))?;
-        t.info.dtype = DType::Fp8(f);
-        let TensorData::Fp8(g, _) = &mut t.data else {
-            unreachable!("fp8 info has fp8 data (Tensor::new)")
-        };
-        *g = f;
+        t.0.dtype = DType::Fp8(f);
     }
     if kv.is_empty() {
         let some: Vec<_> = names.iter().take(5).cloned().collect();
@@ -237,19 +325,19 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
             some.join(", ")
         )));
     }
-    for ((layer, kind), t) in &kv {
+    for ((layer, kind), (a, _)) in &kv {
         let other = match kind {
             Kind::Key => Kind::Value,
             Kind::Value => Kind::Key,
             Kind::Latent => {
-                if let Some(o) = [Kind::Key, Kind::Value]
+                if let Some((o, _)) = [Kind::Key, Kind::Value]
                     .iter()
                     .find_map(|k| kv.get(&(*layer, *k)))
                 {
                     return Err(Error::param(format!(
                         "layer {layer} has both an MLA latent ({}) and {}; a layer holds either \
                          a latent or K and V",
-                        t.info.name, o.info.name
+                        a.name, o.name
                     )));
                 }
                 continue;
@@ -259,12 +347,11 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
             None => {
                 return Err(Error::param(format!(
                     "{} is present but past_key_values.{layer}.{} is missing",
-                    t.info.name,
+                    a.name,
                     other.name()
                 )));
             }
-            Some(o) => {
-                let (a, b) = (&t.info, &o.info);
+            Some((b, _)) => {
                 if (a.batch, a.heads, a.tokens) != (b.batch, b.heads, b.tokens) {
                     return Err(Error::param(format!(
                         "layer {layer}: K and V shapes disagree on batch/kv_heads/tokens: {:?} vs {:?}",
@@ -290,14 +377,12 @@ pub fn parse(bytes: &[u8], source: &str) -> Result<Loaded> {
         None => Vec::new(),
     };
     queries.sort_by_key(|q| q.layer);
-    Ok(Loaded {
-        cache: KvCache {
-            tensors: kv.into_values().collect(),
-            metadata,
-            token_ids,
-        },
+    Ok(Parsed {
+        kv: kv.into_values().collect(),
         queries,
         ignored,
+        metadata,
+        token_ids,
     })
 }
 
@@ -320,45 +405,57 @@ fn st_dtype(d: DType) -> &'static str {
 /// # Errors
 /// [`Error::Io`] when writing fails.
 pub fn write(cache: &KvCache, w: &mut dyn Write) -> Result<()> {
+    let infos: Vec<TensorInfo> = cache.tensors.iter().map(|t| t.info.clone()).collect();
+    write_header(&infos, &cache.metadata, &cache.token_ids, w)?;
+    for t in &cache.tensors {
+        write_tensor(t, w)?;
+    }
+    write_scales(&infos, w)
+}
+
+/// Writes the safetensors header for tensors `infos` (their dtype is the
+/// output dtype) in this order, then the scalar `{name}_scale` of every fp8
+/// tensor; the tensors' bytes follow with [`write_tensor`], so a writer
+/// needs only one tensor in memory at a time, and then the scales with
+/// [`write_scales`].
+///
+/// # Errors
+/// [`Error::Io`] when writing fails.
+pub fn write_header(
+    infos: &[TensorInfo],
+    metadata: &BTreeMap<String, String>,
+    token_ids: &[u32],
+    w: &mut dyn Write,
+) -> Result<()> {
     let mut header = serde_json::Map::new();
-    let mut meta: serde_json::Map<String, serde_json::Value> = cache
-        .metadata
+    let mut meta: serde_json::Map<String, serde_json::Value> = metadata
         .iter()
         .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
         .collect();
-    if !cache.token_ids.is_empty() {
+    if !token_ids.is_empty() {
         meta.insert(
             TOKEN_IDS_KEY.into(),
-            serde_json::Value::String(serde_json::to_string(&cache.token_ids).expect("ints")),
+            serde_json::Value::String(serde_json::to_string(token_ids).expect("ints")),
         );
     }
     if !meta.is_empty() {
         header.insert("__metadata__".into(), serde_json::Value::Object(meta));
     }
     let mut off = 0usize;
-    for t in &cache.tensors {
-        let n = t.data.len() * t.data.dtype().size();
+    for t in infos {
+        let n = t.elements() as usize * t.dtype.size();
         header.insert(
-            t.info.name.clone(),
-            serde_json::json!({"dtype": st_dtype(t.data.dtype()), "shape": t.info.shape(), "data_offsets": [off, off + n]}),
+            t.name.clone(),
+            serde_json::json!({"dtype": st_dtype(t.dtype), "shape": t.shape(), "data_offsets": [off, off + n]}),
         );
         off += n;
     }
-    let scales: Vec<f32> = cache
-        .tensors
-        .iter()
-        .filter_map(|t| t.data.dtype().scale())
-        .collect();
-    for (t, _) in cache
-        .tensors
-        .iter()
-        .filter_map(|t| t.data.dtype().scale().map(|s| (t, s)))
-    {
-        let name = format!("{}{SCALE_SUFFIX}", t.info.name);
+    for t in infos.iter().filter(|t| t.dtype.scale().is_some()) {
+        let name = format!("{}{SCALE_SUFFIX}", t.name);
         if header.contains_key(&name) {
             return Err(Error::param(format!(
                 "cannot write the scale of {} as {name}: a tensor of that name exists",
-                t.info.name
+                t.name
             )));
         }
         header.insert(
@@ -371,15 +468,30 @@ pub fn write(cache: &KvCache, w: &mut dyn Write) -> Result<()> {
     hb.resize(hb.len().next_multiple_of(8), b' ');
     let io = |e| Error::io("writing safetensors", e);
     w.write_all(&(hb.len() as u64).to_le_bytes()).map_err(io)?;
-    w.write_all(&hb).map_err(io)?;
-    for t in &cache.tensors {
-        if cfg!(target_endian = "little") {
-            w.write_all(t.data.as_elems().bytes()).map_err(io)?;
-        } else {
-            w.write_all(&t.data.to_le_bytes()).map_err(io)?;
-        }
+    w.write_all(&hb).map_err(io)
+}
+
+/// Writes one tensor's elements, little-endian (after [`write_header`]).
+///
+/// # Errors
+/// [`Error::Io`] when writing fails.
+pub fn write_tensor(t: &Tensor, w: &mut dyn Write) -> Result<()> {
+    let io = |e| Error::io("writing safetensors", e);
+    if cfg!(target_endian = "little") {
+        w.write_all(t.data.as_elems().bytes()).map_err(io)
+    } else {
+        w.write_all(&t.data.to_le_bytes()).map_err(io)
     }
-    for s in scales {
+}
+
+/// Writes the scales of the fp8 tensors among `infos` (after the last
+/// [`write_tensor`]), in the order [`write_header`] declared them.
+///
+/// # Errors
+/// [`Error::Io`] when writing fails.
+pub fn write_scales(infos: &[TensorInfo], w: &mut dyn Write) -> Result<()> {
+    let io = |e| Error::io("writing safetensors", e);
+    for s in infos.iter().filter_map(|t| t.dtype.scale()) {
         w.write_all(&s.to_le_bytes()).map_err(io)?;
     }
     Ok(())

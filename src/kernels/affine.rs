@@ -45,13 +45,31 @@ pub fn min_max(x: &[f32]) -> Result<(f32, f32)> {
     if super::simd_available() {
         // SAFETY: AVX2 availability checked.
         let (lo, hi, ok) = unsafe { super::x86::min_max(x) };
-        return if ok { Ok((lo, hi)) } else { Err(non_finite()) };
+        return if ok {
+            finite_range(lo, hi)
+        } else {
+            Err(non_finite())
+        };
     }
     min_max_scalar(x)
 }
 
 fn non_finite() -> Error {
     Error::param("non-finite value (NaN or inf) in a row to quantize")
+}
+
+/// `(lo, hi)` when `hi - lo` is finite; an affine code of a row whose range
+/// overflows f32 (values near ±3.4e38 of both signs) would decode to
+/// garbage, so such a row is refused like a non-finite one.
+fn finite_range(lo: f32, hi: f32) -> Result<(f32, f32)> {
+    if (hi - lo).is_finite() {
+        Ok((lo, hi))
+    } else {
+        Err(Error::param(format!(
+            "the row's range {lo:e}..{hi:e} overflows f32; an affine code cannot represent it \
+             (use raw, or a codec with outliers)"
+        )))
+    }
 }
 
 /// Portable reference of [`min_max`].
@@ -87,7 +105,7 @@ pub fn min_max_scalar(x: &[f32]) -> Result<(f32, f32)> {
     if b != 0.0 || b.is_nan() {
         return Err(non_finite());
     }
-    Ok((lo, hi))
+    finite_range(lo, hi)
 }
 
 /// Scale, zero point and reciprocal scale for `levels = 2^b - 1` (module
@@ -168,7 +186,11 @@ pub fn scale_min_max(x: &mut [f32], c: f32) -> Result<(f32, f32)> {
     if super::simd_available() {
         // SAFETY: AVX2 availability checked.
         let (lo, hi, ok) = unsafe { super::x86::scale_min_max(x, c) };
-        return if ok { Ok((lo, hi)) } else { Err(non_finite()) };
+        return if ok {
+            finite_range(lo, hi)
+        } else {
+            Err(non_finite())
+        };
     }
     super::scale(x, c);
     min_max_scalar(x)

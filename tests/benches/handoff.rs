@@ -158,7 +158,8 @@ fn handoff(
     let start = Instant::now();
     let ((t0, recv), (report, sent)) = std::thread::scope(|s| {
         let rx = s.spawn(move || {
-            let (sock, _) = l.accept().unwrap();
+            let (_, sock, _) =
+                kvpack::net::receive(&l, &Default::default(), &Default::default()).unwrap();
             let reader = std::io::BufReader::with_capacity(1 << 20, sock);
             // decode_stream times layers from its own start; t0 maps them
             // onto the sender's clock.

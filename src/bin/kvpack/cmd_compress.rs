@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
-use kvpack::compress::compress;
+use kvpack::compress::compress_view;
 use kvpack::io::{file, safetensors};
 
 use crate::output;
@@ -53,9 +53,25 @@ fn parse_align(s: &str) -> Result<u32, String> {
 
 pub fn run(a: Args) -> Result<u8> {
     let codec = kvpack::codec::parse(&a.codec)?;
-    let input = file::open_input(&a.input)?;
-    let loaded = safetensors::parse(&input, &a.input)?;
-    let cache = loaded.cache;
+    let input = output::open_any(&a.input)?;
+    // Borrow the elements from the input (a memory map for a regular file):
+    // memory stays at a few pages per thread whatever the cache size. An
+    // input whose arrays cannot be borrowed (misaligned) is copied.
+    let owned;
+    let (cache, ignored) = match safetensors::parse_view(&input, &a.input) {
+        Ok(v) => (v.cache, v.ignored),
+        Err(kvpack::Error::Unsupported(_)) => {
+            owned = safetensors::parse(&input, &a.input)?;
+            (owned.cache.view(), owned.ignored.clone())
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let layers = cache
+        .tensors
+        .iter()
+        .map(|t| t.info.layer as usize + 1)
+        .max()
+        .unwrap_or(0);
     let out_name = output::output_name(&a.input, a.output.as_deref(), "kvpack")?;
     let opts = a
         .layout
@@ -64,7 +80,7 @@ pub fn run(a: Args) -> Result<u8> {
     let progress = |n: u64| pb.set_position(n);
     let report = if out_name == "-" {
         let stdout = std::io::stdout();
-        let (mut w, r) = compress(
+        let (mut w, r) = compress_view(
             &cache,
             codec.as_ref(),
             &opts,
@@ -76,7 +92,7 @@ pub fn run(a: Args) -> Result<u8> {
     } else {
         let mut rep = None;
         file::write_atomic(&PathBuf::from(&out_name), a.force, |w| {
-            let (_, r) = compress(&cache, codec.as_ref(), &opts, w, &progress)?;
+            let (_, r) = compress_view(&cache, codec.as_ref(), &opts, w, &progress)?;
             rep = Some(r);
             Ok(())
         })?;
@@ -89,7 +105,7 @@ pub fn run(a: Args) -> Result<u8> {
             "input": a.input,
             "output": out_name,
             "codec": report.codec,
-            "layers": cache.layers(),
+            "layers": layers,
             "tensors": cache.tensors.len(),
             "pages": report.pages,
             "raw_pages": report.raw_pages,
@@ -100,7 +116,7 @@ pub fn run(a: Args) -> Result<u8> {
             "compression_ratio": report.ratio(),
             "seconds": report.seconds,
             "throughput_gb_per_s": gbps,
-            "ignored_tensors": loaded.ignored,
+            "ignored_tensors": ignored,
         });
         output::print_json(&v, out_name == "-");
     } else if !a.quiet {
@@ -118,7 +134,7 @@ pub fn run(a: Args) -> Result<u8> {
             "{} -> {}: {} layers, {} tokens/layer, codec {}, {} pages ({} raw)",
             a.input,
             out_name,
-            cache.layers(),
+            layers,
             if tmin == tmax {
                 tmin.to_string()
             } else {
@@ -137,11 +153,11 @@ pub fn run(a: Args) -> Result<u8> {
             report.seconds,
             gbps
         );
-        if !loaded.ignored.is_empty() {
+        if !ignored.is_empty() {
             eprintln!(
                 "note: {} non-KV tensors not stored (e.g. {})",
-                loaded.ignored.len(),
-                loaded.ignored[0]
+                ignored.len(),
+                ignored[0]
             );
         }
     }

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
+use kvpack::cache::TensorInfo;
 use kvpack::decode::{Archive, DecodeStats, Selection, parse_range};
 use kvpack::io::{file, safetensors};
 use kvpack::{DType, Kind};
@@ -55,26 +56,85 @@ pub fn run(a: Args) -> Result<u8> {
         kind: a.kind.as_deref().map(Kind::parse).transpose()?,
     };
     let dtype = a.dtype.as_deref().map(DType::parse).transpose()?;
-    let input = file::open_input(&a.input)?;
+    let input = output::open_kvpack(&a.input)?;
     let start = Instant::now();
-    let archive = Archive::open(&input)?;
+    let archive = Archive::open_with(&input, output::limits())
+        .map(|a| a.with_private_pages(input.is_mapped()))?;
     let stats = DecodeStats::default();
-    let cache = archive.decode(&sel, dtype, Some(&stats))?;
-    let decode_s = start.elapsed().as_secs_f64();
-    if cache.tensors.is_empty() {
+    // The output tensors, as Archive::decode selects them.
+    let infos: Vec<TensorInfo> = archive
+        .tensors()
+        .into_iter()
+        .filter(|t| {
+            sel.layers.as_ref().is_none_or(|r| r.contains(&t.layer))
+                && sel.kind.is_none_or(|k| k == t.kind)
+        })
+        .map(|t| {
+            let tokens = match &sel.tokens {
+                Some(r) => r.end.min(t.tokens).saturating_sub(r.start.min(t.tokens)),
+                None => t.tokens,
+            };
+            TensorInfo {
+                tokens,
+                // An fp8 output takes its scale from the source tensor.
+                dtype: dtype.map_or(t.dtype, |d| d.for_source(t.dtype)),
+                ..t
+            }
+        })
+        .collect();
+    if infos.is_empty() {
         anyhow::bail!(kvpack::Error::param("the selection matches no tensor"));
     }
     let out_name = output::output_name(&a.input, a.output.as_deref(), "safetensors")?;
+    // Decoded and written a group of layers at a time (about GROUP_BYTES),
+    // so memory stays bounded whatever the cache size.
+    const GROUP_BYTES: u64 = 64 << 20;
+    let mut decode_s = 0.0;
+    let meta = archive.reader().header().metadata.clone();
+    let ids = archive.token_ids().to_vec();
+    let mut emit = |w: &mut dyn Write| -> kvpack::Result<()> {
+        safetensors::write_header(&infos, &meta, &ids, w)?;
+        let mut i = 0;
+        while i < infos.len() {
+            let first = infos[i].layer;
+            let mut j = i;
+            let mut bytes = 0u64;
+            while j < infos.len()
+                && (j == i || infos[j].layer == infos[j - 1].layer || bytes < GROUP_BYTES)
+            {
+                bytes += infos[j].elements() * infos[j].dtype.size() as u64;
+                j += 1;
+            }
+            let last = infos[j - 1].layer;
+            let t0 = Instant::now();
+            let part = archive.decode(
+                &Selection {
+                    layers: Some(first..last + 1),
+                    ..sel.clone()
+                },
+                dtype,
+                Some(&stats),
+            )?;
+            decode_s += t0.elapsed().as_secs_f64();
+            for t in &part.tensors {
+                safetensors::write_tensor(t, w)?;
+            }
+            i = j;
+        }
+        safetensors::write_scales(&infos, w)
+    };
     if out_name == "-" {
         let mut w = std::io::BufWriter::new(std::io::stdout().lock());
-        safetensors::write(&cache, &mut w)?;
+        emit(&mut w)?;
         w.flush().context("writing stdout")?;
     } else {
-        file::write_atomic(&PathBuf::from(&out_name), a.force, |w| {
-            safetensors::write(&cache, w)
-        })?;
+        file::write_atomic(&PathBuf::from(&out_name), a.force, |w| emit(w))?;
     }
-    let out_bytes = cache.source_bytes();
+    let _ = start;
+    let out_bytes: u64 = infos
+        .iter()
+        .map(|t| t.elements() * t.dtype.size() as u64)
+        .sum();
     let pages = stats.pages.load(std::sync::atomic::Ordering::Relaxed);
     let total_pages = archive.reader().index().entries.len();
     if a.json {
@@ -82,8 +142,8 @@ pub fn run(a: Args) -> Result<u8> {
             &serde_json::json!({
                 "input": a.input,
                 "output": out_name,
-                "tensors": cache.tensors.len(),
-                "elements": cache.elements(),
+                "tensors": infos.len(),
+                "elements": infos.iter().map(|t| t.elements()).sum::<u64>(),
                 "output_bytes": out_bytes,
                 "pages_decoded": pages,
                 "pages_total": total_pages,
@@ -98,7 +158,7 @@ pub fn run(a: Args) -> Result<u8> {
             "{} -> {}: {} tensors, {} pages of {} decoded, {} in {:.3} s ({:.2} GB/s decode)",
             a.input,
             out_name,
-            cache.tensors.len(),
+            infos.len(),
             pages,
             total_pages,
             output::bytes(out_bytes),

@@ -4,7 +4,7 @@ use anyhow::Result;
 use clap::Args as ClapArgs;
 use kvpack::eval::evaluate;
 use kvpack::eval::synthetic::{self, Config};
-use kvpack::io::{file, safetensors};
+use kvpack::io::safetensors;
 
 use crate::output;
 
@@ -53,7 +53,7 @@ pub fn run(a: Args) -> Result<u8> {
         return run_synthetic(&a);
     }
     let input = a.input.as_deref().unwrap_or_default();
-    let bytes = file::open_input(input)?;
+    let bytes = crate::output::open_any(input)?;
     let loaded = safetensors::parse(&bytes, input)?;
     let mut rows = Vec::new();
     for name in &a.codec {

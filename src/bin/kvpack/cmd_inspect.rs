@@ -6,7 +6,6 @@ use kvpack::cache::{DType, Kind, TensorInfo};
 use kvpack::codec::registry::FAMILIES;
 use kvpack::decode::Archive;
 use kvpack::format::FLAG_ZSTD;
-use kvpack::io::file;
 use serde_json::json;
 
 use crate::output;
@@ -99,8 +98,9 @@ fn hex(b: &[u8]) -> String {
 }
 
 pub fn run(a: Args) -> Result<u8> {
-    let input = file::open_input(&a.file)?;
-    let ar = Archive::open(&input)?;
+    let input = output::open_kvpack(&a.file)?;
+    let ar = Archive::open_with(&input, output::limits())
+        .map(|a| a.with_private_pages(input.is_mapped()))?;
     let r = ar.reader();
     let h = r.header();
     let idx = r.index();

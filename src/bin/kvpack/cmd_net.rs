@@ -12,6 +12,7 @@ use kvpack::compress::CompressOptions;
 use kvpack::decode::Archive;
 use kvpack::format::{StreamEvent, StreamReader};
 use kvpack::io::{file, safetensors};
+use kvpack::net::{Accept, NetLimits};
 use serde_json::json;
 
 use crate::output;
@@ -34,12 +35,72 @@ pub struct SendArgs {
     pub rate_limit: Option<f64>,
     #[command(flatten)]
     pub layout: output::LayoutArgs,
+    #[command(flatten)]
+    pub net: NetArgs,
     /// Print a JSON report.
     #[arg(long)]
     pub json: bool,
     /// No progress or summary.
     #[arg(long, short = 'q')]
     pub quiet: bool,
+}
+
+/// Timeouts and authentication shared by send and recv.
+#[derive(clap::Args, Debug)]
+pub struct NetArgs {
+    /// Seconds to wait for the connection (send: to connect; recv: for a
+    /// sender, default forever).
+    #[arg(long, value_name = "SECS")]
+    pub connect_timeout: Option<f64>,
+    /// Seconds without progress before giving up (a stalled or trickling
+    /// peer).
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub idle_timeout: f64,
+    /// Seconds for the whole transfer.
+    #[arg(long, value_name = "SECS", default_value_t = 3600.0)]
+    pub total_timeout: f64,
+    /// File holding a shared secret: the stream is authenticated with
+    /// HMAC-SHA256; both sides need the same secret.
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<String>,
+}
+
+impl NetArgs {
+    fn limits(&self, default_connect: Option<f64>, max_bytes: u64) -> Result<NetLimits> {
+        let secs = |v: f64, what: &str| {
+            Duration::try_from_secs_f64(v).map_err(|_| {
+                kvpack::Error::param(format!("--{what} must be a positive number of seconds"))
+            })
+        };
+        Ok(NetLimits {
+            connect: self
+                .connect_timeout
+                .or(default_connect)
+                .map(|v| secs(v, "connect-timeout"))
+                .transpose()?,
+            idle: secs(self.idle_timeout, "idle-timeout")?,
+            total: secs(self.total_timeout, "total-timeout")?,
+            max_bytes,
+        })
+    }
+
+    fn secret(&self) -> Result<Option<Vec<u8>>> {
+        let Some(p) = &self.secret_file else {
+            return Ok(None);
+        };
+        let mut s = std::fs::read(p).map_err(|e| kvpack::Error::io(format!("reading {p}"), e))?;
+        while s.last().is_some_and(|b| b.is_ascii_whitespace()) {
+            s.pop();
+        }
+        if s.len() < 16 {
+            return Err(kvpack::Error::param(format!(
+                "the secret in {p} is {} bytes; use at least 16",
+                s.len()
+            ))
+            .into());
+        }
+        Ok(Some(s))
+    }
 }
 
 /// Receive one stream from `kvpack send` and write it out only once it is
@@ -61,6 +122,14 @@ pub struct RecvArgs {
     /// Overwrite the output if it exists.
     #[arg(long, short = 'f')]
     pub force: bool,
+    /// Refuse a sender whose cache is for another model (kvpack.model).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Most bytes accepted from the sender [default: 64G].
+    #[arg(long, value_name = "BYTES", value_parser = output::parse_size)]
+    pub max_bytes: Option<u64>,
+    #[command(flatten)]
+    pub net: NetArgs,
     /// Print a JSON report.
     #[arg(long)]
     pub json: bool,
@@ -90,7 +159,9 @@ pub struct AppendArgs {
 }
 
 /// Check a prompt cache against a model and prompt: prints how many leading
-/// tokens of the prompt the cache holds (0 when none). Exit 2 when the cache
+/// tokens of the prompt the cache can serve (0 when none). Sliding-window
+/// layers count: once a layer's window rolled, the cache serves its whole
+/// prefix or nothing (--json lists the rolled layers and the reason). Exit 2 when the cache
 /// belongs to another model or records no token ids.
 #[derive(ClapArgs, Debug)]
 pub struct MatchArgs {
@@ -109,18 +180,23 @@ pub struct MatchArgs {
 
 pub fn send(a: SendArgs) -> Result<u8> {
     let codec = kvpack::codec::parse(&a.codec)?;
-    let input = file::open_input(&a.input)?;
+    let input = output::open_any(&a.input)?;
     let cache = safetensors::parse(&input, &a.input)?.cache;
     let opts = a
         .layout
         .options(codec.as_ref(), kvpack::format::DEFAULT_ALIGN_LOG2);
     let pb = output::progress(cache.source_bytes(), "send", a.quiet || a.json);
-    let r = kvpack::transport::send(
+    let net = kvpack::transport::SendOptions {
+        limits: a.net.limits(Some(10.0), u64::MAX)?,
+        secret: a.net.secret()?,
+    };
+    let r = kvpack::transport::send_with(
         &cache,
         codec.as_ref(),
         &opts,
         a.to.as_str(),
         a.rate_limit,
+        &net,
         &|n| pb.set_position(n),
     )?;
     pb.finish_and_clear();
@@ -161,15 +237,24 @@ impl<R: Read, W: Write> Read for Tee<R, W> {
 }
 
 pub fn recv(a: RecvArgs) -> Result<u8> {
+    let out = PathBuf::from(&a.output);
+    // Everything that can fail before a byte arrives fails before listening.
+    file::check_writable(&out, a.force)?;
+    let dtype = a.dtype.as_deref().map(DType::parse).transpose()?;
+    let limits = a
+        .net
+        .limits(None, a.max_bytes.unwrap_or(NetLimits::default().max_bytes))?;
+    let rules = Accept {
+        model: a.model.clone(),
+        secret: a.net.secret()?,
+    };
     let listener = TcpListener::bind(&a.listen)
         .map_err(|e| kvpack::Error::io(format!("listening on {}", a.listen), e))?;
     let local = listener.local_addr()?;
     if !a.quiet {
         eprintln!("listening on {local}");
     }
-    let (stream, peer) = listener
-        .accept()
-        .map_err(|e| kvpack::Error::io("accepting a connection", e))?;
+    let (_hello, stream, peer) = kvpack::net::receive(&listener, &limits, &rules)?;
     let start = Instant::now();
     let reader = std::io::BufReader::with_capacity(1 << 20, stream);
     let quiet = a.quiet || a.json;
@@ -178,14 +263,22 @@ pub fn recv(a: RecvArgs) -> Result<u8> {
             eprintln!("layer {l} complete at {:.1} ms", t.as_secs_f64() * 1e3);
         }
     };
-    let out = PathBuf::from(&a.output);
     let summary = if a.output.ends_with(".kvpack") {
         let mut pages = 0usize;
         let mut bytes = 0u64;
         file::write_atomic(&out, a.force, |w| {
-            let mut sr = StreamReader::new(Tee { r: reader, w })?;
+            let mut sr = StreamReader::with_limits(Tee { r: reader, w }, output::limits())?;
+            let codecs = sr
+                .header()
+                .codecs
+                .iter()
+                .enumerate()
+                .map(|(i, e)| kvpack::codec::from_entry(i, e))
+                .collect::<kvpack::Result<Vec<_>>>()?;
             while let Some(ev) = sr.next_event()? {
                 if let StreamEvent::Page(p) = ev {
+                    // Validated by its codec before the output is committed.
+                    kvpack::stream_decode::check_page(&codecs, sr.header(), &p, &output::limits())?;
                     pages += 1;
                     let t = &sr.header().tensors[p.header.meta.tensor as usize];
                     if p.header.meta.token_start + p.header.meta.tokens == t.tokens
@@ -200,8 +293,12 @@ pub fn recv(a: RecvArgs) -> Result<u8> {
         })?;
         json!({"from": peer.to_string(), "output": a.output, "pages": pages, "bytes": bytes, "seconds": start.elapsed().as_secs_f64()})
     } else {
-        let dtype = a.dtype.as_deref().map(DType::parse).transpose()?;
-        let d = kvpack::stream_decode::decode_stream(reader, dtype, &report_layer)?;
+        let d = kvpack::stream_decode::decode_stream_with(
+            reader,
+            dtype,
+            output::limits(),
+            &report_layer,
+        )?;
         file::write_atomic(&out, a.force, |w| safetensors::write(&d.cache, w))?;
         json!({"from": peer.to_string(), "output": a.output, "pages": d.pages, "bytes": d.bytes,
                "received_seconds": d.received.as_secs_f64(), "decoded_seconds": d.decoded.as_secs_f64(),
@@ -222,7 +319,7 @@ pub fn recv(a: RecvArgs) -> Result<u8> {
 }
 
 pub fn append(a: AppendArgs) -> Result<u8> {
-    let more = file::open_input(&a.more)?;
+    let more = output::open_any(&a.more)?;
     let longer = safetensors::parse(&more, &a.more)?.cache;
     let pb = output::progress(longer.source_bytes(), "append", a.quiet || a.json);
     let r = file::append_file(
@@ -268,16 +365,23 @@ pub fn matching(a: MatchArgs) -> Result<u8> {
     let prompt: Vec<u32> = serde_json::from_str(&text).map_err(|e| {
         kvpack::Error::param(format!("--tokens must be a JSON list of token ids: {e}"))
     })?;
-    let input = file::open_input(&a.cache)?;
-    let ar = Archive::open(&input)?;
-    let n = ar.matching_prefix(&a.model, &prompt)?;
+    let input = output::open_kvpack(&a.cache)?;
+    let ar = Archive::open_with(&input, output::limits())
+        .map(|a| a.with_private_pages(input.is_mapped()))?;
+    let m = kvpack::prompt::match_prefix(&ar, &a.model, &prompt)?;
     if a.json {
         output::print_json(
-            &json!({"cache": a.cache, "model": a.model, "cached_tokens": ar.token_ids().len(), "prompt_tokens": prompt.len(), "matching_prefix": n}),
+            &json!({"cache": a.cache, "model": a.model, "cached_tokens": m.cached, "prompt_tokens": prompt.len(),
+                    "matching_prefix": m.matching, "usable_prefix": m.usable,
+                    "rolled_layers": m.rolled.iter().map(|r| json!({"layer": r.layer, "holds": [r.first, r.end]})).collect::<Vec<_>>(),
+                    "reason": m.reason}),
             false,
         );
     } else {
-        println!("{n}");
+        if let Some(r) = &m.reason {
+            eprintln!("note: {r}");
+        }
+        println!("{}", m.usable);
     }
     Ok(crate::EXIT_OK)
 }

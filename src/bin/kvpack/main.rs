@@ -47,6 +47,11 @@ struct Cli {
     /// Worker threads (default: all cores).
     #[arg(long, global = true, value_name = "N")]
     threads: Option<usize>,
+    /// Most memory one decode may allocate for its output, and most bytes
+    /// read from a pipe: e.g. 512M, 8G, 64G [default: 8G]. Inputs that
+    /// declare more are refused before anything is allocated.
+    #[arg(long, global = true, value_name = "BYTES", value_parser = output::parse_size)]
+    max_memory: Option<u64>,
     #[command(subcommand)]
     command: Command,
 }
@@ -94,6 +99,8 @@ fn main() -> ExitCode {
         eprintln!("kvpack: cannot start {n} threads: {e}");
         return ExitCode::from(EXIT_IO);
     }
+    output::set_limits(cli.max_memory);
+    output::install_signal_handlers();
     let r = match cli.command {
         Command::Compress(a) => cmd_compress::run(a),
         Command::Decompress(a) => cmd_decompress::run(a),

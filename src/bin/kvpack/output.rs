@@ -6,9 +6,63 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvpack::Error;
 use kvpack::codec::Codec;
 use kvpack::compress::CompressOptions;
+use kvpack::format::Limits;
+use kvpack::io::file;
 use kvpack::plan::Layout;
 
 use crate::{EXIT_BAD_INPUT, EXIT_DEVICE, EXIT_IO};
+
+static LIMITS: std::sync::OnceLock<Limits> = std::sync::OnceLock::new();
+
+/// Sets the reader limits of this run (`--max-memory`) and the codebook
+/// budget that follows from them.
+pub fn set_limits(max_memory: Option<u64>) {
+    let mut l = Limits::default();
+    if let Some(m) = max_memory {
+        l.max_memory = m;
+    }
+    kvpack::codec::set_codebook_budget(l.max_codebook_bytes);
+    let _ = LIMITS.set(l);
+}
+
+/// The reader limits of this run.
+pub fn limits() -> Limits {
+    LIMITS.get().copied().unwrap_or_default()
+}
+
+/// Opens a .kvpack input (`-` for stdin): magic checked first, at most
+/// `--max-memory` bytes from a pipe.
+pub fn open_kvpack(path: &str) -> Result<file::InputBytes, Error> {
+    file::open_input_with(path, file::InputRules::kvpack(limits().max_memory))
+}
+
+/// Opens a safetensors input (`-` for stdin), at most `--max-memory` bytes
+/// from a pipe.
+pub fn open_any(path: &str) -> Result<file::InputBytes, Error> {
+    file::open_input_with(path, file::InputRules::any(limits().max_memory))
+}
+
+/// Parses a byte count: `4096`, `512K`, `64M`, `8G`, `1T` (powers of 1024;
+/// an optional trailing `B` or `iB` is accepted).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let t = t
+        .strip_suffix("iB")
+        .or_else(|| t.strip_suffix('B'))
+        .unwrap_or(t);
+    let (num, shift) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 30),
+        Some('T' | 't') => (&t[..t.len() - 1], 40),
+        _ => (t, 0),
+    };
+    num.trim()
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1u64 << shift))
+        .ok_or_else(|| format!("{s:?} is not a size like 512M, 8G or 4096"))
+}
 
 /// Maps an error to the documented exit status: 3 for an operating-system
 /// failure other than a missing file, 4 for a device failure, 2 otherwise.
@@ -113,6 +167,12 @@ pub fn print_json(v: &serde_json::Value, data_on_stdout: bool) {
     } else {
         println!("{s}");
     }
+}
+
+/// Installs the CLI's signal handlers (temporary outputs removed on
+/// SIGINT/SIGTERM/SIGHUP; a truncated mapped input is an I/O error).
+pub fn install_signal_handlers() {
+    file::install_cleanup_handlers();
 }
 
 #[cfg(test)]

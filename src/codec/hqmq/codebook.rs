@@ -4,6 +4,7 @@
 //! appendix D; format/codecs/hqmq.md "Codebooks").
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::cache::Kind;
@@ -75,12 +76,41 @@ impl Codebook {
     }
 }
 
+/// Bytes of codebooks cached by every [`Cache`] of the process.
+static CACHED_BYTES: AtomicU64 = AtomicU64::new(0);
+/// Budget for [`CACHED_BYTES`] (see [`crate::codec::set_codebook_budget`]).
+static BUDGET_BYTES: AtomicU64 = AtomicU64::new(512 << 20);
+
+/// Sets the process-wide codebook cache budget, bytes.
+pub fn set_budget(bytes: u64) {
+    BUDGET_BYTES.store(bytes, Ordering::Relaxed);
+}
+
+impl Codebook {
+    /// Heap bytes held by the codebook.
+    pub fn heap_bytes(&self) -> u64 {
+        let quat = std::mem::size_of::<Quat>() as u64;
+        let s = self.secondary.len() as u64;
+        s * quat + self.joint.len() as u64 * quat + 4 * 4 * s + 4 * s
+    }
+}
+
 /// Codebooks built so far, keyed by `(layer, head, kind)`. Codebooks are a
 /// pure function of the codec parameters and the key, so caching them in
 /// an otherwise immutable codec is invisible to callers.
+/// Bounded twice: at most [`MAX_CACHED`] entries per cache, and all caches
+/// of the process together within the budget of [`set_budget`]; past the
+/// budget a codebook is built for the page at hand and not kept.
 #[derive(Default)]
 pub struct Cache {
     map: RwLock<HashMap<(u32, u32, u8), Arc<Codebook>>>,
+    bytes: AtomicU64,
+}
+
+impl Drop for Cache {
+    fn drop(&mut self) {
+        CACHED_BYTES.fetch_sub(*self.bytes.get_mut(), Ordering::Relaxed);
+    }
 }
 
 /// Entries kept before the cache is cleared (bounds memory on models with
@@ -95,11 +125,24 @@ impl Cache {
             return c.clone();
         }
         let built = Arc::new(Codebook::new(secondaries(seed, layer, head, kind, s)));
+        let size = built.heap_bytes();
         let mut map = self.map.write().unwrap_or_else(|e| e.into_inner());
-        if map.len() >= MAX_CACHED {
-            map.clear();
+        if let Some(c) = map.get(&key) {
+            return c.clone();
         }
-        map.entry(key).or_insert(built).clone()
+        let budget = BUDGET_BYTES.load(Ordering::Relaxed);
+        if map.len() >= MAX_CACHED || CACHED_BYTES.load(Ordering::Relaxed) + size > budget {
+            map.clear();
+            let mine = self.bytes.swap(0, Ordering::Relaxed);
+            CACHED_BYTES.fetch_sub(mine, Ordering::Relaxed);
+        }
+        if CACHED_BYTES.load(Ordering::Relaxed) + size > budget {
+            return built;
+        }
+        CACHED_BYTES.fetch_add(size, Ordering::Relaxed);
+        self.bytes.fetch_add(size, Ordering::Relaxed);
+        map.insert(key, built.clone());
+        built
     }
 }
 
@@ -128,6 +171,22 @@ mod tests {
         }
         // A prefix of a larger codebook is the smaller codebook.
         assert_eq!(secondaries(0, 3, 1, Kind::Key, 9)[..4], base[..]);
+    }
+
+    /// Issue 12: 24 hqmq slots of S = 65536 over 64 heads cached 1536
+    /// codebooks of 28 MB each (43 GB); past the process budget a
+    /// codebook is built and used but not kept.
+    #[test]
+    fn cache_respects_the_process_budget() {
+        let c = Cache::default();
+        set_budget(0);
+        let a = c.get(1, 8, 0, 0, Kind::Key);
+        assert_eq!(c.map.read().unwrap().len(), 0);
+        set_budget(512 << 20);
+        let b = c.get(1, 8, 0, 0, Kind::Key);
+        assert_eq!(c.map.read().unwrap().len(), 1);
+        assert_eq!(*a, *b);
+        assert_eq!(c.bytes.load(Ordering::Relaxed), b.heap_bytes());
     }
 
     #[test]
