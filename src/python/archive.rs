@@ -78,7 +78,15 @@ impl Archive {
             InputBytes::Owned(t.host_bytes("source")?.to_vec())
         };
         let cell = py
-            .detach(|| Cell::try_new(bytes, |b| Inner::open(b)))
+            .detach(|| {
+                // A mapped file may be changed by another process while we
+                // read it: pages are checked and decoded from private
+                // copies (the CLI's concurrency contract, SPEC section 10).
+                let mapped = bytes.is_mapped();
+                Cell::try_new(bytes, |b| {
+                    Inner::open(b).map(|a| a.with_private_pages(mapped))
+                })
+            })
             .py_err()?;
         Ok(Archive { cell })
     }
