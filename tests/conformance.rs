@@ -616,3 +616,95 @@ fn gpu_decode_matches_cpu_for_every_example() {
         eprintln!("{} vs cpu:\n  {}", dev.name(), rows.join("\n  "));
     }
 }
+
+/// The GPU staging reads pages through the codecs' own page layouts, so
+/// every device rejects what the CPU decoder rejects: each structural
+/// mutation of each section of every example (an extra section among them)
+/// is refused with a `FormatCause::Codec` error by the CPU device, by the
+/// SIMT emulator (under `KVPACK_GPU_EMU=1` with `--features cuda`) and by
+/// CUDA device 0 when present, before any kernel runs.
+#[test]
+fn every_device_rejects_structurally_tampered_pages() {
+    use kvpack::gpu::{Device, HostLayout, OutType};
+    let mut devices = vec![Device::Cpu];
+    match Device::cuda(0) {
+        Ok(d) => devices.push(d),
+        Err(e) => eprintln!("skipping CUDA: {e}"),
+    }
+    if std::env::var("KVPACK_GPU_EMU").is_ok_and(|x| x == "1") {
+        devices
+            .push(Device::emulated().expect("the SIMT emulator (needs g++ and --features cuda)"));
+    } else {
+        eprintln!("skipping the emulator: set KVPACK_GPU_EMU=1");
+    }
+    let cache = tiny();
+    let mut failures = Vec::new();
+    let mut counts = vec![0usize; devices.len()];
+    for (_, e) in examples() {
+        let clean = kvpack::codec::parse(e.name).unwrap();
+        let file = try_compress(&cache, clean.as_ref(), TINY_PAGES, None).unwrap();
+        let ar = Archive::open(&file).unwrap();
+        let mut targets = Vec::new();
+        for p in 0..ar.reader().index().entries.len() {
+            for d in ar.reader().page(p).unwrap().sections() {
+                if !targets.contains(&(d.kind, d.stream)) {
+                    targets.push((d.kind, d.stream));
+                }
+            }
+        }
+        for &target in &targets {
+            for mutation in Mutation::ALL.into_iter().filter(|m| m.structural()) {
+                let codec = Tamper {
+                    inner: kvpack::codec::parse(e.name).unwrap(),
+                    target,
+                    mutation,
+                };
+                let what = format!(
+                    "{} section {} stream {} {mutation:?}",
+                    e.name,
+                    target.0.name(),
+                    target.1
+                );
+                let Ok(file) = try_compress(&cache, &codec, TINY_PAGES, Some(3)) else {
+                    continue; // the tampering run reports writer refusals
+                };
+                let ar = Archive::open(&file).unwrap();
+                for (t, info) in ar.tensors().iter().enumerate() {
+                    let layout = HostLayout::Contiguous {
+                        first_token: 0,
+                        tokens: info.tokens,
+                    };
+                    // Only the tensors the CPU decoder refuses: the others
+                    // hold no tampered page.
+                    let cpu = Device::Cpu.decode_tensor(&ar, t, OutType::Bf16, &layout);
+                    if cpu.is_ok() {
+                        continue;
+                    }
+                    for (k, dev) in devices.iter().enumerate() {
+                        match dev.decode_tensor(&ar, t, OutType::Bf16, &layout) {
+                            Err(err) if err.format_cause() == Some(FormatCause::Codec) => {
+                                counts[k] += 1;
+                            }
+                            Err(err) => failures.push(format!(
+                                "{what}, tensor {t} on {}: not a codec format error: {err}",
+                                dev.name()
+                            )),
+                            Ok(_) => failures
+                                .push(format!("{what}, tensor {t} on {}: accepted", dev.name())),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (dev, n) in devices.iter().zip(&counts) {
+        eprintln!("{}: {n} tampered tensors rejected", dev.name());
+    }
+    assert!(counts[0] > 0, "no tampered tensor was tried");
+    assert!(
+        failures.is_empty(),
+        "{} tampered tensors not rejected like the CPU:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}

@@ -201,7 +201,7 @@ fn plan_hqmq(
     let nc = d / 4;
     let rb = (BLOCK / nc.max(1)).max(1);
     let groups = Groups::new(u64::from(o), u32::from(g)).expect("checked grouping");
-    let side = place(&super::side::hqmq_encode_table(codec, info, s))?;
+    let side = place(&super::side::hqmq_encode_table(codec, info, s)?)?;
     let mut p = empty();
     let mut chunks = 0u64;
     let mut scratch_at = Vec::new();

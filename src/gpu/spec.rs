@@ -10,7 +10,7 @@
 use bytemuck::{Pod, Zeroable};
 
 use crate::cache::{DType, TensorInfo};
-use crate::codec::{self, Codec, expect_section};
+use crate::codec::{self, Codec};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, SectionKind};
 
@@ -96,9 +96,6 @@ pub enum KernelCodec {
         group: u16,
         /// Groups run along tokens (K of `kivi`), else along channels.
         tokens: bool,
-        /// The page has exactly these three sections (value groups of
-        /// `octopus` / `turbo`; `kivi` itself tolerates others).
-        exact: bool,
     },
     /// `innerq` pages.
     InnerQ {
@@ -159,18 +156,18 @@ impl KernelCodec {
     /// # Errors
     /// [`Error::Unsupported`] for a codec that has no GPU kernels yet.
     pub fn of(codec: &dyn Codec, tensor: &TensorInfo) -> Result<KernelCodec> {
-        let p = codec.params();
         match codec.id() {
             codec::raw::ID => Ok(KernelCodec::Raw { src: tensor.dtype }),
-            codec::affine::INT_ID if p.len() == 4 => Ok(KernelCodec::Affine {
-                bits: p[0],
+            codec::affine::INT_ID => Ok(KernelCodec::Affine {
+                bits: codec::affine::int_params(&codec.params())?.bits,
                 block: None,
             }),
-            codec::affine::BDR_ID if p.len() == 8 => {
-                let h = u32::from(u16::from_le_bytes([p[0], p[1]]));
-                let keys_only = p[3] & 1 == 1;
-                let rotated = !(keys_only && tensor.kind == crate::cache::Kind::Value);
-                if rotated && !tensor.head_dim.is_multiple_of(h) {
+            codec::affine::BDR_ID => {
+                let c = codec::affine::bdr_params(&codec.params())?;
+                let block = c.block_for(tensor.kind).map(|b| b as u32);
+                if let Some(h) = block
+                    && !tensor.head_dim.is_multiple_of(h)
+                {
                     return Err(Error::param(format!(
                         "{}: head_dim {} is not a multiple of the bdr block {h}",
                         tensor.describe(),
@@ -178,8 +175,8 @@ impl KernelCodec {
                     )));
                 }
                 Ok(KernelCodec::Affine {
-                    bits: p[2],
-                    block: rotated.then_some(h),
+                    bits: c.bits,
+                    block,
                 })
             }
             _ => super::codecs::of(codec, tensor),
@@ -657,49 +654,7 @@ pub fn page_sections(
     page: &PageView<'_>,
     tensor: &TensorInfo,
 ) -> Result<([u32; 5], u32)> {
-    let rows = tensor.planes() * page.header.meta.tokens as usize;
-    let d = tensor.head_dim as usize;
-    let offset = |kind: SectionKind| {
-        page.sections()
-            .iter()
-            .find(|s| s.kind == kind && s.stream == 0)
-            .map(|s| s.offset)
-            .expect("section checked by expect_section")
-    };
-    match kc {
-        KernelCodec::Raw { src } => {
-            expect_section(
-                page,
-                SectionKind::Raw,
-                0,
-                ElemType::from_dtype(src),
-                rows * d,
-            )?;
-            Ok(([offset(SectionKind::Raw), 0, 0, 0, 0], 0))
-        }
-        KernelCodec::Affine { bits, .. } => {
-            expect_section(page, SectionKind::Scale, 0, ElemType::F32, rows)?;
-            expect_section(page, SectionKind::Zero, 0, ElemType::F32, rows)?;
-            expect_section(
-                page,
-                SectionKind::Index,
-                0,
-                ElemType::Packed(bits),
-                rows * d,
-            )?;
-            Ok((
-                [
-                    offset(SectionKind::Scale),
-                    offset(SectionKind::Zero),
-                    offset(SectionKind::Index),
-                    0,
-                    0,
-                ],
-                0,
-            ))
-        }
-        _ => super::codecs::sections(kc, page, tensor),
-    }
+    super::codecs::sections(kc, page, tensor)
 }
 
 /// Bytes of a page's sections (what a decode kernel reads of it).
