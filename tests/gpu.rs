@@ -1285,7 +1285,7 @@ fn every_launched_kernel_is_defined_in_the_sources() {
                 .map(|n| (s.name.to_string(), n))
         })
         .collect();
-    for (src, name) in kvpack::gpu::spec::all_kernel_names() {
+    for (src, name) in kvpack::gpu::all_kernel_names() {
         assert!(
             defined.iter().any(|(s, n)| s == src && *n == name),
             "kernel {name} is not defined in {src}.cu"

@@ -26,7 +26,8 @@ use crate::format::{PageView, SectionKind};
 use crate::kernels::radix::Groups;
 
 use super::spec::{
-    BLOCK, Grid, HQ_ITEM, KernelChoice, KernelCodec, OutType, UNITS_PER_THREAD, magic,
+    BLOCK, DEC_UNITS_W32, Grid, HQ_ITEM, KernelChoice, KernelCodec, MAX_SHUFFLE_BLOCK, OutType,
+    SEG_MAX, UNITS_PER_THREAD, W8, magic, narrow, src_suffix,
 };
 
 /// Units (8 channels) per thread of the fast kivi / innerq kernels
@@ -68,83 +69,108 @@ fn bad_params(codec: &dyn Codec) -> Error {
     ))
 }
 
-/// The kernel family of pages of `t` encoded by `codec`, for the codecs of
-/// this module.
-///
-/// # Errors
-/// [`Error::Unsupported`] for a codec without GPU kernels;
-/// [`Error::Parameter`] for a parameter block that does not parse.
-pub fn of(codec: &dyn Codec, t: &TensorInfo) -> Result<KernelCodec> {
-    let p = codec.params();
-    let key = t.kind == Kind::Key;
-    match codec.id() {
-        codec::hqmq::ID => {
-            let h = Hqmq::from_params(&p)?;
-            let (e, o) = codec::hqmq::symbol_split(h.secondaries, h.radius_bits);
-            Ok(KernelCodec::Hqmq {
-                s: h.secondaries,
-                b: h.radius_bits,
-                e: e as u8,
-                g: h.groups.digits as u8,
-                w: h.groups.bits as u8,
-                o: u32::try_from(o).map_err(|_| bad_params(codec))?,
-                med: h.outlier_multiplier.is_some(),
-            })
-        }
-        codec::octopus::ID | codec::turbo::ID => {
-            let (a, b, _, opts, _) = sphere::read_header(&p)?;
-            if let (false, Values::Groups { bits, group }) =
-                (sphere::unit_coded(&opts, t.kind), opts.values)
-            {
-                return Ok(KernelCodec::Kivi {
-                    bits,
-                    group,
-                    tokens: false,
-                });
+impl KernelCodec {
+    /// The kernel family of pages of `t` encoded by `codec`, from the
+    /// codec's own parameter parser.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a codec without GPU kernels;
+    /// [`Error::Parameter`] for a parameter block that does not parse or a
+    /// bdr block that does not divide head_dim.
+    pub fn of(codec: &dyn Codec, t: &TensorInfo) -> Result<KernelCodec> {
+        let p = codec.params();
+        let key = t.kind == Kind::Key;
+        match codec.id() {
+            codec::raw::ID => Ok(KernelCodec::Raw { src: t.dtype }),
+            codec::affine::INT_ID => Ok(KernelCodec::Affine {
+                bits: codec::affine::int_params(&p)?.bits,
+                block: None,
+            }),
+            codec::affine::BDR_ID => {
+                let c = codec::affine::bdr_params(&p)?;
+                let block = c.block_for(t.kind).map(|b| b as u32);
+                if let Some(h) = block
+                    && !t.head_dim.is_multiple_of(h)
+                {
+                    return Err(Error::param(format!(
+                        "{}: head_dim {} is not a multiple of the bdr block {h}",
+                        t.describe(),
+                        t.head_dim
+                    )));
+                }
+                Ok(KernelCodec::Affine {
+                    bits: c.bits,
+                    block,
+                })
             }
-            let octopus = codec.id() == codec::octopus::ID;
-            Ok(KernelCodec::Sphere {
-                octopus,
-                a,
-                b: if octopus { b } else { 0 },
-                qjl: opts.qjl && key,
-            })
+            codec::hqmq::ID => {
+                let h = Hqmq::from_params(&p)?;
+                let (e, o) = codec::hqmq::symbol_split(h.secondaries, h.radius_bits);
+                Ok(KernelCodec::Hqmq {
+                    s: h.secondaries,
+                    b: h.radius_bits,
+                    e: e as u8,
+                    g: h.groups.digits as u8,
+                    w: h.groups.bits as u8,
+                    o: u32::try_from(o).map_err(|_| bad_params(codec))?,
+                    med: h.outlier_multiplier.is_some(),
+                })
+            }
+            codec::octopus::ID | codec::turbo::ID => {
+                let (a, b, _, opts, _) = sphere::read_header(&p)?;
+                if let (false, Values::Groups { bits, group }) =
+                    (sphere::unit_coded(&opts, t.kind), opts.values)
+                {
+                    return Ok(KernelCodec::Kivi {
+                        bits,
+                        group,
+                        tokens: false,
+                    });
+                }
+                let octopus = codec.id() == codec::octopus::ID;
+                Ok(KernelCodec::Sphere {
+                    octopus,
+                    a,
+                    b: if octopus { b } else { 0 },
+                    qjl: opts.qjl && key,
+                })
+            }
+            codec::polar::ID => {
+                let c = Polar::from_params(&p)?;
+                Ok(match (key, c.values) {
+                    (true, _) => KernelCodec::Polar {
+                        m: c.angle_bits,
+                        n: c.radius_bits,
+                        adjacent: c.pairing == Pairing::Adjacent,
+                    },
+                    (false, PolarValues::Raw) => KernelCodec::Raw { src: t.dtype },
+                    (false, PolarValues::Int(bits)) => KernelCodec::Affine { bits, block: None },
+                })
+            }
+            codec::innerq::ID => {
+                let c = InnerQ::from_params(&p)?;
+                Ok(KernelCodec::InnerQ {
+                    bits: c.bits_for(t.kind),
+                    mode: c.mode.code(),
+                    group: c.group,
+                    tokens: !key,
+                    norm: key && c.normalize,
+                })
+            }
+            codec::kivi::ID => {
+                let c = Kivi::from_params(&p)?;
+                Ok(KernelCodec::Kivi {
+                    bits: c.bits,
+                    group: c.group,
+                    tokens: key,
+                })
+            }
+            _ => Err(Error::Unsupported(format!(
+                "no GPU kernels for codec {} (id {}) yet; decode it on the CPU",
+                codec.name(),
+                codec.id()
+            ))),
         }
-        codec::polar::ID => {
-            let c = Polar::from_params(&p)?;
-            Ok(match (key, c.values) {
-                (true, _) => KernelCodec::Polar {
-                    m: c.angle_bits,
-                    n: c.radius_bits,
-                    adjacent: c.pairing == Pairing::Adjacent,
-                },
-                (false, PolarValues::Raw) => KernelCodec::Raw { src: t.dtype },
-                (false, PolarValues::Int(bits)) => KernelCodec::Affine { bits, block: None },
-            })
-        }
-        codec::innerq::ID => {
-            let c = InnerQ::from_params(&p)?;
-            Ok(KernelCodec::InnerQ {
-                bits: c.bits_for(t.kind),
-                mode: c.mode.code(),
-                group: c.group,
-                tokens: !key,
-                norm: key && c.normalize,
-            })
-        }
-        codec::kivi::ID => {
-            let c = Kivi::from_params(&p)?;
-            Ok(KernelCodec::Kivi {
-                bits: c.bits,
-                group: c.group,
-                tokens: key,
-            })
-        }
-        _ => Err(Error::Unsupported(format!(
-            "no GPU kernels for codec {} (id {}) yet; decode it on the CPU",
-            codec.name(),
-            codec.id()
-        ))),
     }
 }
 
@@ -184,7 +210,11 @@ fn offset(page: &PageView<'_>, kind: SectionKind, stream: u8) -> u32 {
 /// # Errors
 /// [`Error::Format`] naming the page when a section is missing, extra, has
 /// the wrong type or count, or content the CPU decoder rejects.
-pub fn sections(kc: KernelCodec, page: &PageView<'_>, t: &TensorInfo) -> Result<([u32; 5], u32)> {
+pub fn page_sections(
+    kc: KernelCodec,
+    page: &PageView<'_>,
+    t: &TensorInfo,
+) -> Result<([u32; 5], u32)> {
     let planes = t.planes();
     let tokens = page.header.meta.tokens as usize;
     let rows = planes * tokens;
@@ -374,11 +404,13 @@ fn chunked(
     }
 }
 
-/// The decode kernel for pages of a codec of this module.
+/// The decode kernel for pages of one kernel family, head_dim and output
+/// type.
 ///
 /// # Errors
-/// [`Error::Unsupported`] for shapes no kernel handles (hqmq head_dim above
-/// 8192, octopus / turbo head_dim above 4096).
+/// [`Error::Unsupported`] for shapes no kernel handles (`int`/`bdr`
+/// head_dim above [`SEG_MAX`], hqmq head_dim above 8192, octopus / turbo
+/// head_dim above 4096).
 pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<KernelChoice> {
     let o = out.suffix();
     let d8 = head_dim.is_multiple_of(8);
@@ -497,15 +529,68 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
                 shared: if smem { bytes as u32 } else { 0 },
             })
         }
-        KernelCodec::Raw { .. } | KernelCodec::Affine { .. } => {
-            unreachable!("raw and affine kernels are chosen in spec")
+        KernelCodec::Raw { src } => Ok(if head_dim.is_multiple_of(8) {
+            KernelChoice {
+                source: "raw",
+                name: format!("decode_raw_{}_{o}", src_suffix(src)),
+                grid: W8,
+                shared: 0,
+            }
+        } else {
+            KernelChoice {
+                source: "raw",
+                name: format!("decode_raw_any_{o}"),
+                grid: Grid::Elements,
+                shared: 0,
+            }
+        }),
+        KernelCodec::Affine { bits, block } => {
+            if head_dim > SEG_MAX {
+                return Err(Error::Unsupported(format!(
+                    "GPU int/bdr kernels handle head_dim up to {SEG_MAX}, not {head_dim}"
+                )));
+            }
+            let h = block.unwrap_or(0);
+            let w8 = head_dim.is_multiple_of(8) && h <= MAX_SHUFFLE_BLOCK;
+            let w32 = head_dim.is_multiple_of(32) && (head_dim / 32).is_power_of_two();
+            if w32 && !(w8 && narrow()) {
+                // A block spanning the whole row (bdr{head_dim}) has its own
+                // kernel with every butterfly stage unconditional.
+                let kind = if h == head_dim { "rowrot_" } else { "" };
+                Ok(KernelChoice {
+                    source: "affine",
+                    name: format!("decode_affine_{kind}b{bits}_{o}"),
+                    grid: Grid::Units {
+                        w: 32,
+                        per_thread: DEC_UNITS_W32,
+                    },
+                    shared: 0,
+                })
+            } else if w8 {
+                Ok(KernelChoice {
+                    source: "affine",
+                    name: format!("decode_affine_w8_b{bits}_{o}"),
+                    grid: W8,
+                    shared: 0,
+                })
+            } else {
+                let seg = if h > 1 { h } else { head_dim };
+                Ok(KernelChoice {
+                    source: "affine",
+                    name: format!("decode_affine_any_{o}"),
+                    grid: Grid::Segments { seg },
+                    shared: 0,
+                })
+            }
         }
     }
 }
 
-/// Upper bound of the canonical body of a page (the exact length where
-/// it does not depend on the data).
-pub fn body_len_bound(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
+/// Length of the canonical body (format/SPEC.md 6.2) of a page of `rows`
+/// rows (`tokens` per plane) of `d` channels for a kernel family: what the
+/// CPU encoders write (an upper bound where the body depends on the data),
+/// used to size staging for zstd pages before they are decompressed.
+pub fn canonical_body_len(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
     let a = |x: u64| x.next_multiple_of(64);
     let planes = rows.checked_div(tokens).unwrap_or(0);
     let packed = |n: u64, bits: u64| (n * bits).div_ceil(8);
@@ -555,14 +640,16 @@ pub fn body_len_bound(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
             };
             64 + a(2 * rows) + a(packed(n, u64::from(e))) + digits + table
         }
-        KernelCodec::Raw { .. } | KernelCodec::Affine { .. } => {
-            unreachable!("raw and affine bodies are sized in spec")
+        KernelCodec::Raw { src } => 64 + a(rows * d * src.size() as u64),
+        KernelCodec::Affine { bits, .. } => {
+            64 + 2 * a(4 * rows) + a(packed(rows * d, u64::from(bits)))
         }
     }
 }
 
-/// Every kernel name [`decode_kernel`] and the hqmq encoder can ask for.
-pub fn all_kernel_names() -> Vec<(&'static str, String)> {
+/// Every kernel name [`decode_kernel`] asks for with the VQ and group
+/// families, and the hqmq encoder's.
+pub(crate) fn vq_kernel_names() -> Vec<(&'static str, String)> {
     let mut v = Vec::new();
     for out in [OutType::Bf16, OutType::F16] {
         let o = out.suffix();
@@ -618,7 +705,9 @@ mod tests {
             tokens: 10,
             head_dim: 128,
         };
-        let kc = |name: &str, kind| of(codec::parse(name).unwrap().as_ref(), &t(kind)).unwrap();
+        let kc = |name: &str, kind| {
+            KernelCodec::of(codec::parse(name).unwrap().as_ref(), &t(kind)).unwrap()
+        };
         assert_eq!(
             kc("hqmq:s96r4", Kind::Key),
             KernelCodec::Hqmq {
@@ -693,7 +782,7 @@ mod tests {
 
     #[test]
     fn kernel_names_exist_for_every_family() {
-        let names = all_kernel_names();
+        let names = vq_kernel_names();
         for (kc, d) in [
             (
                 KernelCodec::Hqmq {
@@ -731,5 +820,48 @@ mod tests {
                 "{k:?}"
             );
         }
+    }
+
+    #[test]
+    fn kernel_choice() {
+        let bdr = |h| KernelCodec::Affine {
+            bits: 4,
+            block: Some(h),
+        };
+        assert_eq!(
+            decode_kernel(bdr(128), 128, OutType::Bf16).unwrap().name,
+            "decode_affine_rowrot_b4_bf16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(64), 128, OutType::Bf16).unwrap().name,
+            "decode_affine_b4_bf16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(512), 512, OutType::F16).unwrap().grid,
+            Grid::Units {
+                w: 32,
+                per_thread: DEC_UNITS_W32
+            }
+        );
+        assert_eq!(decode_kernel(bdr(512), 1024 + 512, OutType::F16).ok(), None);
+        assert_eq!(
+            decode_kernel(bdr(16), 48, OutType::F16).unwrap().name,
+            "decode_affine_w8_b4_f16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(32), 96, OutType::F16).unwrap().name,
+            "decode_affine_w8_b4_f16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(2), 6, OutType::F16).unwrap().grid,
+            Grid::Segments { seg: 2 }
+        );
+        assert_eq!(
+            super::super::spec::encode_kernel(bdr(16), 96, crate::cache::DType::Bf16)
+                .unwrap()
+                .name,
+            "encode_affine_any_bf16"
+        );
+        assert!(decode_kernel(bdr(2048), 2048, OutType::Bf16).is_err());
     }
 }

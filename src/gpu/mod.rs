@@ -79,6 +79,8 @@
 //!
 //! The container, [`FileDecoder`] and the plans need no change.
 
+mod abi;
+mod addr;
 pub mod body;
 pub mod codecs;
 pub mod encplan;
@@ -559,4 +561,51 @@ impl Device {
             }
         }
     }
+}
+
+/// Every kernel name a launcher can ask for, with its source (the source
+/// check test compiles them all): one list over every kernel family.
+#[doc(hidden)]
+pub fn all_kernel_names() -> Vec<(&'static str, String)> {
+    use crate::cache::DType;
+    use spec::KernelCodec;
+    let mut v = vec![("copy", "copy_u128".to_string())];
+    for out in [OutType::Bf16, OutType::F16] {
+        for src in [DType::Bf16, DType::F16, DType::F32] {
+            for d in [64, 6] {
+                let k = codecs::decode_kernel(KernelCodec::Raw { src }, d, out).expect("raw");
+                v.push((k.source, k.name));
+            }
+        }
+        for bits in 1..=8 {
+            for (d, h) in [
+                (128, None),
+                (128, Some(128)),
+                (128, Some(512)),
+                (6, None),
+                (40, Some(8)),
+            ] {
+                let kc = KernelCodec::Affine { bits, block: h };
+                let k = codecs::decode_kernel(kc, d, out).expect("affine");
+                v.push((k.source, k.name));
+            }
+        }
+    }
+    for src in [DType::Bf16, DType::F16, DType::F32] {
+        for bits in 1..=8 {
+            for d in [128, 96, 16] {
+                let kc = KernelCodec::Affine { bits, block: None };
+                let k = spec::encode_kernel(kc, d, src).expect("affine");
+                v.push((k.source, k.name));
+            }
+        }
+    }
+    for d in [64, 6] {
+        let k = paged::gather_kernel(d);
+        v.push((k.source, k.name));
+    }
+    v.extend(codecs::vq_kernel_names());
+    v.sort();
+    v.dedup();
+    v
 }

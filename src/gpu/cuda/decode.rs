@@ -9,9 +9,9 @@ use rayon::prelude::*;
 use super::{Args, Gpu, GpuBuffer};
 use crate::decode::Archive;
 use crate::error::{Error, Result};
+use crate::gpu::codecs::{decode_kernel, desc_params, page_sections};
 use crate::gpu::spec::{
-    self, DstSpec, KernelChoice, KernelCodec, OutType, PageDesc, PageGeom, decode_kernel,
-    page_desc, page_sections,
+    self, DstSpec, KernelChoice, KernelCodec, OutType, PageDesc, PageGeom, page_desc,
 };
 use crate::gpu::{Dst, Target};
 
@@ -48,7 +48,7 @@ pub(crate) fn stage_page<'a>(archive: &Archive<'a>, pi: usize) -> Result<Staged<
         heads: info.heads,
         head_dim: info.head_dim,
         sections,
-        extra,
+        params: desc_params(kc, info.head_dim, extra),
         side: 0,
         read: spec::section_bytes(&view),
     };

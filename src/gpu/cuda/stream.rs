@@ -162,10 +162,15 @@ impl FileDecoder {
             let reserve = if e.flags & FLAG_ZSTD == 0 {
                 e.frame_len.saturating_sub(64)
             } else {
-                spec::canonical_body_len(kc, rows, u64::from(m.tokens), u64::from(info.head_dim))
+                crate::gpu::codecs::canonical_body_len(
+                    kc,
+                    rows,
+                    u64::from(m.tokens),
+                    u64::from(info.head_dim),
+                )
             };
             let reserve = (reserve as usize).next_multiple_of(BODY_ALIGN);
-            let k = spec::decode_kernel(kc, info.head_dim, OutType::Bf16)?;
+            let k = crate::gpu::codecs::decode_kernel(kc, info.head_dim, OutType::Bf16)?;
             let mut items = Vec::new();
             k.grid
                 .push_items(0, rows as u32, m.tokens, info.head_dim, &mut items);
