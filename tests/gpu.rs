@@ -1018,8 +1018,11 @@ fn decode_hqmq_l1_codebook_matches_cpu() {
             compress_bytes(&cache, codec, *l, None)
         })
         .collect();
-    kvpack::gpu::codecs::prefer_global_hqmq_codebook(true);
-    for dev in devices() {
+    let l1 = kvpack::gpu::KernelOptions {
+        global_hqmq_codebook: true,
+        ..Default::default()
+    };
+    for dev in devices().iter().map(|d| d.with_kernel_options(l1)) {
         for ((codec, _, _), file) in cases.iter().zip(&files) {
             let (n, inexact) = check_decode(&dev, file, 7, codec);
             println!(
@@ -1028,7 +1031,6 @@ fn decode_hqmq_l1_codebook_matches_cpu() {
             );
         }
     }
-    kvpack::gpu::codecs::prefer_global_hqmq_codebook(false);
 }
 
 #[test]

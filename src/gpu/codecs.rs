@@ -12,8 +12,6 @@
 //! and zero points, InnerQ slots, the outlier table). The GPU therefore
 //! accepts exactly the pages the CPU accepts.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
 use crate::cache::{Kind, TensorInfo};
 use crate::codec::hqmq::Hqmq;
 use crate::codec::innerq::{self, InnerQ};
@@ -26,8 +24,8 @@ use crate::format::{PageView, SectionKind};
 use crate::kernels::radix::Groups;
 
 use super::spec::{
-    BLOCK, DEC_UNITS_W32, Grid, HQ_ITEM, KernelChoice, KernelCodec, MAX_SHUFFLE_BLOCK, OutType,
-    SEG_MAX, UNITS_PER_THREAD, W8, magic, narrow, src_suffix,
+    BLOCK, DEC_UNITS_W32, Grid, HQ_ITEM, KernelChoice, KernelCodec, KernelOptions,
+    MAX_SHUFFLE_BLOCK, OutType, SEG_MAX, UNITS_PER_THREAD, W8, magic, src_suffix,
 };
 
 /// Units (8 channels) per thread of the fast kivi / innerq kernels
@@ -50,16 +48,6 @@ pub const HQ_NPOS: u32 = 2048;
 /// Largest joint codebook (bytes) the hqmq decode kernels keep in shared
 /// memory (`24 S` float4; S <= 256). Larger ones are read through L1.
 pub const HQ_SMEM_MAX: u32 = 24 * 256 * 16;
-
-static HQ_GLOBAL: AtomicBool = AtomicBool::new(false);
-
-/// Makes hqmq decode plans built from now on read the joint codebook
-/// through L1 instead of copying it to shared memory once per work item
-/// (`HQ_ITEM` rows): a benchmark knob that isolates the cost of the copy.
-/// Results are identical. Default off.
-pub fn prefer_global_hqmq_codebook(on: bool) {
-    HQ_GLOBAL.store(on, Ordering::Relaxed);
-}
 
 fn bad_params(codec: &dyn Codec) -> Error {
     Error::param(format!(
@@ -411,7 +399,12 @@ fn chunked(
 /// [`Error::Unsupported`] for shapes no kernel handles (`int`/`bdr`
 /// head_dim above [`SEG_MAX`], hqmq head_dim above 8192, octopus / turbo
 /// head_dim above 4096).
-pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<KernelChoice> {
+pub fn decode_kernel(
+    kc: KernelCodec,
+    head_dim: u32,
+    out: OutType,
+    opts: KernelOptions,
+) -> Result<KernelChoice> {
     let o = out.suffix();
     let d8 = head_dim.is_multiple_of(8);
     match kc {
@@ -518,7 +511,7 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             }
             let ob = if matches!(base, 3 | 9) { base } else { 0 };
             let bytes = 24 * 16 * u64::from(s);
-            let smem = bytes <= u64::from(HQ_SMEM_MAX) && !HQ_GLOBAL.load(Ordering::Relaxed);
+            let smem = bytes <= u64::from(HQ_SMEM_MAX) && !opts.global_hqmq_codebook;
             Ok(KernelChoice {
                 source: "hqmq",
                 name: format!("decode_hqmq_o{ob}_{}_{o}", if smem { "s" } else { "g" }),
@@ -553,7 +546,7 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             let h = block.unwrap_or(0);
             let w8 = head_dim.is_multiple_of(8) && h <= MAX_SHUFFLE_BLOCK;
             let w32 = head_dim.is_multiple_of(32) && (head_dim / 32).is_power_of_two();
-            if w32 && !(w8 && narrow()) {
+            if w32 && !(w8 && opts.narrow) {
                 // A block spanning the whole row (bdr{head_dim}) has its own
                 // kernel with every butterfly stage unconditional.
                 let kind = if h == head_dim { "rowrot_" } else { "" };
@@ -814,7 +807,7 @@ mod tests {
                 2048,
             ),
         ] {
-            let k = decode_kernel(kc, d, OutType::Bf16).unwrap();
+            let k = decode_kernel(kc, d, OutType::Bf16, KernelOptions::default()).unwrap();
             assert!(
                 names.iter().any(|(s, n)| *s == k.source && *n == k.name),
                 "{k:?}"
@@ -829,39 +822,59 @@ mod tests {
             block: Some(h),
         };
         assert_eq!(
-            decode_kernel(bdr(128), 128, OutType::Bf16).unwrap().name,
+            decode_kernel(bdr(128), 128, OutType::Bf16, KernelOptions::default())
+                .unwrap()
+                .name,
             "decode_affine_rowrot_b4_bf16"
         );
         assert_eq!(
-            decode_kernel(bdr(64), 128, OutType::Bf16).unwrap().name,
+            decode_kernel(bdr(64), 128, OutType::Bf16, KernelOptions::default())
+                .unwrap()
+                .name,
             "decode_affine_b4_bf16"
         );
         assert_eq!(
-            decode_kernel(bdr(512), 512, OutType::F16).unwrap().grid,
+            decode_kernel(bdr(512), 512, OutType::F16, KernelOptions::default())
+                .unwrap()
+                .grid,
             Grid::Units {
                 w: 32,
                 per_thread: DEC_UNITS_W32
             }
         );
-        assert_eq!(decode_kernel(bdr(512), 1024 + 512, OutType::F16).ok(), None);
         assert_eq!(
-            decode_kernel(bdr(16), 48, OutType::F16).unwrap().name,
+            decode_kernel(bdr(512), 1024 + 512, OutType::F16, KernelOptions::default()).ok(),
+            None
+        );
+        assert_eq!(
+            decode_kernel(bdr(16), 48, OutType::F16, KernelOptions::default())
+                .unwrap()
+                .name,
             "decode_affine_w8_b4_f16"
         );
         assert_eq!(
-            decode_kernel(bdr(32), 96, OutType::F16).unwrap().name,
+            decode_kernel(bdr(32), 96, OutType::F16, KernelOptions::default())
+                .unwrap()
+                .name,
             "decode_affine_w8_b4_f16"
         );
         assert_eq!(
-            decode_kernel(bdr(2), 6, OutType::F16).unwrap().grid,
+            decode_kernel(bdr(2), 6, OutType::F16, KernelOptions::default())
+                .unwrap()
+                .grid,
             Grid::Segments { seg: 2 }
         );
         assert_eq!(
-            super::super::spec::encode_kernel(bdr(16), 96, crate::cache::DType::Bf16)
-                .unwrap()
-                .name,
+            super::super::spec::encode_kernel(
+                bdr(16),
+                96,
+                crate::cache::DType::Bf16,
+                KernelOptions::default()
+            )
+            .unwrap()
+            .name,
             "encode_affine_any_bf16"
         );
-        assert!(decode_kernel(bdr(2048), 2048, OutType::Bf16).is_err());
+        assert!(decode_kernel(bdr(2048), 2048, OutType::Bf16, KernelOptions::default()).is_err());
     }
 }

@@ -110,7 +110,7 @@ pub use stub::{
     PagedJob,
 };
 
-pub use spec::OutType;
+pub use spec::{KernelOptions, OutType};
 
 use crate::cache::Tensor;
 use crate::codec::Codec;
@@ -304,6 +304,16 @@ impl Device {
     /// [`Error::Unsupported`] without the `cuda` feature or without g++.
     pub fn emulated() -> Result<Device> {
         Emulator::new().map(Device::Emulated)
+    }
+
+    /// This device choosing kernels with `options` (benchmark knobs;
+    /// results are identical; the CPU ignores them).
+    pub fn with_kernel_options(&self, options: KernelOptions) -> Device {
+        match self {
+            Device::Cpu => Device::Cpu,
+            Device::Cuda(g) => Device::Cuda(g.with_kernel_options(options)),
+            Device::Emulated(e) => Device::Emulated(e.with_kernel_options(options)),
+        }
     }
 
     /// Decodes every page of tensor `tensor` overlapping `layout` into a
@@ -573,7 +583,8 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
     for out in [OutType::Bf16, OutType::F16] {
         for src in [DType::Bf16, DType::F16, DType::F32] {
             for d in [64, 6] {
-                let k = codecs::decode_kernel(KernelCodec::Raw { src }, d, out).expect("raw");
+                let k = codecs::decode_kernel(KernelCodec::Raw { src }, d, out, Default::default())
+                    .expect("raw");
                 v.push((k.source, k.name));
             }
         }
@@ -586,7 +597,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
                 (40, Some(8)),
             ] {
                 let kc = KernelCodec::Affine { bits, block: h };
-                let k = codecs::decode_kernel(kc, d, out).expect("affine");
+                let k = codecs::decode_kernel(kc, d, out, Default::default()).expect("affine");
                 v.push((k.source, k.name));
             }
         }
@@ -595,7 +606,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
         for bits in 1..=8 {
             for d in [128, 96, 16] {
                 let kc = KernelCodec::Affine { bits, block: None };
-                let k = spec::encode_kernel(kc, d, src).expect("affine");
+                let k = spec::encode_kernel(kc, d, src, Default::default()).expect("affine");
                 v.push((k.source, k.name));
             }
         }

@@ -46,17 +46,18 @@ pub fn udiv(n: u32, d: u32, m: u32) -> u32 {
     q
 }
 
-static NARROW: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Makes plans built from now on use the 8-element unit kernels wherever
-/// they apply instead of the 32-element ones (a benchmark knob that
-/// isolates the cost of each layout; results are identical). Default off.
-pub fn prefer_narrow_kernels(on: bool) {
-    NARROW.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-pub(crate) fn narrow() -> bool {
-    NARROW.load(std::sync::atomic::Ordering::Relaxed)
+/// Kernel selection options of a device handle ([`super::Device`],
+/// [`super::Gpu`], [`super::Emulator`]): benchmark knobs that pick another
+/// kernel of the same family to isolate a cost. Results are identical with
+/// any options; the default is the fastest measured choice.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct KernelOptions {
+    /// `int`/`bdr`: use the 8-element unit kernels wherever they apply
+    /// instead of the 32-element ones.
+    pub narrow: bool,
+    /// hqmq decode: read the joint codebook through L1 instead of copying
+    /// it to shared memory once per work item (`HQ_ITEM` rows).
+    pub global_hqmq_codebook: bool,
 }
 /// Threads per block of the segment (fallback) kernels.
 pub const SEG_BLOCK: u32 = 128;
@@ -333,7 +334,12 @@ impl Grid {
 /// # Errors
 /// [`Error::Unsupported`] for `raw` (a copy; use the CPU) or head_dim above
 /// [`SEG_MAX`].
-pub fn encode_kernel(kc: KernelCodec, head_dim: u32, src: DType) -> Result<KernelChoice> {
+pub fn encode_kernel(
+    kc: KernelCodec,
+    head_dim: u32,
+    src: DType,
+    opts: KernelOptions,
+) -> Result<KernelChoice> {
     let KernelCodec::Affine { bits, block } = kc else {
         return Err(Error::Unsupported(
             "GPU encode covers int and bdr; raw pages are a plain copy".into(),
@@ -351,7 +357,7 @@ pub fn encode_kernel(kc: KernelCodec, head_dim: u32, src: DType) -> Result<Kerne
         head_dim.is_multiple_of(w) && upr.is_power_of_two() && upr <= 32
     };
     let w8 = fits(8) && h <= MAX_SHUFFLE_BLOCK;
-    if fits(32) && !(w8 && narrow()) {
+    if fits(32) && !(w8 && opts.narrow) {
         Ok(KernelChoice {
             source: "affine",
             name: format!("encode_affine_b{bits}_{s}"),

@@ -40,6 +40,11 @@ impl Gpu {
         no_cuda()
     }
 
+    /// This handle with kernel selection options.
+    pub fn with_kernel_options(&self, _options: super::KernelOptions) -> Gpu {
+        match self.never {}
+    }
+
     /// Name, compute capability and sizes of the device.
     pub fn info(&self) -> &GpuInfo {
         match self.never {}
@@ -496,6 +501,11 @@ impl Emulator {
     /// Always [`Error::Unsupported`] ([`NO_CUDA`]).
     pub fn new() -> Result<Emulator> {
         no_cuda()
+    }
+
+    /// This emulator with kernel selection options.
+    pub fn with_kernel_options(&self, _options: super::KernelOptions) -> Emulator {
+        match self.never {}
     }
 
     /// Decodes a tensor through the emulated kernels.

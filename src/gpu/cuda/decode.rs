@@ -11,7 +11,7 @@ use crate::decode::Archive;
 use crate::error::{Error, Result};
 use crate::gpu::codecs::{decode_kernel, desc_params, page_sections};
 use crate::gpu::spec::{
-    self, DstSpec, KernelChoice, KernelCodec, OutType, PageDesc, PageGeom, page_desc,
+    self, DstSpec, KernelChoice, KernelCodec, KernelOptions, OutType, PageDesc, PageGeom, page_desc,
 };
 use crate::gpu::{Dst, Target};
 
@@ -204,8 +204,9 @@ pub(crate) fn add_page(
     body: u64,
     dst: &DstSpec,
     out: OutType,
+    opts: KernelOptions,
 ) -> Result<(u64, u64)> {
-    let k = decode_kernel(g.kc, g.head_dim, out)?;
+    let k = decode_kernel(g.kc, g.head_dim, out, opts)?;
     let Some((desc, rows_written)) = page_desc(g, body, dst, k.grid.unit())? else {
         return Ok((0, 0));
     };
@@ -346,7 +347,7 @@ impl Gpu {
         let (mut read, mut written) = (0, 0);
         for (tensor, g, body) in &pages.pages {
             if let Some(dst) = by_tensor.get(tensor) {
-                let (r, w) = add_page(&mut groups, g, *body, dst, out)?;
+                let (r, w) = add_page(&mut groups, g, *body, dst, out, self.options)?;
                 read += r;
                 written += w;
             }

@@ -31,6 +31,7 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use super::GpuInfo;
 use super::sources::{self, Source};
+use super::spec::KernelOptions;
 use crate::error::{Error, Result};
 
 /// Maps a CUDA driver failure to [`Error::Device`] with what kvpack was
@@ -63,6 +64,8 @@ pub struct Gpu {
     /// The stream this handle submits to: kvpack's own, or a caller's
     /// ([`Gpu::with_stream`]).
     stream: Arc<CudaStream>,
+    /// Kernel selection options ([`Gpu::with_kernel_options`]).
+    pub(crate) options: KernelOptions,
 }
 
 struct Inner {
@@ -154,6 +157,7 @@ impl Gpu {
                 smem: Mutex::new(HashMap::new()),
             }),
             stream,
+            options: KernelOptions::default(),
         };
         map.insert(ordinal, g.clone());
         Ok(g)
@@ -200,6 +204,16 @@ impl Gpu {
         Gpu {
             inner: self.inner.clone(),
             stream: s,
+            options: self.options,
+        }
+    }
+
+    /// This handle choosing kernels with `options` for the plans it builds
+    /// from now on (benchmark knobs; results are identical).
+    pub fn with_kernel_options(&self, options: KernelOptions) -> Gpu {
+        Gpu {
+            options,
+            ..self.clone()
         }
     }
 

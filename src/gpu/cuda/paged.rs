@@ -27,7 +27,7 @@ use crate::cache::Kind;
 use crate::decode::Archive;
 use crate::error::{Error, Result};
 use crate::gpu::paged::{PagedAddr, PagedCache, PagedShape, layer_tensors, slot_mapping};
-use crate::gpu::spec::DstSpec;
+use crate::gpu::spec::{DstSpec, KernelOptions};
 use crate::gpu::{OutType, PagedStats};
 
 /// One launch of an image: key, descriptors offset, work offset (from
@@ -153,6 +153,7 @@ impl<'a> PagedImage<'a> {
         base: u64,
         target: impl Fn(Kind) -> (u64, u64, PagedAddr),
         out: OutType,
+        opts: KernelOptions,
     ) -> Result<(Vec<u8>, Vec<Launch>, u64)> {
         let dst = |kind: Kind| {
             let (ptr, len, addr) = target(kind);
@@ -174,7 +175,14 @@ impl<'a> PagedImage<'a> {
             if let Some(&t) = self.side_at.get(&(s.codec, s.tensor)) {
                 g.side = base + (self.side0 as u64) + t;
             }
-            let (_, w) = add_page(&mut groups, &g, base + o as u64, &by_tensor[&s.tensor], out)?;
+            let (_, w) = add_page(
+                &mut groups,
+                &g,
+                base + o as u64,
+                &by_tensor[&s.tensor],
+                out,
+                opts,
+            )?;
             written += w;
         }
         // pack_groups aligns each part relative to the start of its vector;
@@ -299,11 +307,11 @@ impl Gpu {
         let img = PagedImage::new(archive, layer, &cache.shape(), block_ids)?;
         let target = |k: Kind| cache.target(k);
         // The tables' size does not depend on the base address.
-        let tlen = img.tables(0, target, out)?.0.len();
+        let tlen = img.tables(0, target, out, self.options)?.0.len();
         let total = img.fixed + tlen;
         let dev = self.alloc_uninit(total)?;
         let base = dev.device_ptr();
-        let (tables, launches, written) = img.tables(base, target, out)?;
+        let (tables, launches, written) = img.tables(base, target, out, self.options)?;
         let status_at = total.next_multiple_of(16);
         let mut staging = self.take_pinned(status_at + 16)?;
         {

@@ -170,7 +170,12 @@ impl FileDecoder {
                 )
             };
             let reserve = (reserve as usize).next_multiple_of(BODY_ALIGN);
-            let k = crate::gpu::codecs::decode_kernel(kc, info.head_dim, OutType::Bf16)?;
+            let k = crate::gpu::codecs::decode_kernel(
+                kc,
+                info.head_dim,
+                OutType::Bf16,
+                self.gpu.options,
+            )?;
             let mut items = Vec::new();
             k.grid
                 .push_items(0, rows as u32, m.tokens, info.head_dim, &mut items);
@@ -288,7 +293,14 @@ impl FileDecoder {
             let mut groups = BTreeMap::new();
             for (tensor, g, off) in &staged {
                 let dst = &by_tensor[tensor];
-                let (_, w) = add_page(&mut groups, g, dev + *off as u64, dst, out)?;
+                let (_, w) = add_page(
+                    &mut groups,
+                    g,
+                    dev + *off as u64,
+                    dst,
+                    out,
+                    self.gpu.options,
+                )?;
                 stats.output_bytes += w;
             }
             let mut meta = Vec::new();
