@@ -48,14 +48,14 @@ pub struct PageDesc {
     pub t_lo: u32,
     /// One past the last page-relative token to write.
     pub t_hi: u32,
-    /// [`magic`] of `tokens`.
+    /// [`super::spec::magic`] of `tokens`.
     pub m_tokens: u32,
-    /// [`magic`] of `heads`.
+    /// [`super::spec::magic`] of `heads`.
     pub m_heads: u32,
     /// Units per row of the launched unit kernel (`head_dim / w`; 0 for
     /// other kernels).
     pub upr: u32,
-    /// [`magic`] of `upr`.
+    /// [`super::spec::magic`] of `upr`.
     pub m_upr: u32,
     /// Device address of the tensor's side table (codebooks, sign vectors,
     /// normalization factors; [`super::side`]), 0 when the codec has none.
@@ -80,7 +80,7 @@ pub struct PageDesc {
     pub head_stride: u64,
     /// Paged: slots per block (1 for a flat slot mapping).
     pub block_size: u32,
-    /// [`magic`] of `block_size`.
+    /// [`super::spec::magic`] of `block_size`.
     pub m_block: u32,
 }
 
@@ -108,11 +108,11 @@ pub struct EncDesc {
     pub sec_index: u32,
     /// Page number (reported with a non-finite row).
     pub page: u32,
-    /// [`magic`] of `tokens`.
+    /// [`super::spec::magic`] of `tokens`.
     pub m_tokens: u32,
     /// Units per row of the launched unit kernel (`head_dim / w`).
     pub upr: u32,
-    /// [`magic`] of `upr`.
+    /// [`super::spec::magic`] of `upr`.
     pub m_upr: u32,
     /// Device address of the tensor's side table (codebooks), 0 if none.
     pub side: u64,

@@ -13,21 +13,22 @@
 //!   batch folded into heads), or the vLLM paged layout
 //!   `[num_blocks, block_size, kv_heads, head_dim]` through a slot mapping
 //!   (token -> slot). Many pages go in one launch through a descriptor
-//!   table ([`spec::PageDesc`]); results equal the CPU decoder's bit for bit
+//!   table (`PageDesc`, the kernel ABI in `gpu::abi` and `common.cuh`); results equal the CPU decoder's bit for bit
 //!   (same IEEE operations in the same order, no fused multiply-add except
 //!   where the product is exact, the Walsh-Hadamard stages in the normative
 //!   order). The one exception: an `int`/`bdr` output that is NaN (only
 //!   possible from a non-finite scale or zero point) is the canonical NaN,
 //!   where the CPU keeps the payload. Codebooks, sign vectors and
 //!   normalization factors are rebuilt on the host from the codec's
-//!   parameter block and placed next to the pages ([`side`]); page content
-//!   the CPU decoder rejects is rejected on the host while staging
-//!   ([`codecs`]) or, for hqmq's digit groups, by the kernel (a format error
+//!   parameter block (read by the codec's own parser) and placed next to
+//!   the pages (`gpu::side`); pages are checked on the host while staging
+//!   by the codec's own page layout, the function its CPU decoder uses
+//!   (`gpu::codecs`), so the GPU rejects what the CPU rejects, or, for hqmq's digit groups, by the kernel (a format error
 //!   from [`DecodePlan::finish`]).
 //! * **Encode** ([`Gpu::plan_encode`]): a contiguous bf16/fp16/f32 tensor
 //!   on the device to `int{b}` / `bdr{h}` / `hqmq` page bodies whose
 //!   sections are the CPU encoder's bit for bit ([`EncodePlan::sections`];
-//!   planned by [`encplan`]). The hqmq search is the CPU's fast exact search
+//!   planned by `gpu::encplan`). The hqmq search is the CPU's fast exact search
 //!   (coset filter with a proven margin, exact rescoring of near-ties).
 //! * **File to GPU** ([`FileDecoder`]): pages read from an mmap'd file,
 //!   checked (CRC), staged in pinned host memory, copied to the device and
@@ -54,7 +55,7 @@
 //! `Error::Unsupported("built without CUDA ...")`.
 //!
 //! Kernels are CUDA C sources in `src/gpu/kernels/*.cu` (embedded with
-//! `include_str!`, listed in [`sources`]), compiled by NVRTC on first use
+//! `include_str!`, listed in `gpu::sources`), compiled by NVRTC on first use
 //! for the device's compute capability with `--fmad=false`, and cached per
 //! device for the life of the process.
 //!
@@ -69,30 +70,44 @@
 //!    (`row_dst` / `RowWalk` for both layouts, `get_bits`, `load_le`,
 //!    `st_out8`, the Walsh-Hadamard stages, conversions); write them so that
 //!    they also compile as host C++ for the emulator (`KVPACK_EMU`).
-//! 2. Add it to [`sources::ALL`].
-//! 3. Teach [`codecs`] the codec: its [`spec::KernelCodec`] from the codec
-//!    id and parameter block, the checked section offsets of a page, the
-//!    kernel name and grid, the descriptor parameters; and [`side`] the
-//!    side table it needs (codebooks, sign vectors, factors).
+//! 2. Add it to `gpu::sources::ALL`.
+//! 3. Add its kernel family to `gpu::spec::KernelCodec` and teach
+//!    `gpu::codecs`, the one dispatch over families, the codec: the family
+//!    from the codec's own parameter parser (`KernelCodec::of`), the section
+//!    offsets from the codec's own page layout (`page_sections`), the
+//!    kernel name and grid (`decode_kernel`), the descriptor parameters
+//!    (`desc_params`) and the body bound (`canonical_body_len`); and
+//!    `gpu::side` the side table it needs (codebooks, sign vectors,
+//!    factors).
 //! 4. Extend `tests/gpu.rs` (its bodies run on the CPU, CUDA and, with
 //!    `KVPACK_GPU_EMU=1`, the emulator) and `tests/benches/gpu.rs`.
 //!
 //! The container, [`FileDecoder`] and the plans need no change.
 
+// The device-independent internals (kernel families, page staging, side
+// tables, encode plans, kernel sources) are public for the tests and
+// benchmarks only: `#[doc(hidden)]`, not part of the API.
 mod abi;
 mod addr;
+#[doc(hidden)]
 pub mod body;
+#[doc(hidden)]
 pub mod codecs;
+#[doc(hidden)]
 pub mod encplan;
 pub mod host;
 pub mod paged;
+#[doc(hidden)]
 pub mod side;
+#[doc(hidden)]
 pub mod sources;
+#[doc(hidden)]
 pub mod spec;
 
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+#[doc(hidden)]
 pub mod emu;
 #[cfg(feature = "cuda")]
 pub use cuda::{
