@@ -9,7 +9,8 @@
 //! (fibers), not a performance model, and not a substitute for running on
 //! a GPU: memory ordering, timing and resource limits are not emulated.
 //!
-//! Built with the `cuda` feature; [`Emulator::new`] needs `g++` on the PATH
+//! Built with or without the `cuda` feature (it shares the device-independent
+//! planning of `gpu::decplan` with CUDA); [`Emulator::new`] needs `g++` on the PATH
 //! (else [`Error::Unsupported`]). Binaries are cached per source text in
 //! the temporary directory.
 
@@ -19,7 +20,7 @@ use std::process::Command;
 
 use sha2::Digest;
 
-use super::cuda::{
+use super::decplan::{
     Args, PagedImage, Staged, add_page, check_status, group_args, pack_groups, stage_page,
 };
 use super::paged::{self, PagedLayout, PagedShape};

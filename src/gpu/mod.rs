@@ -38,9 +38,9 @@
 //!   CPU while staging; the kernels only see uncompressed bodies.
 //!
 //! [`Device`] runs the same operations on the CPU (the reference codecs),
-//! on CUDA, or through the SIMT emulator (`gpu::emu`, with the `cuda`
-//! feature: the same kernel sources compiled for the CPU, for machines
-//! without a GPU) and returns host results, so one test body checks all of
+//! on CUDA, or through the SIMT emulator (`gpu::emu`, with or without the
+//! `cuda` feature: the same kernel sources compiled for the CPU, for
+//! machines without a GPU) and returns host results, so one test body checks all of
 //! them.
 //!
 //! Measured throughput against the device-to-device copy ceiling, and what
@@ -93,6 +93,7 @@ mod addr;
 pub mod body;
 #[doc(hidden)]
 pub mod codecs;
+mod decplan;
 #[doc(hidden)]
 pub mod encplan;
 pub mod host;
@@ -106,7 +107,6 @@ pub mod spec;
 
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
 #[doc(hidden)]
 pub mod emu;
 #[cfg(feature = "cuda")]
@@ -114,15 +114,13 @@ pub use cuda::{
     DecodePlan, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages, PagedJob,
     compile_all,
 };
-#[cfg(feature = "cuda")]
 pub use emu::Emulator;
 
 #[cfg(not(feature = "cuda"))]
 mod stub;
 #[cfg(not(feature = "cuda"))]
 pub use stub::{
-    DecodePlan, Emulator, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages,
-    PagedJob,
+    DecodePlan, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages, PagedJob,
 };
 
 pub use spec::{KernelOptions, OutType};
@@ -316,7 +314,8 @@ impl Device {
     /// The SIMT emulator ([`Emulator::new`]).
     ///
     /// # Errors
-    /// [`Error::Unsupported`] without the `cuda` feature or without g++.
+    /// [`Error::Unsupported`] without g++ (the `cuda` feature is not
+    /// needed).
     pub fn emulated() -> Result<Device> {
         Emulator::new().map(Device::Emulated)
     }

@@ -13,9 +13,7 @@ mod paged;
 mod stream;
 
 pub use decode::{DecodePlan, GpuPages};
-pub(crate) use decode::{Staged, add_page, check_status, group_args, pack_groups, stage_page};
 pub use encode::EncodePlan;
-pub(crate) use paged::PagedImage;
 pub use paged::{GatherPlan, PagedJob};
 pub use stream::FileDecoder;
 
@@ -30,6 +28,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use super::GpuInfo;
+use super::decplan::Args;
 use super::sources::{self, Source};
 use super::spec::KernelOptions;
 use crate::error::{Error, Result};
@@ -496,19 +495,6 @@ impl Gpu {
         unsafe { l.launch(cfg) }.map_err(cuda_err(&format!("launch {}", k.name)))?;
         Ok(())
     }
-}
-
-/// Optional kernel arguments after (descriptors, work list).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Args {
-    /// Bits (fallback affine kernels) or source type code (raw fallback).
-    pub bits: Option<u32>,
-    /// Rotation block (affine kernels).
-    pub h: Option<u32>,
-    /// `1/sqrt(h)` (affine kernels).
-    pub c: Option<f32>,
-    /// Address of the u64 status word.
-    pub status: u64,
 }
 
 /// Compiles a source with NVRTC for compute capability `cc`, without fused

@@ -16,13 +16,13 @@ use std::time::Instant;
 use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice, result};
 use rayon::prelude::*;
 
-use super::decode::{
-    BODY_ALIGN, add_page, check_status, dst_spec, group_args, pack_groups, stage_page,
-};
 use super::{Gpu, GpuBuffer, cuda_err};
 use crate::decode::Archive;
 use crate::error::{Error, Result};
 use crate::format::FLAG_ZSTD;
+use crate::gpu::decplan::{
+    BODY_ALIGN, add_page, check_status, dst_spec, group_args, pack_groups, stage_page,
+};
 use crate::gpu::spec::{self, DstSpec, KernelCodec};
 use crate::gpu::{OutType, StreamStats, Target};
 
