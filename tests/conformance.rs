@@ -424,56 +424,78 @@ const TINY_PAGES: Layout = Layout {
     recent: 0,
 };
 
+/// Every tampering of example `name` on `cache`: the `(kind, stream)` of
+/// the sections its pages hold, and per section and [`Mutation`] a label,
+/// the mutation and what the writer made of it (resealed file or error).
+#[allow(clippy::type_complexity)]
+fn tamperings(
+    cache: &KvCache,
+    name: &str,
+) -> (
+    Vec<(SectionKind, u8)>,
+    Vec<(String, Mutation, kvpack::Result<Vec<u8>>)>,
+) {
+    let clean = kvpack::codec::parse(name).unwrap();
+    let file = try_compress(cache, clean.as_ref(), TINY_PAGES, None).unwrap();
+    let ar = Archive::open(&file).unwrap();
+    let mut targets = Vec::new();
+    for p in 0..ar.reader().index().entries.len() {
+        for d in ar.reader().page(p).unwrap().sections() {
+            if !targets.contains(&(d.kind, d.stream)) {
+                targets.push((d.kind, d.stream));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for &target in &targets {
+        for mutation in Mutation::ALL {
+            let codec = Tamper {
+                inner: kvpack::codec::parse(name).unwrap(),
+                target,
+                mutation,
+            };
+            let what = format!(
+                "{name} section {} stream {} {mutation:?}",
+                target.0.name(),
+                target.1
+            );
+            out.push((
+                what,
+                mutation,
+                try_compress(cache, &codec, TINY_PAGES, Some(3)),
+            ));
+        }
+    }
+    (targets, out)
+}
+
 #[test]
 fn tampered_sections_are_rejected_by_the_decoder_never_a_panic() {
     let cache = tiny();
     let mut failures = Vec::new();
     let mut rows = Vec::new();
     for (_, e) in examples() {
-        let clean = kvpack::codec::parse(e.name).unwrap();
-        let file = try_compress(&cache, clean.as_ref(), TINY_PAGES, None).unwrap();
-        let ar = Archive::open(&file).unwrap();
-        let mut targets = Vec::new();
-        for p in 0..ar.reader().index().entries.len() {
-            for d in ar.reader().page(p).unwrap().sections() {
-                if !targets.contains(&(d.kind, d.stream)) {
-                    targets.push((d.kind, d.stream));
-                }
-            }
-        }
+        let (targets, tampered) = tamperings(&cache, e.name);
         let (mut rejected, mut accepted) = (0, 0);
-        for &target in &targets {
-            for mutation in Mutation::ALL {
-                let codec = Tamper {
-                    inner: kvpack::codec::parse(e.name).unwrap(),
-                    target,
-                    mutation,
-                };
-                let what = format!(
-                    "{} section {} stream {} {mutation:?}",
-                    e.name,
-                    target.0.name(),
-                    target.1
-                );
-                let file = match try_compress(&cache, &codec, TINY_PAGES, Some(3)) {
-                    Ok(f) => f,
-                    Err(err) => {
-                        failures.push(format!("{what}: the writer refused: {err}"));
-                        continue;
-                    }
-                };
-                match catch_unwind(AssertUnwindSafe(|| decode_all(&file))) {
-                    Err(_) => failures.push(format!("{what}: the decoder panicked")),
-                    Ok(Err(err)) if err.format_cause() == Some(FormatCause::Codec) => rejected += 1,
-                    Ok(Err(err)) => failures.push(format!(
-                        "{what}: not a codec format error ({:?}): {err}",
-                        err.format_cause()
-                    )),
-                    Ok(Ok(_)) if mutation.structural() => {
-                        failures.push(format!("{what}: accepted"));
-                    }
-                    Ok(Ok(_)) => accepted += 1,
+        for (what, mutation, file) in tampered {
+            let file = match file {
+                Ok(f) => f,
+                Err(err) => {
+                    failures.push(format!("{what}: the writer refused: {err}"));
+                    continue;
                 }
+            };
+            match catch_unwind(AssertUnwindSafe(|| decode_all(&file))) {
+                Err(_) => failures.push(format!("{what}: the decoder panicked")),
+                Ok(Err(err)) if err.format_cause() == Some(FormatCause::Codec) => rejected += 1,
+                Ok(Err(err)) => failures.push(format!(
+                    "{what}: not a codec format error ({:?}): {err}",
+                    err.format_cause()
+                )),
+                Ok(Ok(_)) if mutation.structural() => {
+                    failures.push(format!("{what}: accepted"));
+                }
+                Ok(Ok(_)) => accepted += 1,
             }
         }
         let names: Vec<String> = targets
@@ -640,31 +662,9 @@ fn every_device_rejects_structurally_tampered_pages() {
     let mut failures = Vec::new();
     let mut counts = vec![0usize; devices.len()];
     for (_, e) in examples() {
-        let clean = kvpack::codec::parse(e.name).unwrap();
-        let file = try_compress(&cache, clean.as_ref(), TINY_PAGES, None).unwrap();
-        let ar = Archive::open(&file).unwrap();
-        let mut targets = Vec::new();
-        for p in 0..ar.reader().index().entries.len() {
-            for d in ar.reader().page(p).unwrap().sections() {
-                if !targets.contains(&(d.kind, d.stream)) {
-                    targets.push((d.kind, d.stream));
-                }
-            }
-        }
-        for &target in &targets {
-            for mutation in Mutation::ALL.into_iter().filter(|m| m.structural()) {
-                let codec = Tamper {
-                    inner: kvpack::codec::parse(e.name).unwrap(),
-                    target,
-                    mutation,
-                };
-                let what = format!(
-                    "{} section {} stream {} {mutation:?}",
-                    e.name,
-                    target.0.name(),
-                    target.1
-                );
-                let Ok(file) = try_compress(&cache, &codec, TINY_PAGES, Some(3)) else {
+        for (what, mutation, file) in tamperings(&cache, e.name).1 {
+            if mutation.structural() {
+                let Ok(file) = file else {
                     continue; // the tampering run reports writer refusals
                 };
                 let ar = Archive::open(&file).unwrap();
