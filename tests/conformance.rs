@@ -437,56 +437,78 @@ const TINY_PAGES: Layout = Layout {
     recent: 0,
 };
 
+/// Every tampering of example `name` on `cache`: the `(kind, stream)` of
+/// the sections its pages hold, and per section and [`Mutation`] a label,
+/// the mutation and what the writer made of it (resealed file or error).
+#[allow(clippy::type_complexity)]
+fn tamperings(
+    cache: &KvCache,
+    name: &str,
+) -> (
+    Vec<(SectionKind, u8)>,
+    Vec<(String, Mutation, kvpack::Result<Vec<u8>>)>,
+) {
+    let clean = kvpack::codec::parse(name).unwrap();
+    let file = try_compress(cache, clean.as_ref(), TINY_PAGES, None).unwrap();
+    let ar = Archive::open(&file).unwrap();
+    let mut targets = Vec::new();
+    for p in 0..ar.reader().index().entries.len() {
+        for d in ar.reader().page(p).unwrap().sections() {
+            if !targets.contains(&(d.kind, d.stream)) {
+                targets.push((d.kind, d.stream));
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for &target in &targets {
+        for mutation in Mutation::ALL {
+            let codec = Tamper {
+                inner: kvpack::codec::parse(name).unwrap(),
+                target,
+                mutation,
+            };
+            let what = format!(
+                "{name} section {} stream {} {mutation:?}",
+                target.0.name(),
+                target.1
+            );
+            out.push((
+                what,
+                mutation,
+                try_compress(cache, &codec, TINY_PAGES, Some(3)),
+            ));
+        }
+    }
+    (targets, out)
+}
+
 #[test]
 fn tampered_sections_are_rejected_by_the_decoder_never_a_panic() {
     let cache = tiny();
     let mut failures = Vec::new();
     let mut rows = Vec::new();
     for (_, e) in examples() {
-        let clean = kvpack::codec::parse(e.name).unwrap();
-        let file = try_compress(&cache, clean.as_ref(), TINY_PAGES, None).unwrap();
-        let ar = Archive::open(&file).unwrap();
-        let mut targets = Vec::new();
-        for p in 0..ar.reader().index().entries.len() {
-            for d in ar.reader().page(p).unwrap().sections() {
-                if !targets.contains(&(d.kind, d.stream)) {
-                    targets.push((d.kind, d.stream));
-                }
-            }
-        }
+        let (targets, tampered) = tamperings(&cache, e.name);
         let (mut rejected, mut accepted) = (0, 0);
-        for &target in &targets {
-            for mutation in Mutation::ALL {
-                let codec = Tamper {
-                    inner: kvpack::codec::parse(e.name).unwrap(),
-                    target,
-                    mutation,
-                };
-                let what = format!(
-                    "{} section {} stream {} {mutation:?}",
-                    e.name,
-                    target.0.name(),
-                    target.1
-                );
-                let file = match try_compress(&cache, &codec, TINY_PAGES, Some(3)) {
-                    Ok(f) => f,
-                    Err(err) => {
-                        failures.push(format!("{what}: the writer refused: {err}"));
-                        continue;
-                    }
-                };
-                match catch_unwind(AssertUnwindSafe(|| decode_all(&file))) {
-                    Err(_) => failures.push(format!("{what}: the decoder panicked")),
-                    Ok(Err(err)) if err.format_cause() == Some(FormatCause::Codec) => rejected += 1,
-                    Ok(Err(err)) => failures.push(format!(
-                        "{what}: not a codec format error ({:?}): {err}",
-                        err.format_cause()
-                    )),
-                    Ok(Ok(_)) if mutation.structural() => {
-                        failures.push(format!("{what}: accepted"));
-                    }
-                    Ok(Ok(_)) => accepted += 1,
+        for (what, mutation, file) in tampered {
+            let file = match file {
+                Ok(f) => f,
+                Err(err) => {
+                    failures.push(format!("{what}: the writer refused: {err}"));
+                    continue;
                 }
+            };
+            match catch_unwind(AssertUnwindSafe(|| decode_all(&file))) {
+                Err(_) => failures.push(format!("{what}: the decoder panicked")),
+                Ok(Err(err)) if err.format_cause() == Some(FormatCause::Codec) => rejected += 1,
+                Ok(Err(err)) => failures.push(format!(
+                    "{what}: not a codec format error ({:?}): {err}",
+                    err.format_cause()
+                )),
+                Ok(Ok(_)) if mutation.structural() => {
+                    failures.push(format!("{what}: accepted"));
+                }
+                Ok(Ok(_)) => accepted += 1,
             }
         }
         let names: Vec<String> = targets
@@ -570,8 +592,8 @@ mod random_shapes {
 /// The GPU kernels against the CPU decoder, every example: through the SIMT
 /// emulator under `KVPACK_GPU_EMU=1` (CI) and on CUDA device 0 when one is
 /// present (by hand: `cargo test --release --features cuda --test
-/// conformance`). Every element within 1 bf16/fp16 ulp.
-#[cfg(feature = "cuda")]
+/// conformance`). Every element within 1 bf16/fp16 ulp. The emulator needs
+/// no `cuda` feature.
 #[test]
 fn gpu_decode_matches_cpu_for_every_example() {
     use kvpack::gpu::{Device, HostLayout, OutType};
@@ -628,4 +650,73 @@ fn gpu_decode_matches_cpu_for_every_example() {
         }
         eprintln!("{} vs cpu:\n  {}", dev.name(), rows.join("\n  "));
     }
+}
+
+/// The GPU staging reads pages through the codecs' own page layouts, so
+/// every device rejects what the CPU decoder rejects: each structural
+/// mutation of each section of every example (an extra section among them)
+/// is refused with a `FormatCause::Codec` error by the CPU device, by the
+/// SIMT emulator (under `KVPACK_GPU_EMU=1` with `--features cuda`) and by
+/// CUDA device 0 when present, before any kernel runs.
+#[test]
+fn every_device_rejects_structurally_tampered_pages() {
+    use kvpack::gpu::{Device, HostLayout, OutType};
+    let mut devices = vec![Device::Cpu];
+    match Device::cuda(0) {
+        Ok(d) => devices.push(d),
+        Err(e) => eprintln!("skipping CUDA: {e}"),
+    }
+    if std::env::var("KVPACK_GPU_EMU").is_ok_and(|x| x == "1") {
+        devices.push(Device::emulated().expect("the SIMT emulator (needs g++)"));
+    } else {
+        eprintln!("skipping the emulator: set KVPACK_GPU_EMU=1");
+    }
+    let cache = tiny();
+    let mut failures = Vec::new();
+    let mut counts = vec![0usize; devices.len()];
+    for (_, e) in examples() {
+        for (what, mutation, file) in tamperings(&cache, e.name).1 {
+            if mutation.structural() {
+                let Ok(file) = file else {
+                    continue; // the tampering run reports writer refusals
+                };
+                let ar = Archive::open(&file).unwrap();
+                for (t, info) in ar.tensors().iter().enumerate() {
+                    let layout = HostLayout::Contiguous {
+                        first_token: 0,
+                        tokens: info.tokens,
+                    };
+                    // Only the tensors the CPU decoder refuses: the others
+                    // hold no tampered page.
+                    let cpu = Device::Cpu.decode_tensor(&ar, t, OutType::Bf16, &layout);
+                    if cpu.is_ok() {
+                        continue;
+                    }
+                    for (k, dev) in devices.iter().enumerate() {
+                        match dev.decode_tensor(&ar, t, OutType::Bf16, &layout) {
+                            Err(err) if err.format_cause() == Some(FormatCause::Codec) => {
+                                counts[k] += 1;
+                            }
+                            Err(err) => failures.push(format!(
+                                "{what}, tensor {t} on {}: not a codec format error: {err}",
+                                dev.name()
+                            )),
+                            Ok(_) => failures
+                                .push(format!("{what}, tensor {t} on {}: accepted", dev.name())),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (dev, n) in devices.iter().zip(&counts) {
+        eprintln!("{}: {n} tampered tensors rejected", dev.name());
+    }
+    assert!(counts[0] > 0, "no tampered tensor was tried");
+    assert!(
+        failures.is_empty(),
+        "{} tampered tensors not rejected like the CPU:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -1018,8 +1018,11 @@ fn decode_hqmq_l1_codebook_matches_cpu() {
             compress_bytes(&cache, codec, *l, None)
         })
         .collect();
-    kvpack::gpu::codecs::prefer_global_hqmq_codebook(true);
-    for dev in devices() {
+    let l1 = kvpack::gpu::KernelOptions {
+        global_hqmq_codebook: true,
+        ..Default::default()
+    };
+    for dev in devices().iter().map(|d| d.with_kernel_options(l1)) {
         for ((codec, _, _), file) in cases.iter().zip(&files) {
             let (n, inexact) = check_decode(&dev, file, 7, codec);
             println!(
@@ -1028,7 +1031,6 @@ fn decode_hqmq_l1_codebook_matches_cpu() {
             );
         }
     }
-    kvpack::gpu::codecs::prefer_global_hqmq_codebook(false);
 }
 
 #[test]
@@ -1285,7 +1287,7 @@ fn every_launched_kernel_is_defined_in_the_sources() {
                 .map(|n| (s.name.to_string(), n))
         })
         .collect();
-    for (src, name) in kvpack::gpu::spec::all_kernel_names() {
+    for (src, name) in kvpack::gpu::all_kernel_names() {
         assert!(
             defined.iter().any(|(s, n)| s == src && *n == name),
             "kernel {name} is not defined in {src}.cu"

@@ -54,7 +54,7 @@ pub const INT_FAMILY: Family = Family {
     syntax: "int{b}            b = 1..8, e.g. int4",
     summary: "naive token-wise asymmetric INT-b, fp32 scale + zero point per head vector",
     parse: parse_int,
-    from_params: int_from_params,
+    from_params: |p| Ok(Box::new(int_params(p)?)),
     examples: &[
         Example {
             name: "int2",
@@ -82,7 +82,7 @@ pub const BDR_FAMILY: Family = Family {
     syntax: "bdr{h}[:k][:b{bits}] h = 2..4096 power of two, e.g. bdr128, bdr128:k",
     summary: "block-diagonal Walsh-Hadamard rotation (block h) + token-wise INT4",
     parse: parse_bdr,
-    from_params: bdr_from_params,
+    from_params: |p| Ok(Box::new(bdr_params(p)?)),
     examples: &[
         Example {
             name: "bdr16",
@@ -161,20 +161,32 @@ fn parse_bdr(s: &str) -> Option<Result<Box<dyn Codec>>> {
     Some(Ok(Box::new(c)))
 }
 
-fn int_from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
+/// Parses an `int{b}` parameter block (format/codecs/int.md): the codec's
+/// one reader of it, used by its registry entry and the GPU staging.
+///
+/// # Errors
+/// [`Error::Parameter`] for a wrong length, set reserved bytes or bits
+/// outside 1..=8.
+pub(crate) fn int_params(p: &[u8]) -> Result<Affine> {
     match p {
-        [bits, 0, 0, 0] if (1..=8).contains(bits) => Ok(Box::new(Affine {
+        [bits, 0, 0, 0] if (1..=8).contains(bits) => Ok(Affine {
             bits: *bits,
             block: None,
             keys_only: false,
-        })),
+        }),
         _ => Err(Error::param(format!(
             "int parameters must be [bits 1..8, 0, 0, 0], found {p:02x?}"
         ))),
     }
 }
 
-fn bdr_from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
+/// Parses a `bdr{h}` parameter block (format/codecs/bdr.md): the codec's
+/// one reader of it, used by its registry entry and the GPU staging.
+///
+/// # Errors
+/// [`Error::Parameter`] for a wrong length, set reserved bytes, or a block
+/// size, bit width or flag out of range.
+pub(crate) fn bdr_params(p: &[u8]) -> Result<Affine> {
     if p.len() != 8 || p[4..] != [0, 0, 0, 0] {
         return Err(Error::param(format!(
             "bdr parameters must be 8 bytes ending in zeros, found {p:02x?}"
@@ -191,17 +203,17 @@ fn bdr_from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
             "bdr parameters out of range: block {block}, bits {bits}, flags {flags}"
         )));
     }
-    Ok(Box::new(Affine {
+    Ok(Affine {
         bits,
         block: Some(block),
         keys_only: flags & 1 == 1,
-    }))
+    })
 }
 
 impl Affine {
     /// The rotation block applied to tensors of `kind` (`:k` rotates keys
     /// and MLA latents, which take the key role, and leaves values plain).
-    fn block_for(&self, kind: Kind) -> Option<usize> {
+    pub(crate) fn block_for(&self, kind: Kind) -> Option<usize> {
         match (self.block, kind.role()) {
             (Some(_), Role::Value) if self.keys_only => None,
             (b, _) => b.map(|b| b as usize),
@@ -347,16 +359,7 @@ impl Codec for Affine {
         let d = out.tensor.head_dim as usize;
         let rows = out.rows();
         let bits = u32::from(self.bits);
-        let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F32, rows)?;
-        let zeros = expect_section(page, SectionKind::Zero, 0, ElemType::F32, rows)?;
-        let index = expect_section(
-            page,
-            SectionKind::Index,
-            0,
-            ElemType::Packed(self.bits),
-            rows * d,
-        )?;
-        expect_section_count(page, 3)?;
+        let [scales, zeros, index] = page_layout(page, self.bits, rows, d)?;
         let block = self.block_for(out.tensor.kind);
         let c = block.map(wht::inv_sqrt).unwrap_or(1.0);
         let row_aligned = (d * bits as usize).is_multiple_of(8);
@@ -397,4 +400,31 @@ impl Codec for Affine {
     fn bits_per_element(&self, t: &TensorInfo) -> f64 {
         f64::from(self.bits) + 64.0 / f64::from(t.head_dim)
     }
+}
+
+/// The checked layout of an affine page of `rows` rows of `head_dim`
+/// codes of `bits` bits: exactly SCALE 0 and ZERO 0 (f32 per row) and
+/// INDEX 0 (packed codes), returned in that order. The CPU decoder and the
+/// GPU staging both read pages through it.
+///
+/// # Errors
+/// [`Error::Format`] naming the page for a missing, mistyped or extra
+/// section.
+pub(crate) fn page_layout<'p>(
+    page: &'p PageView<'_>,
+    bits: u8,
+    rows: usize,
+    head_dim: usize,
+) -> Result<[&'p [u8]; 3]> {
+    let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F32, rows)?;
+    let zeros = expect_section(page, SectionKind::Zero, 0, ElemType::F32, rows)?;
+    let index = expect_section(
+        page,
+        SectionKind::Index,
+        0,
+        ElemType::Packed(bits),
+        rows * head_dim,
+    )?;
+    expect_section_count(page, 3)?;
+    Ok([scales, zeros, index])
 }

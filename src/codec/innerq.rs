@@ -71,7 +71,8 @@ pub enum Mode {
 }
 
 impl Mode {
-    fn code(self) -> u8 {
+    /// The mode's code in the parameter block (0 asym, 1 sym, 2 hybrid).
+    pub(crate) fn code(self) -> u8 {
         match self {
             Mode::Asym => 0,
             Mode::Sym => 1,
@@ -79,7 +80,8 @@ impl Mode {
         }
     }
 
-    fn from_code(c: u8) -> Option<Mode> {
+    /// The mode of parameter-block code `c`.
+    pub(crate) fn from_code(c: u8) -> Option<Mode> {
         Some(match c {
             0 => Mode::Asym,
             1 => Mode::Sym,
@@ -136,7 +138,7 @@ pub const FAMILY: Family = Family {
     syntax: "innerq:k{b}v{b}[:hybrid|:sym|:asym][:g{G}][:nonorm] e.g. innerq:k2v2",
     summary: "InnerQ: inner-dimension groups of 32, hybrid sym/asym, key normalization, 32 sink + 96 recent raw",
     parse,
-    from_params,
+    from_params: |p| Ok(Box::new(InnerQ::from_params(p)?)),
     examples: &[
         Example {
             name: "innerq:k2v2",
@@ -208,83 +210,224 @@ fn parse(s: &str) -> Option<Result<Box<dyn Codec>>> {
 /// Fixed part of the parameter block, bytes.
 const FIXED_PARAMS: usize = 12;
 
-fn from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
-    let err = |m: String| Error::param(format!("innerq parameters: {m}"));
-    if p.len() < FIXED_PARAMS {
-        return Err(err(format!(
-            "{} bytes, need at least {FIXED_PARAMS}",
-            p.len()
-        )));
-    }
-    let (key_bits, value_bits, mode, flags) = (p[0], p[1], p[2], p[3]);
-    let group = u16::from_le_bytes([p[4], p[5]]);
-    let n = u32::from_le_bytes(p[8..12].try_into().expect("4")) as usize;
-    let mode = Mode::from_code(mode).ok_or_else(|| err(format!("unknown mode {mode}")))?;
-    if !(1..=8).contains(&key_bits)
-        || !(1..=8).contains(&value_bits)
-        || !valid_group(group)
-        || flags > 1
-        || p[6..8] != [0, 0]
-    {
-        return Err(err(format!(
-            "out of range: key bits {key_bits}, value bits {value_bits}, group {group}, \
-             flags {flags}, reserved {:02x?}",
-            &p[6..8]
-        )));
-    }
-    let normalize = flags & 1 == 1;
-    if !normalize && n != 0 {
-        return Err(err(format!("{n} normalization entries without the flag")));
-    }
-    let mut rest = &p[FIXED_PARAMS..];
-    let mut entries: Vec<NormEntry> = Vec::new();
-    for i in 0..n {
-        if rest.len() < 12 {
-            return Err(err(format!("entry {i} is truncated")));
-        }
-        let word = |k: usize| u32::from_le_bytes(rest[4 * k..4 * k + 4].try_into().expect("4"));
-        let (layer, heads, head_dim) = (word(0), word(1), word(2));
-        let nf = (heads as usize)
-            .checked_mul(head_dim as usize)
-            .filter(|&nf| nf >= 1 && nf.checked_mul(4).is_some_and(|b| b <= rest.len() - 12))
-            .ok_or_else(|| {
-                err(format!(
-                    "entry {i}: {heads} heads x {head_dim} channels do not fit the block"
-                ))
-            })?;
-        if entries.last().is_some_and(|e| e.layer >= layer) {
-            return Err(err(format!("entry {i}: layers not strictly ascending")));
-        }
-        let factors: Vec<f32> = (0..nf).map(|k| f32_at(&rest[12..], k)).collect();
-        if let Some(k) = factors.iter().position(|f| !(f.is_finite() && *f > 0.0)) {
+impl InnerQ {
+    /// Parses the parameter block (format/codecs/innerq.md): the codec's
+    /// one reader of it, used by its registry entry and the GPU staging.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for a short block, an unknown mode, fields out
+    /// of range, set reserved bytes or a malformed normalization entry.
+    pub fn from_params(p: &[u8]) -> Result<InnerQ> {
+        let err = |m: String| Error::param(format!("innerq parameters: {m}"));
+        if p.len() < FIXED_PARAMS {
             return Err(err(format!(
-                "layer {layer}: factor {k} is {}, must be positive and finite",
-                factors[k]
+                "{} bytes, need at least {FIXED_PARAMS}",
+                p.len()
             )));
         }
-        entries.push(NormEntry {
-            layer,
-            heads,
-            head_dim,
-            factors,
-        });
-        rest = &rest[12 + 4 * nf..];
+        let (key_bits, value_bits, mode, flags) = (p[0], p[1], p[2], p[3]);
+        let group = u16::from_le_bytes([p[4], p[5]]);
+        let n = u32::from_le_bytes(p[8..12].try_into().expect("4")) as usize;
+        let mode = Mode::from_code(mode).ok_or_else(|| err(format!("unknown mode {mode}")))?;
+        if !(1..=8).contains(&key_bits)
+            || !(1..=8).contains(&value_bits)
+            || !valid_group(group)
+            || flags > 1
+            || p[6..8] != [0, 0]
+        {
+            return Err(err(format!(
+                "out of range: key bits {key_bits}, value bits {value_bits}, group {group}, \
+             flags {flags}, reserved {:02x?}",
+                &p[6..8]
+            )));
+        }
+        let normalize = flags & 1 == 1;
+        if !normalize && n != 0 {
+            return Err(err(format!("{n} normalization entries without the flag")));
+        }
+        let mut rest = &p[FIXED_PARAMS..];
+        let mut entries: Vec<NormEntry> = Vec::new();
+        for i in 0..n {
+            if rest.len() < 12 {
+                return Err(err(format!("entry {i} is truncated")));
+            }
+            let word = |k: usize| u32::from_le_bytes(rest[4 * k..4 * k + 4].try_into().expect("4"));
+            let (layer, heads, head_dim) = (word(0), word(1), word(2));
+            let nf = (heads as usize)
+                .checked_mul(head_dim as usize)
+                .filter(|&nf| nf >= 1 && nf.checked_mul(4).is_some_and(|b| b <= rest.len() - 12))
+                .ok_or_else(|| {
+                    err(format!(
+                        "entry {i}: {heads} heads x {head_dim} channels do not fit the block"
+                    ))
+                })?;
+            if entries.last().is_some_and(|e| e.layer >= layer) {
+                return Err(err(format!("entry {i}: layers not strictly ascending")));
+            }
+            let factors: Vec<f32> = (0..nf).map(|k| f32_at(&rest[12..], k)).collect();
+            if let Some(k) = factors.iter().position(|f| !(f.is_finite() && *f > 0.0)) {
+                return Err(err(format!(
+                    "layer {layer}: factor {k} is {}, must be positive and finite",
+                    factors[k]
+                )));
+            }
+            entries.push(NormEntry {
+                layer,
+                heads,
+                head_dim,
+                factors,
+            });
+            rest = &rest[12 + 4 * nf..];
+        }
+        if !rest.is_empty() {
+            return Err(err(format!("{} bytes left over", rest.len())));
+        }
+        Ok(InnerQ {
+            key_bits,
+            value_bits,
+            mode,
+            group,
+            normalize,
+            norms: normalize.then(|| Arc::new(entries)),
+        })
     }
-    if !rest.is_empty() {
-        return Err(err(format!("{} bytes left over", rest.len())));
+}
+
+/// The checked sections of one InnerQ page ([`InnerQ::page`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct InnerQPage<'p> {
+    /// The page's quantization groups.
+    pub groups: Groups,
+    /// SCALE stream 0: f16 per group, all finite.
+    pub scales: &'p [u8],
+    /// ZERO stream 0: `G / 32` u32 slot words per group (fp32 zero point
+    /// then zero words, or sign bits with no bit set past the group).
+    pub slots: &'p [u8],
+    /// AUX stream 0 (hybrid mode only): 1 bit per group, 1 = symmetric.
+    pub flags: Option<&'p [u8]>,
+    /// INDEX stream 0: `bits`-bit codes in element order.
+    pub index: &'p [u8],
+    mode: Mode,
+}
+
+impl InnerQPage<'_> {
+    /// Whether group `g` is coded symmetrically (sign bits in its slot).
+    pub fn symmetric(&self, g: usize) -> bool {
+        match (self.mode, self.flags) {
+            (Mode::Sym, _) => true,
+            (Mode::Hybrid, Some(m)) => m[g / 8] >> (g % 8) & 1 == 1,
+            _ => false,
+        }
     }
-    Ok(Box::new(InnerQ {
-        key_bits,
-        value_bits,
+}
+
+/// Groups of `group` elements of a page: keys along channels, values
+/// along tokens (format/codecs/innerq.md).
+fn groups_of(group: u16, kind: Kind, planes: usize, tokens: usize, head_dim: usize) -> Groups {
+    Groups {
+        axis: match kind.role() {
+            Role::Key => Axis::Channels,
+            Role::Value => Axis::Tokens,
+        },
+        size: usize::from(group),
+        planes,
+        tokens,
+        head_dim,
+    }
+}
+
+/// The checked layout of a page of `planes x tokens` rows of a tensor of
+/// `kind` and `head_dim`, for groups of `group` elements, `mode` and
+/// `bits`-bit codes: exactly the sections of the mode with their element
+/// types and counts, finite scales, and slots the decoder accepts. The CPU
+/// decoder and the GPU staging both read pages through it.
+///
+/// # Errors
+/// [`Error::Format`] naming the page for a key page whose head_dim is not
+/// a multiple of the group, a missing, mistyped or extra section, a
+/// non-finite scale or zero point, set reserved slot words or sign bits
+/// past a group's elements.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn page_layout<'p>(
+    page: &'p PageView<'_>,
+    mode: Mode,
+    group: u16,
+    bits: u8,
+    kind: Kind,
+    planes: usize,
+    tokens: usize,
+    head_dim: usize,
+) -> Result<InnerQPage<'p>> {
+    let d = head_dim;
+    if kind.role() == Role::Key && !d.is_multiple_of(usize::from(group)) {
+        return Err(page.error(format!(
+            "key page with head_dim {d}, not a multiple of the group size {group}"
+        )));
+    }
+    let groups = groups_of(group, kind, planes, tokens, head_dim);
+    let n = groups.count();
+    let w = usize::from(group) / 32;
+    let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, n)?;
+    let slots = expect_section(page, SectionKind::Zero, 0, ElemType::U32, n * w)?;
+    let flags = match mode {
+        Mode::Hybrid => Some(expect_section(
+            page,
+            SectionKind::Aux,
+            0,
+            ElemType::Packed(1),
+            n,
+        )?),
+        _ => None,
+    };
+    let index = expect_section(
+        page,
+        SectionKind::Index,
+        0,
+        ElemType::Packed(bits),
+        planes * tokens * d,
+    )?;
+    expect_section_count(page, 3 + usize::from(flags.is_some()))?;
+    let p = InnerQPage {
+        groups,
+        scales,
+        slots,
+        flags,
+        index,
         mode,
-        group,
-        normalize,
-        norms: normalize.then(|| Arc::new(entries)),
-    }))
+    };
+    for g in 0..n {
+        let s = pagebuf::f16_at(scales, g);
+        if !s.is_finite() {
+            return Err(page.error(format!("group {g}: scale is {s}")));
+        }
+        let slot = |k: usize| pagebuf::u32_at(slots, g * w + k);
+        if p.symmetric(g) {
+            // Sign bits past the group's elements must be zero.
+            let len = groups.span(g).len;
+            for k in 0..w {
+                let used = len.saturating_sub(32 * k).min(32);
+                let unused = if used == 32 { 0 } else { u32::MAX << used };
+                if slot(k) & unused != 0 {
+                    return Err(
+                        page.error(format!("group {g}: sign bits set past its {len} elements"))
+                    );
+                }
+            }
+        } else {
+            let z = f32::from_bits(slot(0));
+            if !z.is_finite() || (1..w).any(|k| slot(k) != 0) {
+                return Err(page.error(format!(
+                    "group {g}: zero point {z} not finite or reserved slot words set"
+                )));
+            }
+        }
+    }
+    Ok(p)
 }
 
 impl InnerQ {
-    fn bits_for(&self, kind: Kind) -> u8 {
+    /// Code bits of tensors of `kind`.
+    pub(crate) fn bits_for(&self, kind: Kind) -> u8 {
         match kind.role() {
             Role::Key => self.key_bits,
             Role::Value => self.value_bits,
@@ -297,16 +440,7 @@ impl InnerQ {
     }
 
     fn groups(&self, kind: Kind, planes: usize, tokens: usize, head_dim: usize) -> Groups {
-        Groups {
-            axis: match kind.role() {
-                Role::Key => Axis::Channels,
-                Role::Value => Axis::Tokens,
-            },
-            size: usize::from(self.group),
-            planes,
-            tokens,
-            head_dim,
-        }
+        groups_of(self.group, kind, planes, tokens, head_dim)
     }
 
     /// The normalization factors of a key tensor: `None` when keys are not
@@ -315,7 +449,10 @@ impl InnerQ {
     /// # Errors
     /// A message when normalization is on but the codec was not prepared or
     /// has no matching entry for the tensor's layer and shape.
-    fn factors_for(&self, t: &TensorInfo) -> std::result::Result<Option<&NormEntry>, String> {
+    pub(crate) fn factors_for(
+        &self,
+        t: &TensorInfo,
+    ) -> std::result::Result<Option<&NormEntry>, String> {
         if !self.normalize || t.kind.role() != Role::Key {
             return Ok(None);
         }
@@ -631,68 +768,32 @@ impl Codec for InnerQ {
         let n_el = out.rows() * d;
         let kind = out.tensor.kind;
         let bits = self.bits_for(kind);
-        let gr = self.groups(kind, out.planes.len(), tokens, d);
-        let n = gr.count();
         let w = self.words();
-        if kind.role() == Role::Key && !d.is_multiple_of(usize::from(self.group)) {
-            return Err(page.error(format!(
-                "key page with head_dim {d}, not a multiple of the group size {}",
-                self.group
-            )));
-        }
         let norm = self.factors_for(out.tensor).map_err(|m| page.error(m))?;
-        let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, n)?;
-        let slots = expect_section(page, SectionKind::Zero, 0, ElemType::U32, n * w)?;
-        let mask = match self.mode {
-            Mode::Hybrid => Some(expect_section(
-                page,
-                SectionKind::Aux,
-                0,
-                ElemType::Packed(1),
-                n,
-            )?),
-            _ => None,
-        };
-        let index = expect_section(page, SectionKind::Index, 0, ElemType::Packed(bits), n_el)?;
-        expect_section_count(page, 3 + usize::from(mask.is_some()))?;
+        let p = page_layout(
+            page,
+            self.mode,
+            self.group,
+            bits,
+            kind,
+            out.planes.len(),
+            tokens,
+            d,
+        )?;
         let mut codes = vec![0u8; n_el];
-        bitpack::unpack_u8(index, u32::from(bits), &mut codes);
+        bitpack::unpack_u8(p.index, u32::from(bits), &mut codes);
         let mut buf = vec![0f32; n_el];
-        for g in 0..n {
-            let span = gr.span(g);
-            let s = pagebuf::f16_at(scales, g);
-            let slot = |k: usize| pagebuf::u32_at(slots, g * w + k);
-            let sym = match (self.mode, mask) {
-                (Mode::Sym, _) => true,
-                (Mode::Hybrid, Some(m)) => m[g / 8] >> (g % 8) & 1 == 1,
-                _ => false,
-            };
-            if !s.is_finite() {
-                return Err(page.error(format!("group {g}: scale is {s}")));
-            }
-            if sym {
-                // Sign bits past the group's elements must be zero.
-                for k in 0..w {
-                    let used = span.len.saturating_sub(32 * k).min(32);
-                    let unused = if used == 32 { 0 } else { u32::MAX << used };
-                    if slot(k) & unused != 0 {
-                        return Err(page.error(format!(
-                            "group {g}: sign bits set past its {} elements",
-                            span.len
-                        )));
-                    }
-                }
+        for g in 0..p.groups.count() {
+            let span = p.groups.span(g);
+            let s = pagebuf::f16_at(p.scales, g);
+            let slot = |k: usize| pagebuf::u32_at(p.slots, g * w + k);
+            if p.symmetric(g) {
                 for (i, pos) in span.positions().enumerate() {
                     let neg = slot(i / 32) >> (i % 32) & 1 == 1;
                     buf[pos] = group::dequantize_sym(codes[pos], s, neg);
                 }
             } else {
                 let z = f32::from_bits(slot(0));
-                if !z.is_finite() || (1..w).any(|k| slot(k) != 0) {
-                    return Err(page.error(format!(
-                        "group {g}: zero point {z} not finite or reserved slot words set"
-                    )));
-                }
                 for pos in span.positions() {
                     buf[pos] = group::dequantize_asym(codes[pos], s, z);
                 }
@@ -728,7 +829,7 @@ mod tests {
         ] {
             let c = crate::codec::parse(n).unwrap();
             assert_eq!(c.name(), n);
-            assert_eq!(from_params(&c.params()).unwrap().name(), n);
+            assert_eq!(InnerQ::from_params(&c.params()).unwrap().name(), n);
         }
         assert_eq!(
             crate::codec::parse("innerq:k2v2:hybrid").unwrap().name(),
@@ -752,12 +853,12 @@ mod tests {
     fn bad_parameter_blocks_are_rejected() {
         let good = crate::codec::parse("innerq:k2v2").unwrap();
         let mut p = good.params();
-        assert!(from_params(&p).is_ok());
+        assert!(InnerQ::from_params(&p).is_ok());
         p[2] = 3;
-        assert!(from_params(&p).is_err());
+        assert!(InnerQ::from_params(&p).is_err());
         let mut p = good.params();
         p[6] = 1;
-        assert!(from_params(&p).is_err());
+        assert!(InnerQ::from_params(&p).is_err());
         // One entry with a zero factor, then a truncated one.
         let mut p = good.params();
         p[8] = 1;
@@ -766,13 +867,13 @@ mod tests {
         }
         p.extend(1.0f32.to_le_bytes());
         p.extend(0.0f32.to_le_bytes());
-        assert!(from_params(&p).is_err());
+        assert!(InnerQ::from_params(&p).is_err());
         let n = p.len();
         p[n - 4..].copy_from_slice(&2.0f32.to_le_bytes());
-        assert!(from_params(&p).is_ok());
-        assert!(from_params(&p[..n - 1]).is_err());
+        assert!(InnerQ::from_params(&p).is_ok());
+        assert!(InnerQ::from_params(&p[..n - 1]).is_err());
         // Entries without the flag.
         p[3] = 0;
-        assert!(from_params(&p).is_err());
+        assert!(InnerQ::from_params(&p).is_err());
     }
 }

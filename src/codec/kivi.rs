@@ -49,7 +49,7 @@ pub const FAMILY: Family = Family {
     syntax: "kivi:{b}[:g{G}]   b = 1..8, e.g. kivi:2, kivi:4",
     summary: "KIVI baseline: K per channel / V per token in groups of 32, fp16 scale+zero, 128 recent raw",
     parse,
-    from_params,
+    from_params: |p| Ok(Box::new(Kivi::from_params(p)?)),
     examples: &[
         Example {
             name: "kivi:2",
@@ -92,24 +92,95 @@ fn parse(s: &str) -> Option<Result<Box<dyn Codec>>> {
     Some(Ok(Box::new(c)))
 }
 
-fn from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
-    match p {
-        [bits, 0, g0, g1] => {
-            let group = u16::from_le_bytes([*g0, *g1]);
-            if (1..=8).contains(bits) && (1..=1024).contains(&group) {
-                return Ok(Box::new(Kivi { bits: *bits, group }));
-            }
-            Err(Error::param(format!(
-                "kivi parameters out of range: bits {bits}, group {group}"
-            )))
-        }
-        _ => Err(Error::param(format!(
-            "kivi parameters must be [bits, 0, group u16], found {p:02x?}"
-        ))),
-    }
+/// The checked sections of one kivi page ([`Kivi::page`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KiviPage<'p> {
+    /// The page's quantization groups.
+    pub groups: Groups,
+    /// SCALE stream 0: f16 per group, all finite.
+    pub scales: &'p [u8],
+    /// ZERO stream 0: f16 per group, all finite.
+    pub zeros: &'p [u8],
+    /// INDEX stream 0: `bits`-bit codes in element order.
+    pub index: &'p [u8],
 }
 
 impl Kivi {
+    /// Parses the parameter block `[bits, 0, group u16]`
+    /// (format/codecs/kivi.md): the codec's one reader of it, used by its
+    /// registry entry and the GPU staging.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for a wrong length, a set reserved byte, bits
+    /// outside 1..=8 or a group outside 1..=1024.
+    pub fn from_params(p: &[u8]) -> Result<Kivi> {
+        match p {
+            [bits, 0, g0, g1] => {
+                let group = u16::from_le_bytes([*g0, *g1]);
+                if (1..=8).contains(bits) && (1..=1024).contains(&group) {
+                    return Ok(Kivi { bits: *bits, group });
+                }
+                Err(Error::param(format!(
+                    "kivi parameters out of range: bits {bits}, group {group}"
+                )))
+            }
+            _ => Err(Error::param(format!(
+                "kivi parameters must be [bits, 0, group u16], found {p:02x?}"
+            ))),
+        }
+    }
+
+    /// The checked layout of a page of `planes x tokens` rows of a tensor
+    /// of `kind` and `head_dim`: exactly the three sections of the codec
+    /// with their element types and counts, finite scales and zero points.
+    /// The CPU decoder and the GPU staging both read pages through it.
+    ///
+    /// # Errors
+    /// [`Error::Format`] naming the page for a value page whose head_dim is
+    /// not a multiple of the group, a missing, mistyped or extra section,
+    /// or a non-finite scale or zero point.
+    pub(crate) fn page<'p>(
+        &self,
+        page: &'p PageView<'_>,
+        kind: Kind,
+        planes: usize,
+        tokens: usize,
+        head_dim: usize,
+    ) -> Result<KiviPage<'p>> {
+        if kind.role() == Role::Value && !head_dim.is_multiple_of(usize::from(self.group)) {
+            return Err(page.error(format!(
+                "value page with head_dim {head_dim}, not a multiple of the group size {}",
+                self.group
+            )));
+        }
+        let groups = self.groups(kind, planes, tokens, head_dim);
+        let n = groups.count();
+        let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, n)?;
+        let zeros = expect_section(page, SectionKind::Zero, 0, ElemType::F16, n)?;
+        let index = expect_section(
+            page,
+            SectionKind::Index,
+            0,
+            ElemType::Packed(self.bits),
+            planes * tokens * head_dim,
+        )?;
+        expect_section_count(page, 3)?;
+        for g in 0..n {
+            let (s, z) = (pagebuf::f16_at(scales, g), pagebuf::f16_at(zeros, g));
+            if !(s.is_finite() && z.is_finite()) {
+                return Err(
+                    page.error(format!("group {g}: scale {s} or zero point {z} not finite"))
+                );
+            }
+        }
+        Ok(KiviPage {
+            groups,
+            scales,
+            zeros,
+            index,
+        })
+    }
+
     fn groups(&self, kind: Kind, planes: usize, tokens: usize, head_dim: usize) -> Groups {
         Groups {
             axis: match kind.role() {
@@ -208,35 +279,19 @@ impl Codec for Kivi {
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
         let d = out.tensor.head_dim as usize;
         let n_el = out.rows() * d;
-        if out.tensor.kind.role() == Role::Value && !d.is_multiple_of(usize::from(self.group)) {
-            return Err(page.error(format!(
-                "value page with head_dim {d}, not a multiple of the group size {}",
-                self.group
-            )));
-        }
-        let gr = self.groups(out.tensor.kind, out.planes.len(), out.tokens as usize, d);
-        let n = gr.count();
-        let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, n)?;
-        let zeros = expect_section(page, SectionKind::Zero, 0, ElemType::F16, n)?;
-        let index = expect_section(
+        let p = self.page(
             page,
-            SectionKind::Index,
-            0,
-            ElemType::Packed(self.bits),
-            n_el,
+            out.tensor.kind,
+            out.planes.len(),
+            out.tokens as usize,
+            d,
         )?;
-        expect_section_count(page, 3)?;
         let mut codes = vec![0u8; n_el];
-        bitpack::unpack_u8(index, u32::from(self.bits), &mut codes);
+        bitpack::unpack_u8(p.index, u32::from(self.bits), &mut codes);
         let mut buf = vec![0f32; n_el];
-        for g in 0..n {
-            let (s, z) = (pagebuf::f16_at(scales, g), pagebuf::f16_at(zeros, g));
-            if !(s.is_finite() && z.is_finite()) {
-                return Err(
-                    page.error(format!("group {g}: scale {s} or zero point {z} not finite"))
-                );
-            }
-            for pos in gr.span(g).positions() {
+        for g in 0..p.groups.count() {
+            let (s, z) = (pagebuf::f16_at(p.scales, g), pagebuf::f16_at(p.zeros, g));
+            for pos in p.groups.span(g).positions() {
                 buf[pos] = group::dequantize_asym(codes[pos], s, z);
             }
         }
@@ -258,7 +313,7 @@ mod tests {
         for n in ["kivi:2", "kivi:4", "kivi:3:g64", "kivi:1:g1"] {
             let c = crate::codec::parse(n).unwrap();
             assert_eq!(c.name(), n);
-            assert_eq!(from_params(&c.params()).unwrap().name(), n);
+            assert_eq!(Kivi::from_params(&c.params()).unwrap().name(), n);
         }
         assert_eq!(crate::codec::parse("kivi:2:g32").unwrap().name(), "kivi:2");
         for n in [
@@ -272,8 +327,8 @@ mod tests {
         ] {
             assert!(crate::codec::parse(n).is_err(), "{n}");
         }
-        assert!(from_params(&[2, 1, 32, 0]).is_err());
-        assert!(from_params(&[2, 0, 0, 0]).is_err());
-        assert!(from_params(&[2, 0, 32]).is_err());
+        assert!(Kivi::from_params(&[2, 1, 32, 0]).is_err());
+        assert!(Kivi::from_params(&[2, 0, 0, 0]).is_err());
+        assert!(Kivi::from_params(&[2, 0, 32]).is_err());
     }
 }

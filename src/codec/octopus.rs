@@ -676,6 +676,16 @@ impl Octopus {
     }
 }
 
+impl Octopus {
+    /// The triplet-norm centroids for head_dim `d`, if the codec has them.
+    pub fn norm_codebook(&self, d: u32) -> Option<&[f32]> {
+        self.norms
+            .iter()
+            .find(|n| n.dim == d)
+            .map(|n| n.centroids.as_slice())
+    }
+}
+
 impl Codec for Octopus {
     fn size_depends_only_on_shape(&self) -> bool {
         true

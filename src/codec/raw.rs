@@ -89,14 +89,7 @@ impl Codec for Raw {
         let d = out.tensor.head_dim as usize;
         let rows = out.rows();
         let src_t = out.tensor.dtype;
-        let bytes = expect_section(
-            page,
-            SectionKind::Raw,
-            0,
-            ElemType::from_dtype(src_t),
-            rows * d,
-        )?;
-        expect_section_count(page, 1)?;
+        let bytes = page_layout(page, src_t, rows * d)?;
         let plane_bytes = out.tokens as usize * d * src_t.size();
         let mut row = vec![0f32; d];
         for (p, plane) in out.planes.iter_mut().enumerate() {
@@ -120,4 +113,21 @@ impl Codec for Raw {
     fn bits_per_element(&self, tensor: &TensorInfo) -> f64 {
         8.0 * tensor.dtype.size() as f64
     }
+}
+
+/// The checked layout of a raw page of `n` elements of `dtype`: exactly
+/// one RAW stream 0 section of that element type and count, returned. The
+/// CPU decoder and the GPU staging both read pages through it.
+///
+/// # Errors
+/// [`crate::Error::Format`] naming the page for a missing, mistyped or
+/// extra section.
+pub(crate) fn page_layout<'p>(
+    page: &'p PageView<'_>,
+    dtype: crate::cache::DType,
+    n: usize,
+) -> Result<&'p [u8]> {
+    let bytes = expect_section(page, SectionKind::Raw, 0, ElemType::from_dtype(dtype), n)?;
+    expect_section_count(page, 1)?;
+    Ok(bytes)
 }

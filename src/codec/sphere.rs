@@ -738,16 +738,34 @@ struct UnitPage<'p> {
     qjl: Option<(Vec<f16>, Vec<u8>)>,
 }
 
-fn read_unit_page<'p>(
-    q: &dyn UnitQuantizer,
-    opts: &Options,
+/// The checked sections of a unit-coded page ([`unit_sections`]).
+#[derive(Debug)]
+pub(crate) struct UnitSections<'p> {
+    /// SCALE 0: f32 norm per row, finite and non-negative.
+    pub gammas: &'p [u8],
+    /// INDEX `k`: the packed codes of stream `k` of the unit quantizer.
+    pub codes: Vec<&'p [u8]>,
+    /// With QJL: SCALE 1 (f16 residual norm per row, finite) and INDEX
+    /// `streams` (1 sign bit per element).
+    pub qjl: Option<(&'p [u8], &'p [u8])>,
+}
+
+/// The checked layout of a unit-coded page of `rows` rows of `d` channels
+/// whose unit quantizer writes `streams` (`(bits, codes per row)` each),
+/// with QJL residual sections when `with_qjl`: exactly those sections with
+/// their element types and counts, and finite norms. The CPU decoder and
+/// the GPU staging both read pages through it.
+///
+/// # Errors
+/// [`Error::Format`] naming the page for a missing, mistyped or extra
+/// section or a non-finite or negative norm.
+pub(crate) fn unit_sections<'p>(
     page: &'p PageView<'_>,
-    kind: Kind,
+    streams: &[(u8, usize)],
+    with_qjl: bool,
     rows: usize,
-) -> Result<UnitPage<'p>> {
-    let d = q.dim();
-    let with_qjl = opts.qjl && kind.role() == Role::Key;
-    let streams = q.streams();
+    d: usize,
+) -> Result<UnitSections<'p>> {
     let gammas = expect_section(page, SectionKind::Scale, 0, ElemType::F32, rows)?;
     for r in 0..rows {
         let g = f32_at(gammas, r);
@@ -757,24 +775,20 @@ fn read_unit_page<'p>(
     }
     let mut codes = Vec::with_capacity(streams.len());
     for (k, &(b, n)) in streams.iter().enumerate() {
-        let bytes = expect_section(
+        codes.push(expect_section(
             page,
             SectionKind::Index,
             k as u8,
             ElemType::Packed(b),
             rows * n,
-        )?;
-        let mut c = vec![0u8; rows * n];
-        bitpack::unpack_u8(bytes, u32::from(b), &mut c);
-        codes.push(c);
+        )?);
     }
     let qjl = if with_qjl {
         let g = expect_section(page, SectionKind::Scale, 1, ElemType::F16, rows)?;
-        let grs: Vec<f16> = g
+        if let Some(r) = g
             .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]))
-            .collect();
-        if let Some(r) = grs.iter().position(|g| !g.is_finite()) {
+            .position(|c| !f16::from_le_bytes([c[0], c[1]]).is_finite())
+        {
             return Err(page.error(format!("row {r}: QJL residual norm is not finite")));
         }
         let b = expect_section(
@@ -784,14 +798,53 @@ fn read_unit_page<'p>(
             ElemType::Packed(1),
             rows * d,
         )?;
-        let mut bits = vec![0u8; rows * d];
-        bitpack::unpack_u8(b, 1, &mut bits);
-        Some((grs, bits))
+        Some((g, b))
     } else {
         None
     };
     expect_section_count(page, 1 + streams.len() + if with_qjl { 2 } else { 0 })?;
-    Ok(UnitPage { gammas, codes, qjl })
+    Ok(UnitSections { gammas, codes, qjl })
+}
+
+fn read_unit_page<'p>(
+    q: &dyn UnitQuantizer,
+    opts: &Options,
+    page: &'p PageView<'_>,
+    kind: Kind,
+    rows: usize,
+) -> Result<UnitPage<'p>> {
+    let d = q.dim();
+    let streams = q.streams();
+    let s = unit_sections(
+        page,
+        &streams,
+        opts.qjl && kind.role() == Role::Key,
+        rows,
+        d,
+    )?;
+    let codes = streams
+        .iter()
+        .zip(&s.codes)
+        .map(|(&(b, n), bytes)| {
+            let mut c = vec![0u8; rows * n];
+            bitpack::unpack_u8(bytes, u32::from(b), &mut c);
+            c
+        })
+        .collect();
+    let qjl = s.qjl.map(|(g, b)| {
+        let grs: Vec<f16> = g
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        let mut bits = vec![0u8; rows * d];
+        bitpack::unpack_u8(b, 1, &mut bits);
+        (grs, bits)
+    });
+    Ok(UnitPage {
+        gammas: s.gammas,
+        codes,
+        qjl,
+    })
 }
 
 /// Decodes a unit-coded page (the sections of [`encode_unit_page`]).
@@ -916,7 +969,6 @@ pub fn decode_group_page(
     out: &mut PageOut<'_>,
 ) -> Result<()> {
     debug_assert_eq!(out.tensor.kind.role(), Role::Value);
-    expect_section_count(page, 3)?;
     super::Codec::decode(&value_groups(bits, g), page, out)
 }
 

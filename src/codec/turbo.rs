@@ -246,6 +246,16 @@ impl Turbo {
     }
 }
 
+impl Turbo {
+    /// The coordinate centroids for head_dim `d`, if the codec has them.
+    pub fn coord_codebook(&self, d: u32) -> Option<&[f32]> {
+        self.tables
+            .iter()
+            .find(|t| t.dim == d)
+            .map(|t| t.centroids.as_slice())
+    }
+}
+
 impl Codec for Turbo {
     fn size_depends_only_on_shape(&self) -> bool {
         true

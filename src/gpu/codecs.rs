@@ -4,25 +4,28 @@
 //! block, the checked section offsets of a page, the kernel that decodes it
 //! and the codec parameters its descriptor carries.
 //!
-//! Everything is derived from the normative parameter blocks and page
-//! layouts (format/codecs/*.md), so the same bytes the CPU decoder reads
-//! drive the kernels. Page content the kernels do not check themselves
-//! (finite scales and zero points, InnerQ slots, the outlier table) is
-//! checked here, as the CPU decoders do.
+//! Nothing here reads a codec's bytes: parameters come from each codec's
+//! own parser (`Kivi::from_params`, `InnerQ::from_params`, ...) and every
+//! page is checked by the codec's own page layout, the function its CPU
+//! decoder uses (section kinds, streams, element types, counts, no extra
+//! section, and content the kernels do not check themselves: finite scales
+//! and zero points, InnerQ slots, the outlier table). The GPU therefore
+//! accepts exactly the pages the CPU accepts.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use crate::cache::{Role, TensorInfo};
-use crate::codec::outliers::OutlierTable;
+use crate::cache::{Kind, Role, TensorInfo};
+use crate::codec::hqmq::Hqmq;
+use crate::codec::innerq::{self, InnerQ};
+use crate::codec::kivi::Kivi;
+use crate::codec::polar::{self, Pairing, Polar, Values as PolarValues};
 use crate::codec::sphere::{self, Values};
-use crate::codec::{self, Codec, expect_section};
+use crate::codec::{self, Codec, affine, raw};
 use crate::error::{Error, Result};
-use crate::format::{ElemType, PageView, SectionKind};
-use crate::kernels::bitpack;
+use crate::format::{PageView, SectionKind};
 use crate::kernels::radix::Groups;
 
 use super::spec::{
-    BLOCK, Grid, HQ_ITEM, KernelChoice, KernelCodec, OutType, UNITS_PER_THREAD, magic,
+    BLOCK, DEC_UNITS_W32, Grid, HQ_ITEM, KernelChoice, KernelCodec, KernelOptions,
+    MAX_SHUFFLE_BLOCK, OutType, SEG_MAX, UNITS_PER_THREAD, W8, magic, src_suffix,
 };
 
 /// Units (8 channels) per thread of the fast kivi / innerq kernels
@@ -46,16 +49,6 @@ pub const HQ_NPOS: u32 = 2048;
 /// memory (`24 S` float4; S <= 256). Larger ones are read through L1.
 pub const HQ_SMEM_MAX: u32 = 24 * 256 * 16;
 
-static HQ_GLOBAL: AtomicBool = AtomicBool::new(false);
-
-/// Makes hqmq decode plans built from now on read the joint codebook
-/// through L1 instead of copying it to shared memory once per work item
-/// (`HQ_ITEM` rows): a benchmark knob that isolates the cost of the copy.
-/// Results are identical. Default off.
-pub fn prefer_global_hqmq_codebook(on: bool) {
-    HQ_GLOBAL.store(on, Ordering::Relaxed);
-}
-
 fn bad_params(codec: &dyn Codec) -> Error {
     Error::param(format!(
         "{}: parameter block of {} bytes does not match the codec spec",
@@ -64,96 +57,109 @@ fn bad_params(codec: &dyn Codec) -> Error {
     ))
 }
 
-/// The kernel family of pages of `t` encoded by `codec`, for the codecs of
-/// this module.
-///
-/// # Errors
-/// [`Error::Unsupported`] for a codec without GPU kernels;
-/// [`Error::Parameter`] for a parameter block that does not parse.
-pub fn of(codec: &dyn Codec, t: &TensorInfo) -> Result<KernelCodec> {
-    let p = codec.params();
-    let key = t.kind.role() == Role::Key;
-    match codec.id() {
-        codec::hqmq::ID => {
-            if p.len() != 24 {
-                return Err(bad_params(codec));
-            }
-            let s = u32::from_le_bytes(p[0..4].try_into().expect("4 bytes"));
-            let (b, g, med) = (p[4], p[5], p[6] & 1 == 1);
-            let m = (24 * u64::from(s)) << b;
-            let e = m.trailing_zeros();
-            let o = m >> e;
-            let groups = Groups::new(o, u32::from(g)).ok_or_else(|| bad_params(codec))?;
-            Ok(KernelCodec::Hqmq {
-                s,
-                b,
-                e: e as u8,
-                g,
-                w: groups.bits as u8,
-                o: u32::try_from(o).map_err(|_| bad_params(codec))?,
-                med,
-            })
-        }
-        codec::octopus::ID | codec::turbo::ID => {
-            let (a, b, _, opts, _) = sphere::read_header(&p)?;
-            if let (false, Values::Groups { bits, group }) =
-                (sphere::unit_coded(&opts, t.kind), opts.values)
-            {
-                return Ok(KernelCodec::Kivi {
-                    bits,
-                    group,
-                    tokens: false,
-                    exact: true,
-                });
-            }
-            let octopus = codec.id() == codec::octopus::ID;
-            Ok(KernelCodec::Sphere {
-                octopus,
-                a,
-                b: if octopus { b } else { 0 },
-                qjl: opts.qjl && key,
-            })
-        }
-        codec::polar::ID => {
-            if p.len() < 8 {
-                return Err(bad_params(codec));
-            }
-            Ok(match (key, p[3]) {
-                (true, _) => KernelCodec::Polar {
-                    m: p[0],
-                    n: p[1],
-                    adjacent: p[2] == 1,
-                },
-                (false, 0) => KernelCodec::Raw { src: t.dtype },
-                (false, bits) => KernelCodec::Affine { bits, block: None },
-            })
-        }
-        codec::innerq::ID => {
-            if p.len() < 12 {
-                return Err(bad_params(codec));
-            }
-            Ok(KernelCodec::InnerQ {
-                bits: if key { p[0] } else { p[1] },
-                mode: p[2],
-                group: u16::from_le_bytes([p[4], p[5]]),
-                tokens: !key,
-                norm: key && p[3] & 1 == 1,
-            })
-        }
-        codec::kivi::ID => match p[..] {
-            [bits, 0, g0, g1] => Ok(KernelCodec::Kivi {
-                bits,
-                group: u16::from_le_bytes([g0, g1]),
-                tokens: key,
-                exact: false,
+impl KernelCodec {
+    /// The kernel family of pages of `t` encoded by `codec`, from the
+    /// codec's own parameter parser.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a codec without GPU kernels;
+    /// [`Error::Parameter`] for a parameter block that does not parse or a
+    /// bdr block that does not divide head_dim.
+    pub fn of(codec: &dyn Codec, t: &TensorInfo) -> Result<KernelCodec> {
+        let p = codec.params();
+        super::spec::supported(t)?;
+        let key = t.kind.role() == Role::Key;
+        match codec.id() {
+            codec::raw::ID => Ok(KernelCodec::Raw { src: t.dtype }),
+            codec::affine::INT_ID => Ok(KernelCodec::Affine {
+                bits: codec::affine::int_params(&p)?.bits,
+                block: None,
             }),
-            _ => Err(bad_params(codec)),
-        },
-        _ => Err(Error::Unsupported(format!(
-            "no GPU kernels for codec {} (id {}) yet; decode it on the CPU",
-            codec.name(),
-            codec.id()
-        ))),
+            codec::affine::BDR_ID => {
+                let c = codec::affine::bdr_params(&p)?;
+                let block = c.block_for(t.kind).map(|b| b as u32);
+                if let Some(h) = block
+                    && !t.head_dim.is_multiple_of(h)
+                {
+                    return Err(Error::param(format!(
+                        "{}: head_dim {} is not a multiple of the bdr block {h}",
+                        t.describe(),
+                        t.head_dim
+                    )));
+                }
+                Ok(KernelCodec::Affine {
+                    bits: c.bits,
+                    block,
+                })
+            }
+            codec::hqmq::ID => {
+                let h = Hqmq::from_params(&p)?;
+                let (e, o) = codec::hqmq::symbol_split(h.secondaries, h.radius_bits);
+                Ok(KernelCodec::Hqmq {
+                    s: h.secondaries,
+                    b: h.radius_bits,
+                    e: e as u8,
+                    g: h.groups.digits as u8,
+                    w: h.groups.bits as u8,
+                    o: u32::try_from(o).map_err(|_| bad_params(codec))?,
+                    med: h.outlier_multiplier.is_some(),
+                })
+            }
+            codec::octopus::ID | codec::turbo::ID => {
+                let (a, b, _, opts, _) = sphere::read_header(&p)?;
+                if let (false, Values::Groups { bits, group }) =
+                    (sphere::unit_coded(&opts, t.kind), opts.values)
+                {
+                    return Ok(KernelCodec::Kivi {
+                        bits,
+                        group,
+                        tokens: false,
+                    });
+                }
+                let octopus = codec.id() == codec::octopus::ID;
+                Ok(KernelCodec::Sphere {
+                    octopus,
+                    a,
+                    b: if octopus { b } else { 0 },
+                    qjl: opts.qjl && key,
+                })
+            }
+            codec::polar::ID => {
+                let c = Polar::from_params(&p)?;
+                Ok(match (key, c.values) {
+                    (true, _) => KernelCodec::Polar {
+                        m: c.angle_bits,
+                        n: c.radius_bits,
+                        adjacent: c.pairing == Pairing::Adjacent,
+                    },
+                    (false, PolarValues::Raw) => KernelCodec::Raw { src: t.dtype },
+                    (false, PolarValues::Int(bits)) => KernelCodec::Affine { bits, block: None },
+                })
+            }
+            codec::innerq::ID => {
+                let c = InnerQ::from_params(&p)?;
+                Ok(KernelCodec::InnerQ {
+                    bits: c.bits_for(t.kind),
+                    mode: c.mode.code(),
+                    group: c.group,
+                    tokens: !key,
+                    norm: key && c.normalize,
+                })
+            }
+            codec::kivi::ID => {
+                let c = Kivi::from_params(&p)?;
+                Ok(KernelCodec::Kivi {
+                    bits: c.bits,
+                    group: c.group,
+                    tokens: key,
+                })
+            }
+            _ => Err(Error::Unsupported(format!(
+                "no GPU kernels for codec {} (id {}) yet; decode it on the CPU",
+                codec.name(),
+                codec.id()
+            ))),
+        }
     }
 }
 
@@ -167,76 +173,61 @@ fn group_count(tokens_axis: bool, group: u32, planes: u64, tokens: u64, d: u64) 
     }
 }
 
+/// Offset in the page body of `bytes`, a section slice of `page`.
+fn at(page: &PageView<'_>, bytes: &[u8]) -> u32 {
+    let o = bytes.as_ptr() as usize - page.body().as_ptr() as usize;
+    debug_assert!(o + bytes.len() <= page.body().len());
+    o as u32
+}
+
 /// Offset of section `(kind, stream)` (present: checked before).
 fn offset(page: &PageView<'_>, kind: SectionKind, stream: u8) -> u32 {
     page.sections()
         .iter()
         .find(|s| s.kind == kind && s.stream == stream)
         .map(|s| s.offset)
-        .expect("section checked by expect_section")
+        .expect("section checked by the codec's page layout")
 }
 
-fn f16_finite(b: &[u8]) -> Option<usize> {
-    b.chunks_exact(2)
-        .position(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7c00 == 0x7c00)
-}
-
-/// Checked section offsets `[s0..s4]` of a page of a codec of this module
-/// and its page-specific parameter (hqmq: inlier chunks; else 0). The
-/// meaning of each offset is the kernel's (see each `.cu` file).
+/// Checked section offsets `[s0..s4]` of a page and its page-specific
+/// parameter (hqmq: inlier chunks; else 0). The meaning of each offset is
+/// the kernel's (see each `.cu` file). Every page is checked by its
+/// codec's own page layout (`page_layout` / `page` / `key_sections` /
+/// `unit_sections` in `crate::codec`), the function its CPU decoder uses,
+/// so the GPU accepts exactly the pages the CPU accepts.
 ///
 /// # Errors
-/// [`Error::Format`] naming the page when a section is missing, has the
-/// wrong type or count, or content the CPU decoder rejects (listed in the
-/// module docs).
-pub fn sections(kc: KernelCodec, page: &PageView<'_>, t: &TensorInfo) -> Result<([u32; 5], u32)> {
-    let planes = t.planes() as u64;
-    let tokens = u64::from(page.header.meta.tokens);
+/// [`Error::Format`] naming the page when a section is missing, extra, has
+/// the wrong type or count, or content the CPU decoder rejects.
+pub fn page_sections(
+    kc: KernelCodec,
+    page: &PageView<'_>,
+    t: &TensorInfo,
+) -> Result<([u32; 5], u32)> {
+    let planes = t.planes();
+    let tokens = page.header.meta.tokens as usize;
     let rows = planes * tokens;
-    let d = u64::from(t.head_dim);
-    let n = |v: u64| v as usize;
-    match kc {
+    let d = t.head_dim as usize;
+    let s = match kc {
+        KernelCodec::Raw { src } => [at(page, raw::page_layout(page, src, rows * d)?), 0, 0, 0, 0],
+        KernelCodec::Affine { bits, .. } => {
+            let [s, z, i] = affine::page_layout(page, bits, rows, d)?;
+            [at(page, s), at(page, z), at(page, i), 0, 0]
+        }
         KernelCodec::Kivi {
             bits,
             group,
             tokens: tok,
-            exact,
         } => {
-            let g = u32::from(group);
-            if !tok && !t.head_dim.is_multiple_of(g) {
-                return Err(page.error(format!(
-                    "value page with head_dim {d}, not a multiple of the group size {group}"
-                )));
-            }
-            let ng = group_count(tok, g, planes, tokens, d);
-            let s = expect_section(page, SectionKind::Scale, 0, ElemType::F16, n(ng))?;
-            let z = expect_section(page, SectionKind::Zero, 0, ElemType::F16, n(ng))?;
-            expect_section(
-                page,
-                SectionKind::Index,
+            let kind = if tok { Kind::Key } else { Kind::Value };
+            let p = Kivi { bits, group }.page(page, kind, planes, tokens, d)?;
+            [
+                at(page, p.scales),
+                at(page, p.zeros),
+                at(page, p.index),
                 0,
-                ElemType::Packed(bits),
-                n(rows * d),
-            )?;
-            if let Some(i) = f16_finite(s).or(f16_finite(z)) {
-                return Err(page.error(format!("group {i}: scale or zero point not finite")));
-            }
-            if exact && page.sections().len() != 3 {
-                return Err(page.error(format!(
-                    "{} sections, the codec defines 3 for this page",
-                    page.sections().len()
-                )));
-            }
-            Ok((
-                [
-                    offset(page, SectionKind::Scale, 0),
-                    offset(page, SectionKind::Zero, 0),
-                    offset(page, SectionKind::Index, 0),
-                    0,
-                    0,
-                ],
                 0,
-            ))
+            ]
         }
         KernelCodec::InnerQ {
             bits,
@@ -244,285 +235,60 @@ pub fn sections(kc: KernelCodec, page: &PageView<'_>, t: &TensorInfo) -> Result<
             group,
             tokens: tok,
             ..
-        } => innerq_sections(page, bits, mode, u32::from(group), tok, planes, tokens, d),
-        KernelCodec::Polar { m, n: nb, .. } => {
-            if !d.is_multiple_of(2) {
-                return Err(page.error(format!(
-                    "polar key page of a tensor with the odd head_dim {d}"
-                )));
-            }
-            expect_section(
-                page,
-                SectionKind::Scale,
+        } => {
+            let kind = if tok { Kind::Value } else { Kind::Key };
+            let mode = innerq::Mode::from_code(mode)
+                .ok_or_else(|| page.error(format!("innerq: unknown mode {mode}")))?;
+            let p = innerq::page_layout(page, mode, group, bits, kind, planes, tokens, d)?;
+            [
+                at(page, p.scales),
+                at(page, p.slots),
+                at(page, p.index),
+                p.flags.map_or(0, |f| at(page, f)),
                 0,
-                ElemType::F32,
-                n(planes * d / 2),
-            )?;
-            expect_section(
-                page,
-                SectionKind::Index,
-                0,
-                ElemType::Packed(m + nb),
-                n(rows * d / 2),
-            )?;
-            Ok((
-                [
-                    offset(page, SectionKind::Scale, 0),
-                    offset(page, SectionKind::Index, 0),
-                    0,
-                    0,
-                    0,
-                ],
-                0,
-            ))
+            ]
+        }
+        KernelCodec::Polar { m, n, .. } => {
+            let (s, i) = polar::key_sections(m + n, page, planes, tokens, d)?;
+            [at(page, s), at(page, i), 0, 0, 0]
         }
         KernelCodec::Sphere { octopus, a, b, qjl } => {
-            let gam = expect_section(page, SectionKind::Scale, 0, ElemType::F32, n(rows))?;
-            if let Some(r) = (0..n(rows)).find(|&r| {
-                let g = codec::f32_at(gam, r);
-                !(g.is_finite() && g >= 0.0)
-            }) {
-                return Err(page.error(format!(
-                    "row {r}: norm {} is not finite and non-negative",
-                    codec::f32_at(gam, r)
-                )));
-            }
             let triplets = d.div_ceil(3);
-            let mut s = [offset(page, SectionKind::Scale, 0), 0, 0, 0, 0];
-            let streams = if octopus {
-                expect_section(
-                    page,
-                    SectionKind::Index,
-                    0,
-                    ElemType::Packed(a),
-                    n(2 * rows * triplets),
-                )?;
-                expect_section(
-                    page,
-                    SectionKind::Index,
-                    1,
-                    ElemType::Packed(b),
-                    n(rows * triplets),
-                )?;
-                s[2] = offset(page, SectionKind::Index, 1);
-                2
+            let streams: &[(u8, usize)] = if octopus {
+                &[(a, 2 * triplets), (b, triplets)]
             } else {
-                expect_section(
-                    page,
-                    SectionKind::Index,
-                    0,
-                    ElemType::Packed(a),
-                    n(rows * d),
-                )?;
-                1
+                &[(a, d)]
             };
-            s[1] = offset(page, SectionKind::Index, 0);
-            if qjl {
-                let g = expect_section(page, SectionKind::Scale, 1, ElemType::F16, n(rows))?;
-                if let Some(r) = f16_finite(g) {
-                    return Err(page.error(format!("row {r}: QJL residual norm is not finite")));
-                }
-                expect_section(
-                    page,
-                    SectionKind::Index,
-                    streams,
-                    ElemType::Packed(1),
-                    n(rows * d),
-                )?;
-                s[3] = offset(page, SectionKind::Scale, 1);
-                s[4] = offset(page, SectionKind::Index, streams);
-            }
-            let want = 1 + usize::from(streams) + if qjl { 2 } else { 0 };
-            if page.sections().len() != want {
-                return Err(page.error(format!(
-                    "{} sections, the codec defines {want} for this page",
-                    page.sections().len()
-                )));
-            }
-            Ok((s, 0))
+            let u = sphere::unit_sections(page, streams, qjl, rows, d)?;
+            let (g, bits) = u.qjl.map_or((0, 0), |(g, b)| (at(page, g), at(page, b)));
+            [
+                at(page, u.gammas),
+                at(page, u.codes[0]),
+                u.codes.get(1).map_or(0, |c| at(page, c)),
+                g,
+                bits,
+            ]
         }
-        KernelCodec::Hqmq {
-            b, e, g, w, o, med, ..
-        } => hqmq_sections(page, t, rows, b, e, g, w, o, med),
-        KernelCodec::Raw { .. } | KernelCodec::Affine { .. } => {
-            unreachable!("raw and affine sections are checked in spec")
-        }
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn innerq_sections(
-    page: &PageView<'_>,
-    bits: u8,
-    mode: u8,
-    group: u32,
-    tok: bool,
-    planes: u64,
-    tokens: u64,
-    d: u64,
-) -> Result<([u32; 5], u32)> {
-    let rows = planes * tokens;
-    if !tok && !d.is_multiple_of(u64::from(group)) {
-        return Err(page.error(format!(
-            "key page with head_dim {d}, not a multiple of the group size {group}"
-        )));
-    }
-    let w = (group / 32) as usize;
-    let ng = group_count(tok, group, planes, tokens, d) as usize;
-    let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, ng)?;
-    let slots = expect_section(page, SectionKind::Zero, 0, ElemType::U32, ng * w)?;
-    let flags = if mode == 2 {
-        Some(expect_section(
-            page,
-            SectionKind::Aux,
-            0,
-            ElemType::Packed(1),
-            ng,
-        )?)
-    } else {
-        None
-    };
-    expect_section(
-        page,
-        SectionKind::Index,
-        0,
-        ElemType::Packed(bits),
-        (rows * d) as usize,
-    )?;
-    if let Some(gi) = f16_finite(scales) {
-        return Err(page.error(format!("group {gi}: scale is not finite")));
-    }
-    let slot = |i: usize| codec::pagebuf::u32_at(slots, i);
-    let per_plane = tokens.div_ceil(u64::from(group)) as usize * d as usize;
-    for gi in 0..ng {
-        let sym = match (mode, flags) {
-            (1, _) => true,
-            (2, Some(m)) => m[gi / 8] >> (gi % 8) & 1 == 1,
-            _ => false,
-        };
-        if sym {
-            let len = if tok {
-                let j = (gi % per_plane) / d as usize;
-                (tokens as usize - j * group as usize).min(group as usize)
-            } else {
-                group as usize
-            };
-            for k in 0..w {
-                let used = len.saturating_sub(32 * k).min(32);
-                let unused = if used == 32 { 0 } else { u32::MAX << used };
-                if slot(gi * w + k) & unused != 0 {
-                    return Err(
-                        page.error(format!("group {gi}: sign bits set past its {len} elements"))
-                    );
-                }
-            }
-        } else {
-            let z = f32::from_bits(slot(gi * w));
-            if !z.is_finite() || (1..w).any(|k| slot(gi * w + k) != 0) {
-                return Err(page.error(format!(
-                    "group {gi}: zero point {z} not finite or reserved slot words set"
-                )));
-            }
-        }
-    }
-    Ok((
-        [
-            offset(page, SectionKind::Scale, 0),
-            offset(page, SectionKind::Zero, 0),
-            offset(page, SectionKind::Index, 0),
-            if mode == 2 {
-                offset(page, SectionKind::Aux, 0)
-            } else {
-                0
-            },
-            0,
-        ],
-        0,
-    ))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn hqmq_sections(
-    page: &PageView<'_>,
-    t: &TensorInfo,
-    rows: u64,
-    b: u8,
-    e: u8,
-    g: u8,
-    w: u8,
-    o: u32,
-    med: bool,
-) -> Result<([u32; 5], u32)> {
-    let _ = b;
-    if !t.head_dim.is_multiple_of(4) {
-        return Err(page.error(format!(
-            "hqmq needs head_dim divisible by 4, not {}",
-            t.head_dim
-        )));
-    }
-    let n = rows * u64::from(t.head_dim / 4);
-    let universe = u32::try_from(n).map_err(|_| page.error("page over 2^32 chunks"))?;
-    let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, rows as usize)?;
-    if let Some(r) = scales
-        .chunks_exact(2)
-        .position(|c| u16::from_le_bytes([c[0], c[1]]) & 0xfc00 >= 0x7c00)
-    {
-        return Err(page.error(format!(
-            "SCALE of row {r}: radius scales must be finite and non-negative"
-        )));
-    }
-    let has_table = page
-        .sections()
-        .iter()
-        .any(|s| s.kind == SectionKind::Outliers);
-    let n_out = match (med, has_table) {
-        (true, true) => {
-            let table = OutlierTable::from_page(page, 4, universe)?;
-            if table.values.iter().any(|v| !v.is_finite()) {
-                return Err(page.error("outlier table holds a non-finite value"));
-            }
-            table.positions.len() as u64
-        }
-        (false, false) => 0,
-        (true, false) => return Err(page.error("missing OUTLIERS section (+med codec)")),
-        (false, true) => {
-            return Err(
-                page.error("OUTLIERS section present, but the codec does not extract outliers")
-            );
-        }
-    };
-    let n_in = (n - n_out) as usize;
-    let groups = Groups::new(u64::from(o), u32::from(g)).expect("grouping checked");
-    debug_assert_eq!(groups.bits, u32::from(w));
-    let low = expect_section(page, SectionKind::Index, 0, ElemType::Packed(e), n_in)?;
-    expect_section(
-        page,
-        SectionKind::Index,
-        1,
-        ElemType::Bytes,
-        groups.packed_len(n_in),
-    )?;
-    if !bitpack::tail_is_zero(low, n_in, u32::from(e)) {
-        return Err(page.error("INDEX stream 0: padding bits after the last code are set"));
-    }
-    let digits = page.section(SectionKind::Index, 1)?.1;
-    if !bitpack::tail_is_zero(digits, n_in.div_ceil(usize::from(g)), u32::from(w)) {
-        return Err(page.error("INDEX stream 1: bits after the last digit group are set"));
-    }
-    Ok((
-        [
-            offset(page, SectionKind::Scale, 0),
-            offset(page, SectionKind::Index, 0),
-            offset(page, SectionKind::Index, 1),
-            if med {
+        KernelCodec::Hqmq { e, g, o, med, .. } => {
+            let groups = Groups::new(u64::from(o), u32::from(g))
+                .ok_or_else(|| page.error("hqmq: invalid digit grouping"))?;
+            let p = codec::hqmq::page_layout(page, med, u32::from(e), &groups, rows, d)?;
+            let table = if med {
                 offset(page, SectionKind::Outliers, 0)
             } else {
                 0
-            },
-            0,
-        ],
-        n_in as u32,
-    ))
+            };
+            let s = [
+                at(page, p.scales),
+                at(page, p.low),
+                at(page, p.high),
+                table,
+                0,
+            ];
+            return Ok((s, p.n_in as u32));
+        }
+    };
+    Ok((s, 0))
 }
 
 /// True when an octopus split's products `n(a, b) * C_rho[jn]` fit the
@@ -627,12 +393,19 @@ fn chunked(
     }
 }
 
-/// The decode kernel for pages of a codec of this module.
+/// The decode kernel for pages of one kernel family, head_dim and output
+/// type.
 ///
 /// # Errors
-/// [`Error::Unsupported`] for shapes no kernel handles (hqmq head_dim above
-/// 8192, octopus / turbo head_dim above 4096).
-pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<KernelChoice> {
+/// [`Error::Unsupported`] for shapes no kernel handles (`int`/`bdr`
+/// head_dim above [`SEG_MAX`], hqmq head_dim above 8192, octopus / turbo
+/// head_dim above 4096).
+pub fn decode_kernel(
+    kc: KernelCodec,
+    head_dim: u32,
+    out: OutType,
+    opts: KernelOptions,
+) -> Result<KernelChoice> {
     let o = out.suffix();
     let d8 = head_dim.is_multiple_of(8);
     match kc {
@@ -739,7 +512,7 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
             }
             let ob = if matches!(base, 3 | 9) { base } else { 0 };
             let bytes = 24 * 16 * u64::from(s);
-            let smem = bytes <= u64::from(HQ_SMEM_MAX) && !HQ_GLOBAL.load(Ordering::Relaxed);
+            let smem = bytes <= u64::from(HQ_SMEM_MAX) && !opts.global_hqmq_codebook;
             Ok(KernelChoice {
                 source: "hqmq",
                 name: format!("decode_hqmq_o{ob}_{}_{o}", if smem { "s" } else { "g" }),
@@ -750,15 +523,68 @@ pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<Ker
                 shared: if smem { bytes as u32 } else { 0 },
             })
         }
-        KernelCodec::Raw { .. } | KernelCodec::Affine { .. } => {
-            unreachable!("raw and affine kernels are chosen in spec")
+        KernelCodec::Raw { src } => Ok(if head_dim.is_multiple_of(8) {
+            KernelChoice {
+                source: "raw",
+                name: format!("decode_raw_{}_{o}", src_suffix(src)),
+                grid: W8,
+                shared: 0,
+            }
+        } else {
+            KernelChoice {
+                source: "raw",
+                name: format!("decode_raw_any_{o}"),
+                grid: Grid::Elements,
+                shared: 0,
+            }
+        }),
+        KernelCodec::Affine { bits, block } => {
+            if head_dim > SEG_MAX {
+                return Err(Error::Unsupported(format!(
+                    "GPU int/bdr kernels handle head_dim up to {SEG_MAX}, not {head_dim}"
+                )));
+            }
+            let h = block.unwrap_or(0);
+            let w8 = head_dim.is_multiple_of(8) && h <= MAX_SHUFFLE_BLOCK;
+            let w32 = head_dim.is_multiple_of(32) && (head_dim / 32).is_power_of_two();
+            if w32 && !(w8 && opts.narrow) {
+                // A block spanning the whole row (bdr{head_dim}) has its own
+                // kernel with every butterfly stage unconditional.
+                let kind = if h == head_dim { "rowrot_" } else { "" };
+                Ok(KernelChoice {
+                    source: "affine",
+                    name: format!("decode_affine_{kind}b{bits}_{o}"),
+                    grid: Grid::Units {
+                        w: 32,
+                        per_thread: DEC_UNITS_W32,
+                    },
+                    shared: 0,
+                })
+            } else if w8 {
+                Ok(KernelChoice {
+                    source: "affine",
+                    name: format!("decode_affine_w8_b{bits}_{o}"),
+                    grid: W8,
+                    shared: 0,
+                })
+            } else {
+                let seg = if h > 1 { h } else { head_dim };
+                Ok(KernelChoice {
+                    source: "affine",
+                    name: format!("decode_affine_any_{o}"),
+                    grid: Grid::Segments { seg },
+                    shared: 0,
+                })
+            }
         }
     }
 }
 
-/// Upper bound of the canonical body of a page (the exact length where
-/// it does not depend on the data).
-pub fn body_len_bound(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
+/// Length of the canonical body (format/SPEC.md 6.2) of a page of `rows`
+/// rows (`tokens` per plane) of `d` channels for a kernel family: what the
+/// CPU encoders write (an upper bound where the body depends on the data),
+/// used to size staging for zstd pages before they are decompressed.
+pub fn canonical_body_len(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
     let a = |x: u64| x.next_multiple_of(64);
     let planes = rows.checked_div(tokens).unwrap_or(0);
     let packed = |n: u64, bits: u64| (n * bits).div_ceil(8);
@@ -808,14 +634,16 @@ pub fn body_len_bound(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
             };
             64 + a(2 * rows) + a(packed(n, u64::from(e))) + digits + table
         }
-        KernelCodec::Raw { .. } | KernelCodec::Affine { .. } => {
-            unreachable!("raw and affine bodies are sized in spec")
+        KernelCodec::Raw { src } => 64 + a(rows * d * src.size() as u64),
+        KernelCodec::Affine { bits, .. } => {
+            64 + 2 * a(4 * rows) + a(packed(rows * d, u64::from(bits)))
         }
     }
 }
 
-/// Every kernel name [`decode_kernel`] and the hqmq encoder can ask for.
-pub fn all_kernel_names() -> Vec<(&'static str, String)> {
+/// Every kernel name [`decode_kernel`] asks for with the VQ and group
+/// families, and the hqmq encoder's.
+pub(crate) fn vq_kernel_names() -> Vec<(&'static str, String)> {
     let mut v = Vec::new();
     for out in [OutType::Bf16, OutType::F16] {
         let o = out.suffix();
@@ -872,7 +700,9 @@ mod tests {
             tokens: 10,
             head_dim: 128,
         };
-        let kc = |name: &str, kind| of(codec::parse(name).unwrap().as_ref(), &t(kind)).unwrap();
+        let kc = |name: &str, kind| {
+            KernelCodec::of(codec::parse(name).unwrap().as_ref(), &t(kind)).unwrap()
+        };
         assert_eq!(
             kc("hqmq:s96r4", Kind::Key),
             KernelCodec::Hqmq {
@@ -891,7 +721,6 @@ mod tests {
                 bits: 2,
                 group: 32,
                 tokens: true,
-                exact: false
             }
         );
         assert_eq!(
@@ -933,7 +762,6 @@ mod tests {
                 bits: 3,
                 group: 32,
                 tokens: false,
-                exact: true
             }
         );
         assert!(matches!(
@@ -949,7 +777,7 @@ mod tests {
 
     #[test]
     fn kernel_names_exist_for_every_family() {
-        let names = all_kernel_names();
+        let names = vq_kernel_names();
         for (kc, d) in [
             (
                 KernelCodec::Hqmq {
@@ -981,11 +809,74 @@ mod tests {
                 2048,
             ),
         ] {
-            let k = decode_kernel(kc, d, OutType::Bf16).unwrap();
+            let k = decode_kernel(kc, d, OutType::Bf16, KernelOptions::default()).unwrap();
             assert!(
                 names.iter().any(|(s, n)| *s == k.source && *n == k.name),
                 "{k:?}"
             );
         }
+    }
+
+    #[test]
+    fn kernel_choice() {
+        let bdr = |h| KernelCodec::Affine {
+            bits: 4,
+            block: Some(h),
+        };
+        assert_eq!(
+            decode_kernel(bdr(128), 128, OutType::Bf16, KernelOptions::default())
+                .unwrap()
+                .name,
+            "decode_affine_rowrot_b4_bf16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(64), 128, OutType::Bf16, KernelOptions::default())
+                .unwrap()
+                .name,
+            "decode_affine_b4_bf16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(512), 512, OutType::F16, KernelOptions::default())
+                .unwrap()
+                .grid,
+            Grid::Units {
+                w: 32,
+                per_thread: DEC_UNITS_W32
+            }
+        );
+        assert_eq!(
+            decode_kernel(bdr(512), 1024 + 512, OutType::F16, KernelOptions::default()).ok(),
+            None
+        );
+        assert_eq!(
+            decode_kernel(bdr(16), 48, OutType::F16, KernelOptions::default())
+                .unwrap()
+                .name,
+            "decode_affine_w8_b4_f16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(32), 96, OutType::F16, KernelOptions::default())
+                .unwrap()
+                .name,
+            "decode_affine_w8_b4_f16"
+        );
+        assert_eq!(
+            decode_kernel(bdr(2), 6, OutType::F16, KernelOptions::default())
+                .unwrap()
+                .grid,
+            Grid::Segments { seg: 2 }
+        );
+        assert_eq!(
+            super::super::spec::encode_kernel(
+                bdr(16),
+                96,
+                crate::cache::DType::Bf16,
+                KernelOptions::default()
+            )
+            .unwrap()
+            .name,
+            "encode_affine_any_bf16"
+        );
+        assert!(decode_kernel(bdr(2048), 2048, OutType::Bf16, KernelOptions::default()).is_err());
     }
 }

@@ -9,7 +9,8 @@
 //! (fibers), not a performance model, and not a substitute for running on
 //! a GPU: memory ordering, timing and resource limits are not emulated.
 //!
-//! Built with the `cuda` feature; [`Emulator::new`] needs `g++` on the PATH
+//! Built with or without the `cuda` feature (it shares the device-independent
+//! planning of `gpu::decplan` with CUDA); [`Emulator::new`] needs `g++` on the PATH
 //! (else [`Error::Unsupported`]). Binaries are cached per source text in
 //! the temporary directory.
 
@@ -19,11 +20,11 @@ use std::process::Command;
 
 use sha2::Digest;
 
-use super::cuda::{
+use super::decplan::{
     Args, PagedImage, Staged, add_page, check_status, group_args, pack_groups, stage_page,
 };
 use super::paged::{self, PagedLayout, PagedShape};
-use super::spec::{DstSpec, KernelChoice};
+use super::spec::{DstSpec, KernelChoice, KernelOptions};
 use super::{HostLayout, OutType, POISON, host, sources};
 use crate::cache::{Kind, Tensor, TensorData};
 use crate::codec::Codec;
@@ -75,6 +76,7 @@ struct Launch {
 #[derive(Debug, Clone)]
 pub struct Emulator {
     dir: PathBuf,
+    options: KernelOptions,
 }
 
 impl Emulator {
@@ -95,7 +97,19 @@ impl Emulator {
         }
         let dir = std::env::temp_dir().join("kvpack-emu");
         std::fs::create_dir_all(&dir).map_err(|e| Error::io(dir.display().to_string(), e))?;
-        Ok(Emulator { dir })
+        Ok(Emulator {
+            dir,
+            options: KernelOptions::default(),
+        })
+    }
+
+    /// This emulator choosing kernels with `options` (benchmark knobs;
+    /// results are identical).
+    pub fn with_kernel_options(&self, options: KernelOptions) -> Emulator {
+        Emulator {
+            options,
+            ..self.clone()
+        }
     }
 
     /// The emulator binary of kernel source `name` (compiled on first use).
@@ -281,7 +295,7 @@ impl Emulator {
             if let Some(&o) = side_at.get(&(s.codec, s.tensor)) {
                 g.side = side + o;
             }
-            add_page(&mut groups, &g, body, &dst, out)?;
+            add_page(&mut groups, &g, body, &dst, out, self.options)?;
         }
         let mut table = Vec::new();
         let packed = pack_groups(groups, &mut table);
@@ -326,9 +340,9 @@ impl Emulator {
             let (off, n, addr) = shape.image_target(layout, k);
             (cache + 2 * off, n, addr)
         };
-        let tlen = img.tables(0, target, out)?.0.len();
+        let tlen = img.tables(0, target, out, self.options)?.0.len();
         let base = arena.place(&vec![0u8; img.fixed + tlen]);
-        let (tables, launches, _) = img.tables(base, target, out)?;
+        let (tables, launches, _) = img.tables(base, target, out, self.options)?;
         let o = (base - BASE) as usize;
         img.fill(&mut arena.bytes[o..o + img.fixed]);
         arena.bytes[o + img.fixed..o + img.fixed + tlen].copy_from_slice(&tables);
@@ -439,7 +453,9 @@ impl Emulator {
             // Refused by the plan below (`spec::supported`).
             TensorData::Fp8(_, v) => arena.place(v),
         };
-        let layout = super::encplan::plan(src, info, codec, pages, &mut |b| Ok(arena.place(b)))?;
+        let layout = super::encplan::plan(src, info, codec, pages, self.options, &mut |b| {
+            Ok(arena.place(b))
+        })?;
         let bodies = arena.place(&layout.host);
         let mut descs = layout.descs.clone();
         for d in &mut descs {

@@ -16,7 +16,9 @@ use crate::kernels::radix::Groups;
 use crate::plan::PlannedPage;
 
 use super::body::{CanonicalBody, SectionSpec};
-use super::spec::{self, AffineBody, BLOCK, EncDesc, Grid, KernelChoice, KernelCodec, src_suffix};
+use super::spec::{
+    self, AffineBody, BLOCK, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions, src_suffix,
+};
 
 /// Alignment of page bodies in the body buffer, bytes.
 pub const BODY_ALIGN: usize = 256;
@@ -91,12 +93,13 @@ pub fn plan(
     info: &TensorInfo,
     codec: &dyn Codec,
     pages: &[PlannedPage],
+    opts: KernelOptions,
     place: &mut dyn FnMut(&[u8]) -> Result<u64>,
 ) -> Result<EncodeLayout> {
     codec.check(info)?;
     let kc = KernelCodec::of(codec, info)?;
     match kc {
-        KernelCodec::Affine { bits, .. } => plan_affine(src, info, kc, bits, pages),
+        KernelCodec::Affine { bits, .. } => plan_affine(src, info, kc, bits, pages, opts),
         KernelCodec::Hqmq { med: false, .. } => plan_hqmq(src, info, codec, kc, pages, place),
         _ => Err(Error::Unsupported(format!(
             "GPU encode covers int, bdr and hqmq without +med, not {}",
@@ -134,9 +137,10 @@ fn plan_affine(
     kc: KernelCodec,
     bits: u8,
     pages: &[PlannedPage],
+    opts: KernelOptions,
 ) -> Result<EncodeLayout> {
     let esize = info.dtype.size() as u64;
-    let kernel = spec::encode_kernel(kc, info.head_dim, info.dtype)?;
+    let kernel = spec::encode_kernel(kc, info.head_dim, info.dtype, opts)?;
     let d = info.head_dim;
     let mut p = empty();
     let mut work = Vec::new();
@@ -201,7 +205,7 @@ fn plan_hqmq(
     let nc = d / 4;
     let rb = (BLOCK / nc.max(1)).max(1);
     let groups = Groups::new(u64::from(o), u32::from(g)).expect("checked grouping");
-    let side = place(&super::side::hqmq_encode_table(codec, info, s))?;
+    let side = place(&super::side::hqmq_encode_table(codec, info, s)?)?;
     let mut p = empty();
     let mut chunks = 0u64;
     let mut scratch_at = Vec::new();
@@ -343,10 +347,17 @@ mod tests {
             },
         ];
         let mut placed = Vec::new();
-        let l = plan(0x1000, &info, c.as_ref(), &pages, &mut |b| {
-            placed.push(b.len());
-            Ok(0x10_0000 * placed.len() as u64)
-        })
+        let l = plan(
+            0x1000,
+            &info,
+            c.as_ref(),
+            &pages,
+            KernelOptions::default(),
+            &mut |b| {
+                placed.push(b.len());
+                Ok(0x10_0000 * placed.len() as u64)
+            },
+        )
         .unwrap();
         assert_eq!(l.works.len(), 2);
         // 16 chunks per row, 16 rows per item: 3 planes x 4 items + 3 x 1.

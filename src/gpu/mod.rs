@@ -13,21 +13,22 @@
 //!   batch folded into heads), or the vLLM paged layout
 //!   `[num_blocks, block_size, kv_heads, head_dim]` through a slot mapping
 //!   (token -> slot). Many pages go in one launch through a descriptor
-//!   table ([`spec::PageDesc`]); results equal the CPU decoder's bit for bit
+//!   table (`PageDesc`, the kernel ABI in `gpu::abi` and `common.cuh`); results equal the CPU decoder's bit for bit
 //!   (same IEEE operations in the same order, no fused multiply-add except
 //!   where the product is exact, the Walsh-Hadamard stages in the normative
 //!   order). The one exception: an `int`/`bdr` output that is NaN (only
 //!   possible from a non-finite scale or zero point) is the canonical NaN,
 //!   where the CPU keeps the payload. Codebooks, sign vectors and
 //!   normalization factors are rebuilt on the host from the codec's
-//!   parameter block and placed next to the pages ([`side`]); page content
-//!   the CPU decoder rejects is rejected on the host while staging
-//!   ([`codecs`]) or, for hqmq's digit groups, by the kernel (a format error
+//!   parameter block (read by the codec's own parser) and placed next to
+//!   the pages (`gpu::side`); pages are checked on the host while staging
+//!   by the codec's own page layout, the function its CPU decoder uses
+//!   (`gpu::codecs`), so the GPU rejects what the CPU rejects, or, for hqmq's digit groups, by the kernel (a format error
 //!   from [`DecodePlan::finish`]).
 //! * **Encode** ([`Gpu::plan_encode`]): a contiguous bf16/fp16/f32 tensor
 //!   on the device to `int{b}` / `bdr{h}` / `hqmq` page bodies whose
 //!   sections are the CPU encoder's bit for bit ([`EncodePlan::sections`];
-//!   planned by [`encplan`]). The hqmq search is the CPU's fast exact search
+//!   planned by `gpu::encplan`). The hqmq search is the CPU's fast exact search
 //!   (coset filter with a proven margin, exact rescoring of near-ties).
 //! * **File to GPU** ([`FileDecoder`]): pages read from an mmap'd file,
 //!   checked (CRC), staged in pinned host memory, copied to the device and
@@ -37,9 +38,9 @@
 //!   CPU while staging; the kernels only see uncompressed bodies.
 //!
 //! [`Device`] runs the same operations on the CPU (the reference codecs),
-//! on CUDA, or through the SIMT emulator (`gpu::emu`, with the `cuda`
-//! feature: the same kernel sources compiled for the CPU, for machines
-//! without a GPU) and returns host results, so one test body checks all of
+//! on CUDA, or through the SIMT emulator (`gpu::emu`, with or without the
+//! `cuda` feature: the same kernel sources compiled for the CPU, for
+//! machines without a GPU) and returns host results, so one test body checks all of
 //! them.
 //!
 //! Measured throughput against the device-to-device copy ceiling, and what
@@ -54,7 +55,7 @@
 //! `Error::Unsupported("built without CUDA ...")`.
 //!
 //! Kernels are CUDA C sources in `src/gpu/kernels/*.cu` (embedded with
-//! `include_str!`, listed in [`sources`]), compiled by NVRTC on first use
+//! `include_str!`, listed in `gpu::sources`), compiled by NVRTC on first use
 //! for the device's compute capability with `--fmad=false`, and cached per
 //! device for the life of the process.
 //!
@@ -69,46 +70,60 @@
 //!    (`row_dst` / `RowWalk` for both layouts, `get_bits`, `load_le`,
 //!    `st_out8`, the Walsh-Hadamard stages, conversions); write them so that
 //!    they also compile as host C++ for the emulator (`KVPACK_EMU`).
-//! 2. Add it to [`sources::ALL`].
-//! 3. Teach [`codecs`] the codec: its [`spec::KernelCodec`] from the codec
-//!    id and parameter block, the checked section offsets of a page, the
-//!    kernel name and grid, the descriptor parameters; and [`side`] the
-//!    side table it needs (codebooks, sign vectors, factors).
+//! 2. Add it to `gpu::sources::ALL`.
+//! 3. Add its kernel family to `gpu::spec::KernelCodec` and teach
+//!    `gpu::codecs`, the one dispatch over families, the codec: the family
+//!    from the codec's own parameter parser (`KernelCodec::of`), the section
+//!    offsets from the codec's own page layout (`page_sections`), the
+//!    kernel name and grid (`decode_kernel`), the descriptor parameters
+//!    (`desc_params`) and the body bound (`canonical_body_len`); and
+//!    `gpu::side` the side table it needs (codebooks, sign vectors,
+//!    factors).
 //! 4. Extend `tests/gpu.rs` (its bodies run on the CPU, CUDA and, with
 //!    `KVPACK_GPU_EMU=1`, the emulator) and `tests/benches/gpu.rs`.
 //!
 //! The container, [`FileDecoder`] and the plans need no change.
 
+// The device-independent internals (kernel families, page staging, side
+// tables, encode plans, kernel sources) are public for the tests and
+// benchmarks only: `#[doc(hidden)]`, not part of the API.
+mod abi;
+mod addr;
+#[doc(hidden)]
 pub mod body;
+#[doc(hidden)]
 pub mod codecs;
+mod decplan;
+#[doc(hidden)]
 pub mod encplan;
 pub mod host;
 pub mod paged;
+#[doc(hidden)]
 pub mod side;
+#[doc(hidden)]
 pub mod sources;
+#[doc(hidden)]
 pub mod spec;
 
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(feature = "cuda")]
+#[doc(hidden)]
 pub mod emu;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     DecodePlan, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages, PagedJob,
     compile_all,
 };
-#[cfg(feature = "cuda")]
 pub use emu::Emulator;
 
 #[cfg(not(feature = "cuda"))]
 mod stub;
 #[cfg(not(feature = "cuda"))]
 pub use stub::{
-    DecodePlan, Emulator, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages,
-    PagedJob,
+    DecodePlan, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages, PagedJob,
 };
 
-pub use spec::OutType;
+pub use spec::{KernelOptions, OutType};
 
 use crate::cache::Tensor;
 use crate::codec::Codec;
@@ -299,9 +314,20 @@ impl Device {
     /// The SIMT emulator ([`Emulator::new`]).
     ///
     /// # Errors
-    /// [`Error::Unsupported`] without the `cuda` feature or without g++.
+    /// [`Error::Unsupported`] without g++ (the `cuda` feature is not
+    /// needed).
     pub fn emulated() -> Result<Device> {
         Emulator::new().map(Device::Emulated)
+    }
+
+    /// This device choosing kernels with `options` (benchmark knobs;
+    /// results are identical; the CPU ignores them).
+    pub fn with_kernel_options(&self, options: KernelOptions) -> Device {
+        match self {
+            Device::Cpu => Device::Cpu,
+            Device::Cuda(g) => Device::Cuda(g.with_kernel_options(options)),
+            Device::Emulated(e) => Device::Emulated(e.with_kernel_options(options)),
+        }
     }
 
     /// Decodes every page of tensor `tensor` overlapping `layout` into a
@@ -570,4 +596,52 @@ impl Device {
             }
         }
     }
+}
+
+/// Every kernel name a launcher can ask for, with its source (the source
+/// check test compiles them all): one list over every kernel family.
+#[doc(hidden)]
+pub fn all_kernel_names() -> Vec<(&'static str, String)> {
+    use crate::cache::DType;
+    use spec::KernelCodec;
+    let mut v = vec![("copy", "copy_u128".to_string())];
+    for out in [OutType::Bf16, OutType::F16] {
+        for src in [DType::Bf16, DType::F16, DType::F32] {
+            for d in [64, 6] {
+                let k = codecs::decode_kernel(KernelCodec::Raw { src }, d, out, Default::default())
+                    .expect("raw");
+                v.push((k.source, k.name));
+            }
+        }
+        for bits in 1..=8 {
+            for (d, h) in [
+                (128, None),
+                (128, Some(128)),
+                (128, Some(512)),
+                (6, None),
+                (40, Some(8)),
+            ] {
+                let kc = KernelCodec::Affine { bits, block: h };
+                let k = codecs::decode_kernel(kc, d, out, Default::default()).expect("affine");
+                v.push((k.source, k.name));
+            }
+        }
+    }
+    for src in [DType::Bf16, DType::F16, DType::F32] {
+        for bits in 1..=8 {
+            for d in [128, 96, 16] {
+                let kc = KernelCodec::Affine { bits, block: None };
+                let k = spec::encode_kernel(kc, d, src, Default::default()).expect("affine");
+                v.push((k.source, k.name));
+            }
+        }
+    }
+    for d in [64, 6] {
+        let k = paged::gather_kernel(d);
+        v.push((k.source, k.name));
+    }
+    v.extend(codecs::vq_kernel_names());
+    v.sort();
+    v.dedup();
+    v
 }

@@ -12,13 +12,18 @@
 //! | hqmq decode | u64 `O^G` (0 when it is `2^64`), 8 zero bytes, then per kv head the `24 S` joint codewords (float4) |
 //! | hqmq encode | per kv head the `S` secondaries then the `24 S` joint codewords (float4) |
 //!
-//! kivi and the raw / affine families need none.
+//! kivi, InnerQ without normalization and the raw / affine families
+//! need none (nor does a new family unless it adds a row here).
 
 use crate::cache::TensorInfo;
 use crate::codec::Codec;
+use crate::codec::hqmq::Hqmq;
 use crate::codec::hqmq::codebook::{Codebook, secondaries};
-use crate::codec::octopus::DirTables;
+use crate::codec::innerq::InnerQ;
+use crate::codec::octopus::Octopus;
+use crate::codec::polar::Polar;
 use crate::codec::sphere::{self, PURPOSE_QJL, PURPOSE_ROTATION};
+use crate::codec::turbo::Turbo;
 use crate::error::{Error, Result};
 use crate::kernels::radix::Groups;
 
@@ -52,14 +57,24 @@ fn sign_bits(s: &[f32]) -> Vec<u8> {
 pub fn table(codec: &dyn Codec, kc: KernelCodec, t: &TensorInfo) -> Result<Option<Vec<u8>>> {
     let p = codec.params();
     match kc {
-        KernelCodec::Polar { m, .. } => {
-            let n = 8 * (1usize << m);
-            let dirs = p
-                .get(8..8 + n)
-                .ok_or_else(|| Error::param("polar parameters: direction table truncated"))?;
-            Ok(Some(dirs.to_vec()))
+        KernelCodec::Polar { .. } => {
+            let mut out = Vec::new();
+            for d in Polar::from_params(&p)?.directions() {
+                put_f32s(&mut out, d);
+            }
+            Ok(Some(out))
         }
-        KernelCodec::InnerQ { norm: true, .. } => innerq_factors(&p, t).map(Some),
+        KernelCodec::InnerQ { norm: true, .. } => {
+            let c = InnerQ::from_params(&p)?;
+            match c.factors_for(t).map_err(Error::param)? {
+                Some(e) => {
+                    let mut out = Vec::new();
+                    put_f32s(&mut out, &e.factors);
+                    Ok(Some(out))
+                }
+                None => Ok(None),
+            }
+        }
         KernelCodec::Sphere { octopus, a, b, qjl } => {
             sphere_table(codec, &p, t, octopus, a, b, qjl).map(Some)
         }
@@ -67,65 +82,44 @@ pub fn table(codec: &dyn Codec, kc: KernelCodec, t: &TensorInfo) -> Result<Optio
             let limit = Groups::new(u64::from(o), u32::from(g))
                 .map(|gr| gr.limit())
                 .ok_or_else(|| Error::param("hqmq parameters: invalid digit grouping"))?;
+            let seed = Hqmq::from_params(&p)?.seed;
             let mut out = Vec::new();
             out.extend_from_slice(&u64::try_from(limit).unwrap_or(0).to_le_bytes());
             out.extend_from_slice(&[0u8; 8]);
             for head in 0..t.heads {
-                let cb = hqmq_codebook(&p, t, head, s);
+                let cb = hqmq_codebook(seed, t, head, s);
                 for q in &cb.joint {
                     put_f32s(&mut out, q);
                 }
             }
             Ok(Some(out))
         }
-        KernelCodec::Raw { .. } | KernelCodec::Affine { .. } | KernelCodec::Kivi { .. } => Ok(None),
-        KernelCodec::InnerQ { norm: false, .. } => Ok(None),
+        // The families whose kernels read everything from the page (raw,
+        // affine, kivi, innerq without normalization): no side table.
+        _ => Ok(None),
     }
 }
 
-/// The codebook of kv head `head` of `t` for an hqmq parameter block.
-fn hqmq_codebook(p: &[u8], t: &TensorInfo, head: u32, s: u32) -> Codebook {
-    let seed = u64::from_le_bytes(p[16..24].try_into().expect("24-byte block"));
+/// The codebook of kv head `head` of `t` for an hqmq codec of `seed`.
+fn hqmq_codebook(seed: u64, t: &TensorInfo, head: u32, s: u32) -> Codebook {
     Codebook::new(secondaries(seed, t.layer, head, t.kind, s as usize))
 }
 
 /// The hqmq encode side table of `t`: per kv head the `S` secondaries,
 /// then the `24 S` joint codewords, float4 each.
-pub fn hqmq_encode_table(codec: &dyn Codec, t: &TensorInfo, s: u32) -> Vec<u8> {
-    let p = codec.params();
+///
+/// # Errors
+/// [`Error::Parameter`] when the codec's parameter block does not parse.
+pub fn hqmq_encode_table(codec: &dyn Codec, t: &TensorInfo, s: u32) -> Result<Vec<u8>> {
+    let seed = Hqmq::from_params(&codec.params())?.seed;
     let mut out = Vec::new();
     for head in 0..t.heads {
-        let cb = hqmq_codebook(&p, t, head, s);
+        let cb = hqmq_codebook(seed, t, head, s);
         for q in cb.secondary.iter().chain(&cb.joint) {
             put_f32s(&mut out, q);
         }
     }
-    out
-}
-
-fn innerq_factors(p: &[u8], t: &TensorInfo) -> Result<Vec<u8>> {
-    let word = |b: &[u8], k: usize| u32::from_le_bytes(b[4 * k..4 * k + 4].try_into().expect("4"));
-    let n = word(p, 2) as usize;
-    let mut rest = &p[12..];
-    for _ in 0..n {
-        let (layer, heads, d) = (word(rest, 0), word(rest, 1), word(rest, 2));
-        let len = 4 * heads as usize * d as usize;
-        if layer == t.layer {
-            if (heads, d) != (t.heads, t.head_dim) {
-                return Err(Error::param(format!(
-                    "the key normalization entry of layer {} is for {heads} heads x {d} channels, \
-                     the tensor has {} x {}",
-                    t.layer, t.heads, t.head_dim
-                )));
-            }
-            return Ok(rest[12..12 + len].to_vec());
-        }
-        rest = &rest[12 + len..];
-    }
-    Err(Error::param(format!(
-        "no key normalization entry for layer {}",
-        t.layer
-    )))
+    Ok(out)
 }
 
 fn sphere_table(
@@ -137,34 +131,19 @@ fn sphere_table(
     b: u8,
     qjl: bool,
 ) -> Result<Vec<u8>> {
-    let (_, _, _, opts, tail) = sphere::read_header(p)?;
-    let mut at = 0usize;
-    let dirs = if octopus {
-        Some(sphere::read_f32s(tail, &mut at, 1 << a)?)
+    let missing = || sphere::no_codebook(&codec.name(), "codebook", t);
+    let (oct, tur);
+    let (opts, dirs_table, book) = if octopus {
+        oct = Octopus::from_params(p)?;
+        let book = oct.norm_codebook(t.head_dim).ok_or_else(missing)?;
+        (oct.options, Some(oct.dir_tables()), book)
     } else {
-        None
+        tur = Turbo::from_params(p)?;
+        let book = tur.coord_codebook(t.head_dim).ok_or_else(missing)?;
+        (tur.options, None, book)
     };
-    let per = 1usize << if octopus { b } else { a };
-    let n_dims = sphere::read_u32(tail, &mut at)?;
-    let mut book = None;
-    for _ in 0..n_dims {
-        let d = sphere::read_u32(tail, &mut at)?;
-        let c = sphere::read_f32s(tail, &mut at, per)?;
-        if d == t.head_dim {
-            book = Some(c);
-        }
-    }
-    let book = book.ok_or_else(|| {
-        Error::param(format!(
-            "{}: no codebook for head_dim {} ({})",
-            codec.name(),
-            t.head_dim,
-            t.describe()
-        ))
-    })?;
     let mut out = Vec::new();
-    let dirs_table = dirs.map(|c| DirTables::new(a, c));
-    if let Some(tables) = &dirs_table {
+    if let Some(tables) = dirs_table {
         for x in 0..1usize << a {
             for y in 0..1usize << a {
                 let n = tables.dir(x, y);
@@ -172,7 +151,7 @@ fn sphere_table(
             }
         }
     }
-    put_f32s(&mut out, &book);
+    put_f32s(&mut out, book);
     out.resize(sphere_sign_offset(octopus, a, b) as usize, 0);
     let d = t.head_dim as usize;
     for head in 0..t.heads {
@@ -183,15 +162,14 @@ fn sphere_table(
             out.extend_from_slice(&sign_bits(&s2));
         }
     }
-    if octopus && octopus_product_table(a, b) {
+    if let Some(dirs) = dirs_table.filter(|_| octopus_product_table(a, b)) {
         // Products n(x, y)_k * C_rho[jn] (the decoder's f32 products), at
         // ((x | y << b_dir) << b_norm) | jn.
         out.resize(out.len().next_multiple_of(16), 0);
-        let dirs = dirs_table.expect("octopus");
         for pair in 0..1usize << (2 * a) {
             let (x, y) = (pair & ((1 << a) - 1), pair >> a);
             let n = dirs.dir(x, y);
-            for &rho in &book {
+            for &rho in book {
                 put_f32s(&mut out, &[n[0] * rho, n[1] * rho, n[2] * rho, 0.0]);
             }
         }

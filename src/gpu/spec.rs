@@ -7,10 +7,9 @@
 //! Nothing here touches a device; it is all plain data, so it is tested on
 //! machines without CUDA.
 
-use bytemuck::{Pod, Zeroable};
+use bytemuck::Zeroable;
 
 use crate::cache::{DType, TensorInfo};
-use crate::codec::{self, Codec, expect_section};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, SectionKind};
 
@@ -47,17 +46,18 @@ pub fn udiv(n: u32, d: u32, m: u32) -> u32 {
     q
 }
 
-static NARROW: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// Makes plans built from now on use the 8-element unit kernels wherever
-/// they apply instead of the 32-element ones (a benchmark knob that
-/// isolates the cost of each layout; results are identical). Default off.
-pub fn prefer_narrow_kernels(on: bool) {
-    NARROW.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-fn narrow() -> bool {
-    NARROW.load(std::sync::atomic::Ordering::Relaxed)
+/// Kernel selection options of a device handle ([`super::Device`],
+/// [`super::Gpu`], [`super::Emulator`]): benchmark knobs that pick another
+/// kernel of the same family to isolate a cost. Results are identical with
+/// any options; the default is the fastest measured choice.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct KernelOptions {
+    /// `int`/`bdr`: use the 8-element unit kernels wherever they apply
+    /// instead of the 32-element ones.
+    pub narrow: bool,
+    /// hqmq decode: read the joint codebook through L1 instead of copying
+    /// it to shared memory once per work item (`HQ_ITEM` rows).
+    pub global_hqmq_codebook: bool,
 }
 /// Threads per block of the segment (fallback) kernels.
 pub const SEG_BLOCK: u32 = 128;
@@ -96,9 +96,6 @@ pub enum KernelCodec {
         group: u16,
         /// Groups run along tokens (K of `kivi`), else along channels.
         tokens: bool,
-        /// The page has exactly these three sections (value groups of
-        /// `octopus` / `turbo`; `kivi` itself tolerates others).
-        exact: bool,
     },
     /// `innerq` pages.
     InnerQ {
@@ -154,39 +151,6 @@ pub enum KernelCodec {
 }
 
 impl KernelCodec {
-    /// The kernel family for pages of `tensor` encoded by `codec`.
-    ///
-    /// # Errors
-    /// [`Error::Unsupported`] for a codec that has no GPU kernels yet.
-    pub fn of(codec: &dyn Codec, tensor: &TensorInfo) -> Result<KernelCodec> {
-        supported(tensor)?;
-        let p = codec.params();
-        match codec.id() {
-            codec::raw::ID => Ok(KernelCodec::Raw { src: tensor.dtype }),
-            codec::affine::INT_ID if p.len() == 4 => Ok(KernelCodec::Affine {
-                bits: p[0],
-                block: None,
-            }),
-            codec::affine::BDR_ID if p.len() == 8 => {
-                let h = u32::from(u16::from_le_bytes([p[0], p[1]]));
-                let keys_only = p[3] & 1 == 1;
-                let rotated = !(keys_only && tensor.kind.role() == crate::cache::Role::Value);
-                if rotated && !tensor.head_dim.is_multiple_of(h) {
-                    return Err(Error::param(format!(
-                        "{}: head_dim {} is not a multiple of the bdr block {h}",
-                        tensor.describe(),
-                        tensor.head_dim
-                    )));
-                }
-                Ok(KernelCodec::Affine {
-                    bits: p[2],
-                    block: rotated.then_some(h),
-                })
-            }
-            _ => super::codecs::of(codec, tensor),
-        }
-    }
-
     /// `h` as passed to the kernels: the block size, 0 without rotation.
     pub fn h(&self) -> u32 {
         match self {
@@ -382,7 +346,7 @@ impl Grid {
 }
 
 /// The 8-element unit grid.
-const W8: Grid = Grid::Units {
+pub(crate) const W8: Grid = Grid::Units {
     w: 8,
     per_thread: UNITS_PER_THREAD,
 };
@@ -398,78 +362,17 @@ impl Grid {
     }
 }
 
-/// The decode kernel for pages of one codec, head_dim and output type.
-///
-/// # Errors
-/// [`Error::Unsupported`] for `int`/`bdr` pages with head_dim above
-/// [`SEG_MAX`].
-pub fn decode_kernel(kc: KernelCodec, head_dim: u32, out: OutType) -> Result<KernelChoice> {
-    let o = out.suffix();
-    match kc {
-        KernelCodec::Raw { src } => Ok(if head_dim.is_multiple_of(8) {
-            KernelChoice {
-                source: "raw",
-                name: format!("decode_raw_{}_{o}", src_suffix(src)),
-                grid: W8,
-                shared: 0,
-            }
-        } else {
-            KernelChoice {
-                source: "raw",
-                name: format!("decode_raw_any_{o}"),
-                grid: Grid::Elements,
-                shared: 0,
-            }
-        }),
-        KernelCodec::Affine { bits, block } => {
-            if head_dim > SEG_MAX {
-                return Err(Error::Unsupported(format!(
-                    "GPU int/bdr kernels handle head_dim up to {SEG_MAX}, not {head_dim}"
-                )));
-            }
-            let h = block.unwrap_or(0);
-            let w8 = head_dim.is_multiple_of(8) && h <= MAX_SHUFFLE_BLOCK;
-            let w32 = head_dim.is_multiple_of(32) && (head_dim / 32).is_power_of_two();
-            if w32 && !(w8 && narrow()) {
-                // A block spanning the whole row (bdr{head_dim}) has its own
-                // kernel with every butterfly stage unconditional.
-                let kind = if h == head_dim { "rowrot_" } else { "" };
-                Ok(KernelChoice {
-                    source: "affine",
-                    name: format!("decode_affine_{kind}b{bits}_{o}"),
-                    grid: Grid::Units {
-                        w: 32,
-                        per_thread: DEC_UNITS_W32,
-                    },
-                    shared: 0,
-                })
-            } else if w8 {
-                Ok(KernelChoice {
-                    source: "affine",
-                    name: format!("decode_affine_w8_b{bits}_{o}"),
-                    grid: W8,
-                    shared: 0,
-                })
-            } else {
-                let seg = if h > 1 { h } else { head_dim };
-                Ok(KernelChoice {
-                    source: "affine",
-                    name: format!("decode_affine_any_{o}"),
-                    grid: Grid::Segments { seg },
-                    shared: 0,
-                })
-            }
-        }
-        _ => super::codecs::decode_kernel(kc, head_dim, out),
-    }
-}
-
 /// The encode kernel for `int`/`bdr` pages of a tensor.
 ///
 /// # Errors
 /// [`Error::Unsupported`] for `raw` (a copy; use the CPU) or head_dim above
 /// [`SEG_MAX`].
-pub fn encode_kernel(kc: KernelCodec, head_dim: u32, src: DType) -> Result<KernelChoice> {
+pub fn encode_kernel(
+    kc: KernelCodec,
+    head_dim: u32,
+    src: DType,
+    opts: KernelOptions,
+) -> Result<KernelChoice> {
     let KernelCodec::Affine { bits, block } = kc else {
         return Err(Error::Unsupported(
             "GPU encode covers int and bdr; raw pages are a plain copy".into(),
@@ -487,7 +390,7 @@ pub fn encode_kernel(kc: KernelCodec, head_dim: u32, src: DType) -> Result<Kerne
         head_dim.is_multiple_of(w) && upr.is_power_of_two() && upr <= 32
     };
     let w8 = fits(8) && h <= MAX_SHUFFLE_BLOCK;
-    if fits(32) && !(w8 && narrow()) {
+    if fits(32) && !(w8 && opts.narrow) {
         Ok(KernelChoice {
             source: "affine",
             name: format!("encode_affine_b{bits}_{s}"),
@@ -514,227 +417,7 @@ pub fn encode_kernel(kc: KernelCodec, head_dim: u32, src: DType) -> Result<Kerne
     }
 }
 
-/// Every kernel name a launcher can ask for (for the source check test).
-pub fn all_kernel_names() -> Vec<(&'static str, String)> {
-    let mut v = vec![("copy", "copy_u128".to_string())];
-    for out in [OutType::Bf16, OutType::F16] {
-        for src in [DType::Bf16, DType::F16, DType::F32] {
-            for d in [64, 6] {
-                let k = decode_kernel(KernelCodec::Raw { src }, d, out).expect("raw");
-                v.push((k.source, k.name));
-            }
-        }
-        for bits in 1..=8 {
-            for (d, h) in [
-                (128, None),
-                (128, Some(128)),
-                (128, Some(512)),
-                (6, None),
-                (40, Some(8)),
-            ] {
-                let kc = KernelCodec::Affine { bits, block: h };
-                let k = decode_kernel(kc, d, out).expect("affine");
-                v.push((k.source, k.name));
-            }
-        }
-    }
-    for src in [DType::Bf16, DType::F16, DType::F32] {
-        for bits in 1..=8 {
-            for d in [128, 96, 16] {
-                let kc = KernelCodec::Affine { bits, block: None };
-                let k = encode_kernel(kc, d, src).expect("affine");
-                v.push((k.source, k.name));
-            }
-        }
-    }
-    for d in [64, 6] {
-        let k = super::paged::gather_kernel(d);
-        v.push((k.source, k.name));
-    }
-    v.extend(super::codecs::all_kernel_names());
-    v.sort();
-    v.dedup();
-    v
-}
-
-/// One page to decode, as the kernels read it (`struct PageDesc` in
-/// `kernels/common.cuh`, 160 bytes). Device addresses are absolute.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
-pub struct PageDesc {
-    /// Device address of the page body (uncompressed).
-    pub body: u64,
-    /// Output base: contiguous = address of element (plane 0, output token
-    /// 0); paged = address of the cache.
-    pub dst: u64,
-    /// Paged: address of `slot_mapping[batch 0, tensor token 0]` (i64
-    /// entries); 0 for the contiguous layout.
-    pub slots: u64,
-    /// Contiguous: elements between planes; paged: slot-mapping entries
-    /// between batch items.
-    pub stride: u64,
-    /// Paged: slots in the cache (`num_blocks * block_size`).
-    pub limit: u64,
-    /// Rows (`planes * tokens`).
-    pub rows: u32,
-    /// Tokens in the page.
-    pub tokens: u32,
-    /// KV heads per batch item.
-    pub heads: u32,
-    /// Elements per row.
-    pub head_dim: u32,
-    /// Body offset of the SCALE (affine) or RAW (raw) section.
-    pub sec0: u32,
-    /// Body offset of the ZERO section.
-    pub sec1: u32,
-    /// Body offset of the INDEX section.
-    pub sec2: u32,
-    /// Contiguous: page `token_start` minus the output's first token; paged:
-    /// page `token_start`.
-    pub tok_off: i32,
-    /// First page-relative token to write.
-    pub t_lo: u32,
-    /// One past the last page-relative token to write.
-    pub t_hi: u32,
-    /// [`magic`] of `tokens`.
-    pub m_tokens: u32,
-    /// [`magic`] of `heads`.
-    pub m_heads: u32,
-    /// Units per row of the launched unit kernel (`head_dim / w`; 0 for
-    /// other kernels).
-    pub upr: u32,
-    /// [`magic`] of `upr`.
-    pub m_upr: u32,
-    /// Device address of the tensor's side table (codebooks, sign vectors,
-    /// normalization factors; [`super::side`]), 0 when the codec has none.
-    pub side: u64,
-    /// Body offsets of a fourth and fifth section (codec-specific).
-    pub sec3: u32,
-    /// See `sec3`.
-    pub sec4: u32,
-    /// Codec parameters ([`super::codecs::desc_params`]).
-    pub p0: u32,
-    /// See `p0`.
-    pub p1: u32,
-    /// See `p0`.
-    pub p2: u32,
-    /// See `p0`.
-    pub p3: u32,
-    /// Paged: elements between blocks ([`super::paged::PagedStrides`]).
-    pub blk_stride: u64,
-    /// Paged: elements between the rows (tokens) of a block.
-    pub tok_stride: u64,
-    /// Paged: elements between the heads of a row.
-    pub head_stride: u64,
-    /// Paged: slots per block (1 for a flat slot mapping).
-    pub block_size: u32,
-    /// [`magic`] of `block_size`.
-    pub m_block: u32,
-}
-
-/// One page to encode (`struct EncDesc` in `kernels/common.cuh`, 104 bytes).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
-pub struct EncDesc {
-    /// Device address of source element (plane 0, page token 0).
-    pub src: u64,
-    /// Device address of the output page body.
-    pub body: u64,
-    /// Source elements between planes.
-    pub stride: u64,
-    /// Rows (`planes * tokens`).
-    pub rows: u32,
-    /// Tokens in the page.
-    pub tokens: u32,
-    /// Elements per row.
-    pub head_dim: u32,
-    /// Body offset of the SCALE section.
-    pub sec_scale: u32,
-    /// Body offset of the ZERO section.
-    pub sec_zero: u32,
-    /// Body offset of the INDEX section.
-    pub sec_index: u32,
-    /// Page number (reported with a non-finite row).
-    pub page: u32,
-    /// [`magic`] of `tokens`.
-    pub m_tokens: u32,
-    /// Units per row of the launched unit kernel (`head_dim / w`).
-    pub upr: u32,
-    /// [`magic`] of `upr`.
-    pub m_upr: u32,
-    /// Device address of the tensor's side table (codebooks), 0 if none.
-    pub side: u64,
-    /// Device address of the page's scratch, 0 if none.
-    pub aux: u64,
-    /// Body offset of a further section (codec-specific).
-    pub sec3: u32,
-    /// KV heads per batch item.
-    pub heads: u32,
-    /// Codec parameters (see each encode kernel).
-    pub p0: u32,
-    /// See `p0`.
-    pub p1: u32,
-    /// See `p0`.
-    pub p2: u32,
-    /// See `p0`.
-    pub p3: u32,
-}
-
-/// Section offsets of a validated page body, for a [`PageDesc`], and the
-/// page-specific parameter of [`PageGeom::extra`].
-///
-/// # Errors
-/// [`Error::Format`] naming the page when its sections do not match the
-/// codec's spec (the same checks as the CPU decoder).
-pub fn page_sections(
-    kc: KernelCodec,
-    page: &PageView<'_>,
-    tensor: &TensorInfo,
-) -> Result<([u32; 5], u32)> {
-    let rows = tensor.planes() * page.header.meta.tokens as usize;
-    let d = tensor.head_dim as usize;
-    let offset = |kind: SectionKind| {
-        page.sections()
-            .iter()
-            .find(|s| s.kind == kind && s.stream == 0)
-            .map(|s| s.offset)
-            .expect("section checked by expect_section")
-    };
-    match kc {
-        KernelCodec::Raw { src } => {
-            expect_section(
-                page,
-                SectionKind::Raw,
-                0,
-                ElemType::from_dtype(src),
-                rows * d,
-            )?;
-            Ok(([offset(SectionKind::Raw), 0, 0, 0, 0], 0))
-        }
-        KernelCodec::Affine { bits, .. } => {
-            expect_section(page, SectionKind::Scale, 0, ElemType::F32, rows)?;
-            expect_section(page, SectionKind::Zero, 0, ElemType::F32, rows)?;
-            expect_section(
-                page,
-                SectionKind::Index,
-                0,
-                ElemType::Packed(bits),
-                rows * d,
-            )?;
-            Ok((
-                [
-                    offset(SectionKind::Scale),
-                    offset(SectionKind::Zero),
-                    offset(SectionKind::Index),
-                    0,
-                    0,
-                ],
-                0,
-            ))
-        }
-        _ => super::codecs::sections(kc, page, tensor),
-    }
-}
+pub use super::abi::{EncDesc, PageDesc};
 
 /// Bytes of a page's sections (what a decode kernel reads of it).
 pub fn section_bytes(page: &PageView<'_>) -> u64 {
@@ -775,7 +458,7 @@ pub enum DstSpec {
         /// Block geometry; `None` for vLLM's flat
         /// `[num_slots, kv_heads, head_dim]` (slots of `kv_heads x
         /// head_dim` elements, as many as fit in `len`).
-        addr: Option<super::paged::PagedAddr>,
+        addr: Option<super::addr::PagedAddr>,
     },
 }
 
@@ -794,11 +477,12 @@ pub struct PageGeom {
     pub heads: u32,
     /// Elements per row.
     pub head_dim: u32,
-    /// Section offsets ([`page_sections`]).
+    /// Section offsets ([`super::codecs::page_sections`]).
     pub sections: [u32; 5],
-    /// Page-specific codec parameter ([`page_sections`]; hqmq: inlier
-    /// chunks).
-    pub extra: u32,
+    /// Codec parameters `p0..p3` of the descriptor
+    /// ([`super::codecs::desc_params`] of the family, head_dim and the
+    /// page-specific parameter of [`super::codecs::page_sections`]).
+    pub params: [u32; 4],
     /// Device address of the tensor's side table, 0 if none (set when the
     /// page is placed on the device).
     pub side: u64,
@@ -851,7 +535,7 @@ pub fn page_desc(
         sec4: g.sections[4],
         ..PageDesc::zeroed()
     };
-    [desc.p0, desc.p1, desc.p2, desc.p3] = super::codecs::desc_params(g.kc, g.head_dim, g.extra);
+    [desc.p0, desc.p1, desc.p2, desc.p3] = g.params;
     match *dst {
         DstSpec::Contiguous {
             ptr,
@@ -894,7 +578,7 @@ pub fn page_desc(
                             "paged cache of {len} elements is not a whole number of slots of {per_slot}"
                         )));
                     }
-                    super::paged::PagedAddr::flat(len / per_slot, g.heads, g.head_dim)
+                    super::addr::PagedAddr::flat(len / per_slot, g.heads, g.head_dim)
                 }
             };
             addr.check(len, g.heads, g.head_dim)?;
@@ -1037,22 +721,6 @@ impl AffineBody {
     }
 }
 
-/// Length of the canonical body (format/SPEC.md 6.2) of a page of `rows`
-/// rows (`tokens` per plane) of `head_dim` for a kernel codec: what the CPU
-/// encoders write (an upper bound where the body depends on the data), used
-/// to size staging for zstd pages before they are decompressed.
-pub fn canonical_body_len(kc: KernelCodec, rows: u64, tokens: u64, head_dim: u64) -> u64 {
-    let a = |x: u64| x.next_multiple_of(64);
-    match kc {
-        KernelCodec::Raw { src } => 64 + a(rows * head_dim * src.size() as u64),
-        KernelCodec::Affine { bits, .. } => {
-            let index = (rows * head_dim * u64::from(bits)).div_ceil(8);
-            64 + 2 * a(4 * rows) + a(index)
-        }
-        _ => super::codecs::body_len_bound(kc, rows, tokens, head_dim),
-    }
-}
-
 /// Bytes a decode kernel moves for page `g`: `(read, written)` with read =
 /// the page's section bytes (codes, scales, zero points, tables or raw
 /// elements) and written = the output elements (2 bytes each) of the rows
@@ -1154,7 +822,7 @@ mod tests {
             heads: 2,
             head_dim: 64,
             sections: [64, 0, 0, 0, 0],
-            extra: 0,
+            params: [0; 4],
             side: 0,
             read: 0,
         };
@@ -1229,46 +897,5 @@ mod tests {
             let n = next() as u32;
             assert_eq!(udiv(n, d, magic(d)), n / d, "{n} / {d}");
         }
-    }
-
-    #[test]
-    fn kernel_choice() {
-        let bdr = |h| KernelCodec::Affine {
-            bits: 4,
-            block: Some(h),
-        };
-        assert_eq!(
-            decode_kernel(bdr(128), 128, OutType::Bf16).unwrap().name,
-            "decode_affine_rowrot_b4_bf16"
-        );
-        assert_eq!(
-            decode_kernel(bdr(64), 128, OutType::Bf16).unwrap().name,
-            "decode_affine_b4_bf16"
-        );
-        assert_eq!(
-            decode_kernel(bdr(512), 512, OutType::F16).unwrap().grid,
-            Grid::Units {
-                w: 32,
-                per_thread: DEC_UNITS_W32
-            }
-        );
-        assert_eq!(decode_kernel(bdr(512), 1024 + 512, OutType::F16).ok(), None);
-        assert_eq!(
-            decode_kernel(bdr(16), 48, OutType::F16).unwrap().name,
-            "decode_affine_w8_b4_f16"
-        );
-        assert_eq!(
-            decode_kernel(bdr(32), 96, OutType::F16).unwrap().name,
-            "decode_affine_w8_b4_f16"
-        );
-        assert_eq!(
-            decode_kernel(bdr(2), 6, OutType::F16).unwrap().grid,
-            Grid::Segments { seg: 2 }
-        );
-        assert_eq!(
-            encode_kernel(bdr(16), 96, DType::Bf16).unwrap().name,
-            "encode_affine_any_bf16"
-        );
-        assert!(decode_kernel(bdr(2048), 2048, OutType::Bf16).is_err());
     }
 }

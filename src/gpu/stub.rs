@@ -6,7 +6,7 @@
 use std::convert::Infallible;
 use std::marker::PhantomData;
 
-use super::paged::{PagedCache, PagedLayout, PagedShape};
+use super::paged::PagedCache;
 use super::{GpuInfo, NO_CUDA, OutType, PagedStats, StreamStats, Target};
 use crate::cache::TensorInfo;
 use crate::codec::Codec;
@@ -38,6 +38,11 @@ impl Gpu {
     /// Always [`Error::Unsupported`] ([`NO_CUDA`]).
     pub fn new(_ordinal: usize) -> Result<Gpu> {
         no_cuda()
+    }
+
+    /// This handle with kernel selection options.
+    pub fn with_kernel_options(&self, _options: super::KernelOptions) -> Gpu {
+        match self.never {}
     }
 
     /// Name, compute capability and sizes of the device.
@@ -479,86 +484,6 @@ impl Gpu {
         _opts: &CompressOptions,
         _out: W,
     ) -> Result<(W, CompressReport)> {
-        match self.never {}
-    }
-}
-
-/// The SIMT emulator (never constructed in this build).
-#[derive(Debug, Clone)]
-pub struct Emulator {
-    never: Infallible,
-}
-
-impl Emulator {
-    /// An emulator.
-    ///
-    /// # Errors
-    /// Always [`Error::Unsupported`] ([`NO_CUDA`]).
-    pub fn new() -> Result<Emulator> {
-        no_cuda()
-    }
-
-    /// Decodes a tensor through the emulated kernels.
-    ///
-    /// # Errors
-    /// Unreachable in this build.
-    pub fn decode_tensor(
-        &self,
-        _archive: &Archive<'_>,
-        _tensor: usize,
-        _out: OutType,
-        _layout: &super::HostLayout,
-    ) -> Result<Vec<u16>> {
-        match self.never {}
-    }
-
-    /// Decodes a layer into a paged cache image through the emulated
-    /// kernels.
-    ///
-    /// # Errors
-    /// Unreachable in this build.
-    pub fn decode_paged(
-        &self,
-        _archive: &Archive<'_>,
-        _layer: u32,
-        _layout: PagedLayout,
-        _shape: &PagedShape,
-        _block_ids: &[i64],
-        _out: OutType,
-    ) -> Result<Vec<u16>> {
-        match self.never {}
-    }
-
-    /// Encodes a paged cache image through the emulated kernels.
-    ///
-    /// # Errors
-    /// Unreachable in this build.
-    #[allow(clippy::too_many_arguments)]
-    pub fn encode_paged(
-        &self,
-        _image: &[u16],
-        _layout: PagedLayout,
-        _shape: &PagedShape,
-        _dtype: crate::cache::DType,
-        _block_ids: &[i64],
-        _num_tokens: u32,
-        _codec: &dyn Codec,
-        _layer: u32,
-        _opts: &CompressOptions,
-    ) -> Result<(Vec<u8>, CompressReport)> {
-        match self.never {}
-    }
-
-    /// Encodes a tensor through the emulated kernels.
-    ///
-    /// # Errors
-    /// Unreachable in this build.
-    pub fn encode_tensor(
-        &self,
-        _tensor: &crate::cache::Tensor,
-        _codec: &dyn Codec,
-        _pages: &[PlannedPage],
-    ) -> Result<Vec<Vec<Section>>> {
         match self.never {}
     }
 }

@@ -971,7 +971,11 @@ fn main() {
     // index math per element, fully coalesced 16-byte stores) against the
     // default 32-element units; code width (bytes read); small blocks (all
     // butterflies in registers).
-    kvpack::gpu::spec::prefer_narrow_kernels(true);
+    let default_gpu = b.gpu.clone();
+    b.gpu = default_gpu.with_kernel_options(kvpack::gpu::KernelOptions {
+        narrow: true,
+        ..Default::default()
+    });
     for codec in ["int4", "bdr128"] {
         if !base_selected() {
             break;
@@ -981,7 +985,7 @@ fn main() {
         bench_decode(&mut b, &file, &[0, 1], shape, &label, false, false);
         bench_encode(&mut b, &llama, &[0, 1], shape, codec, &label);
     }
-    kvpack::gpu::spec::prefer_narrow_kernels(false);
+    b.gpu = default_gpu.clone();
     for codec in ["int8", "int2", "bdr16"] {
         if !base_selected() {
             break;
@@ -1027,7 +1031,10 @@ fn main() {
     if vq_selected("hqmq:s96r4") {
         // The joint codebook read through L1 instead of copied to shared
         // memory once per work item.
-        kvpack::gpu::codecs::prefer_global_hqmq_codebook(true);
+        b.gpu = default_gpu.with_kernel_options(kvpack::gpu::KernelOptions {
+            global_hqmq_codebook: true,
+            ..Default::default()
+        });
         let file = compress_mem(&llama, "hqmq:s96r4", 256);
         bench_decode(
             &mut b,
@@ -1038,7 +1045,7 @@ fn main() {
             false,
             false,
         );
-        kvpack::gpu::codecs::prefer_global_hqmq_codebook(false);
+        b.gpu = default_gpu.clone();
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s96r4", "hqmq:s96r4");
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s24r3", "hqmq:s24r3");
     }

@@ -29,6 +29,7 @@
 
 pub mod codebook;
 mod page;
+pub(crate) use page::page_layout;
 mod params;
 pub mod search;
 
@@ -57,7 +58,7 @@ pub const FAMILY: Family = Family {
     syntax: "hqmq:s{S}r{b}[+med{C}] e.g. hqmq:s96r4+med3",
     summary: "Hurwitz-quaternion multiplicative VQ of 4-element chunks, fp16 outliers (:seed{N})",
     parse: params::parse_family,
-    from_params: params::from_params,
+    from_params: |p| Ok(Box::new(params::from_params(p)?)),
     examples: &[
         Example {
             name: "hqmq:s24r3",
@@ -189,7 +190,20 @@ fn check_ranges(secondaries: u32, radius_bits: u8) -> Result<()> {
 }
 
 /// `(E, O)` with `24 S 2^b = O 2^E` and `O` odd (`S >= 1`).
-fn symbol_split(s: u32, b: u8) -> (u32, u64) {
+impl Hqmq {
+    /// Rebuilds the codec from its parameter block (format/codecs/hqmq.md):
+    /// the codec's one reader of it, used by its registry entry and the GPU
+    /// staging.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for a wrong length, reserved bytes or unknown
+    /// flag bits set, or any field out of range.
+    pub fn from_params(p: &[u8]) -> Result<Hqmq> {
+        params::from_params(p)
+    }
+}
+
+pub(crate) fn symbol_split(s: u32, b: u8) -> (u32, u64) {
     let m = (24 * u64::from(s)) << b;
     let e = m.trailing_zeros();
     (e, m >> e)

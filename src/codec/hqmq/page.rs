@@ -232,24 +232,59 @@ pub(super) fn encode(h: &Hqmq, page: &PageIn<'_>) -> Result<Vec<Section>> {
     Ok(sections)
 }
 
-/// Decodes one page (format/codecs/hqmq.md "Decoding").
-pub(super) fn decode(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
-    let info = out.tensor;
-    let d = info.head_dim as usize;
+/// The checked sections of one hqmq page ([`page_layout`]).
+#[derive(Debug)]
+pub(crate) struct HqmqPage<'p> {
+    /// SCALE stream 0: f16 radius scale per row, finite and non-negative.
+    pub scales: &'p [u8],
+    /// The outlier table (empty without `+med`), finite values.
+    pub table: OutlierTable,
+    /// Inlier chunks: `rows * head_dim / 4` minus the outliers.
+    pub n_in: usize,
+    /// INDEX stream 0: `E`-bit low symbols, padding bits zero.
+    pub low: &'p [u8],
+    /// INDEX stream 1: mixed-radix digit groups, padding bits zero.
+    pub high: &'p [u8],
+}
+
+/// The checked layout of a page of `rows` rows of `head_dim` channels for
+/// a codec with outlier extraction `med`, `e` low bits and digit grouping
+/// `groups`: exactly the sections of format/codecs/hqmq.md with their
+/// element types and counts, finite non-negative scales, a valid outlier
+/// table with finite values, zero padding bits. The CPU decoder and the
+/// GPU staging both read pages through it.
+///
+/// # Errors
+/// [`Error::Format`] naming the page for a head_dim not divisible by 4, a
+/// missing, mistyped or extra section, or content listed above.
+pub(crate) fn page_layout<'p>(
+    page: &'p PageView<'_>,
+    med: bool,
+    e: u32,
+    groups: &crate::kernels::radix::Groups,
+    rows: usize,
+    d: usize,
+) -> Result<HqmqPage<'p>> {
     if !d.is_multiple_of(4) {
         return Err(page.error(format!("hqmq needs head_dim divisible by 4, not {d}")));
     }
-    let nc = d / 4;
-    let rows = out.rows();
-    let t = out.tokens as usize;
-    let n = rows * nc;
+    let n = rows * (d / 4);
     let universe = u32::try_from(n).map_err(|_| page.error("page over 2^32 chunks"))?;
     let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, rows)?;
+    if let Some(r) = scales
+        .chunks_exact(2)
+        .position(|c| u16::from_le_bytes([c[0], c[1]]) & 0xfc00 >= 0x7c00)
+    {
+        let s = f16::from_le_bytes([scales[2 * r], scales[2 * r + 1]]);
+        return Err(page.error(format!(
+            "SCALE of row {r} holds {s}; radius scales must be finite and non-negative"
+        )));
+    }
     let has_table = page
         .sections()
         .iter()
         .any(|s| s.kind == SectionKind::Outliers);
-    let table = match (h.outlier_multiplier.is_some(), has_table) {
+    let table = match (med, has_table) {
         (true, true) => OutlierTable::from_page(page, 4, universe)?,
         (false, false) => OutlierTable::new(4, universe),
         (true, false) => return Err(page.error("missing OUTLIERS section (+med codec)")),
@@ -263,19 +298,45 @@ pub(super) fn decode(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Re
         return Err(page.error("outlier table holds a non-finite value"));
     }
     let n_in = n - table.positions.len();
-    let (e, _) = h.split();
-    let low_bytes = expect_section(page, SectionKind::Index, 0, ElemType::Packed(e as u8), n_in)?;
-    let high_bytes = expect_section(
+    let low = expect_section(page, SectionKind::Index, 0, ElemType::Packed(e as u8), n_in)?;
+    let high = expect_section(
         page,
         SectionKind::Index,
         1,
         ElemType::Bytes,
-        h.groups.packed_len(n_in),
+        groups.packed_len(n_in),
     )?;
     expect_section_count(page, 3 + usize::from(has_table))?;
-    if !bitpack::tail_is_zero(low_bytes, n_in, e) {
+    if !bitpack::tail_is_zero(low, n_in, e) {
         return Err(page.error("INDEX stream 0: padding bits after the last code are set"));
     }
+    if !bitpack::tail_is_zero(high, n_in.div_ceil(groups.digits as usize), groups.bits) {
+        return Err(page.error("INDEX stream 1: bits after the last digit group are set"));
+    }
+    Ok(HqmqPage {
+        scales,
+        table,
+        n_in,
+        low,
+        high,
+    })
+}
+
+/// Decodes one page (format/codecs/hqmq.md "Decoding").
+pub(super) fn decode(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
+    let info = out.tensor;
+    let d = info.head_dim as usize;
+    let nc = d / 4;
+    let rows = out.rows();
+    let t = out.tokens as usize;
+    let (e, _) = h.split();
+    let HqmqPage {
+        scales,
+        table,
+        n_in,
+        low: low_bytes,
+        high: high_bytes,
+    } = page_layout(page, h.outlier_multiplier.is_some(), e, &h.groups, rows, d)?;
     let mut low = vec![0u32; n_in];
     bitpack::unpack_u32(low_bytes, e, &mut low);
     let mut high = vec![0u32; n_in];
@@ -285,13 +346,7 @@ pub(super) fn decode(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Re
     let levels = h.levels() as f32;
     let mut steps = Vec::with_capacity(rows);
     for c in scales.chunks_exact(2) {
-        let s = f16::from_le_bytes([c[0], c[1]]);
-        if !s.is_finite() || s.is_sign_negative() {
-            return Err(page.error(format!(
-                "SCALE holds {s}; radius scales must be finite and non-negative"
-            )));
-        }
-        steps.push(s.to_f32() / levels);
+        steps.push(f16::from_le_bytes([c[0], c[1]]).to_f32() / levels);
     }
 
     let b = h.radius_bits;

@@ -57,12 +57,13 @@ pub(super) fn to_bytes(h: &Hqmq) -> Vec<u8> {
     p
 }
 
-/// Rebuilds the codec from its parameter block.
+/// Parses the parameter block (format/codecs/hqmq.md): the codec's one
+/// reader of it, used by its registry entry and the GPU staging.
 ///
 /// # Errors
 /// [`Error::Parameter`] for a wrong length, reserved bytes or unknown flag
 /// bits set, or any field out of range.
-pub(super) fn from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
+pub(crate) fn from_params(p: &[u8]) -> Result<Hqmq> {
     if p.len() != PARAMS_LEN {
         return Err(Error::param(format!(
             "hqmq parameters are {PARAMS_LEN} bytes, found {}",
@@ -98,7 +99,7 @@ pub(super) fn from_params(p: &[u8]) -> Result<Box<dyn Codec>> {
             "hqmq parameters: {g} digits per group is not valid for base {base}"
         ))
     })?;
-    Ok(Box::new(Hqmq::with_groups(s, b, multiplier, seed, groups)?))
+    Hqmq::with_groups(s, b, multiplier, seed, groups)
 }
 
 /// Registry parser: `None` unless the name starts with `hqmq`.

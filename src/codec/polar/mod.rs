@@ -321,12 +321,6 @@ impl Polar {
     }
 
     fn decode_keys(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
-        if !out.tensor.head_dim.is_multiple_of(2) {
-            return Err(page.error(format!(
-                "polar key page of a tensor with the odd head_dim {}",
-                out.tensor.head_dim
-            )));
-        }
         let keys = score::PolarKeys::new(self, page, out.tensor)?;
         let d = out.tensor.head_dim as usize;
         let mut row = vec![0f32; d];
@@ -425,21 +419,34 @@ impl Codec for Polar {
     }
 }
 
-/// Reads the sections of a key page (shared by decoding and scoring).
-fn key_sections<'p>(
-    c: &Polar,
+/// The checked layout of a key page of `planes x tokens` rows of
+/// `head_dim` channels with `code_bits` (`m + n`) bits per pair code:
+/// exactly SCALE 0 (f32 per plane and pair channel) and INDEX 0 (one code
+/// per pair), returned in that order. Decoding, scoring and the GPU
+/// staging all read key pages through it.
+///
+/// # Errors
+/// [`Error::Format`] naming the page for an odd head_dim or a missing,
+/// mistyped or extra section.
+pub(crate) fn key_sections<'p>(
+    code_bits: u8,
     page: &'p PageView<'_>,
     planes: usize,
     tokens: usize,
     head_dim: usize,
 ) -> Result<(&'p [u8], &'p [u8])> {
+    if !head_dim.is_multiple_of(2) {
+        return Err(page.error(format!(
+            "polar key page of a tensor with the odd head_dim {head_dim}"
+        )));
+    }
     let pairs = head_dim / 2;
     let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F32, planes * pairs)?;
     let index = expect_section(
         page,
         SectionKind::Index,
         0,
-        ElemType::Packed(c.code_bits() as u8),
+        ElemType::Packed(code_bits),
         planes * tokens * pairs,
     )?;
     expect_section_count(page, 2)?;

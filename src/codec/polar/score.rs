@@ -74,7 +74,8 @@ impl<'a> PolarKeys<'a> {
         let head_dim = tensor.head_dim as usize;
         let planes = tensor.planes();
         let tokens = page.header.meta.tokens as usize;
-        let (scales, index) = key_sections(codec, page, planes, tokens, head_dim)?;
+        let (scales, index) =
+            key_sections(codec.code_bits() as u8, page, planes, tokens, head_dim)?;
         let pairs = head_dim / 2;
         let bits = codec.code_bits();
         let n = planes * tokens * pairs;

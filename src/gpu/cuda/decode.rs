@@ -6,59 +6,15 @@ use std::marker::PhantomData;
 
 use rayon::prelude::*;
 
-use super::{Args, Gpu, GpuBuffer};
+use super::{Gpu, GpuBuffer};
 use crate::decode::Archive;
 use crate::error::{Error, Result};
-use crate::gpu::spec::{
-    self, DstSpec, KernelChoice, KernelCodec, OutType, PageDesc, PageGeom, decode_kernel,
-    page_desc, page_sections,
+use crate::gpu::Target;
+use crate::gpu::decplan::{
+    BODY_ALIGN, GroupKey, Staged, add_page, check_status, dst_spec, group_args, pack_groups,
+    stage_page,
 };
-use crate::gpu::{Dst, Target};
-
-/// Alignment of page bodies inside a device buffer, bytes.
-pub(crate) const BODY_ALIGN: usize = 256;
-
-/// A page ready for the device: geometry, tensor, codec slot, and its
-/// validated view (whose `body()` is the uncompressed body). The geometry's
-/// side-table address is set when the page is placed on the device.
-pub(crate) struct Staged<'a> {
-    pub tensor: u32,
-    pub codec: u16,
-    pub geom: PageGeom,
-    pub view: crate::format::PageView<'a>,
-}
-
-/// Validates page `pi` of `archive` (CRC, zstd, sections against the
-/// codec's spec) and returns its uncompressed body.
-pub(crate) fn stage_page<'a>(archive: &Archive<'a>, pi: usize) -> Result<Staged<'a>> {
-    let view = archive.reader().page(pi)?;
-    let m = view.header.meta;
-    let h = archive.reader().header();
-    let info = crate::cache::TensorInfo {
-        tokens: archive.reader().tokens(m.tensor as usize),
-        ..h.tensors[m.tensor as usize].clone()
-    };
-    let kc = KernelCodec::of(archive.codec(m.codec as usize), &info)?;
-    let (sections, extra) = page_sections(kc, &view, &info)?;
-    let geom = PageGeom {
-        kc,
-        token_start: m.token_start,
-        tokens: m.tokens,
-        batch: info.batch,
-        heads: info.heads,
-        head_dim: info.head_dim,
-        sections,
-        extra,
-        side: 0,
-        read: spec::section_bytes(&view),
-    };
-    Ok(Staged {
-        tensor: m.tensor,
-        codec: m.codec,
-        geom,
-        view,
-    })
-}
+use crate::gpu::spec::{OutType, PageGeom};
 
 /// Validated page bodies resident in device memory, with what the
 /// kernels need to know about each page.
@@ -147,155 +103,6 @@ impl GpuPages {
     }
 }
 
-/// The plain-address form of a [`Dst`].
-pub(crate) fn dst_spec(d: &Dst<'_>) -> DstSpec {
-    match *d {
-        Dst::Contiguous {
-            buf,
-            first_token,
-            tokens,
-        } => DstSpec::Contiguous {
-            ptr: buf.device_ptr(),
-            len: buf.len() as u64,
-            first_token,
-            tokens,
-        },
-        Dst::Paged {
-            cache,
-            slots,
-            slot_stride,
-        } => DstSpec::Paged {
-            ptr: cache.device_ptr(),
-            len: cache.len() as u64,
-            slots: slots.device_ptr(),
-            slots_len: slots.len() as u64,
-            slot_stride,
-            addr: None,
-        },
-        Dst::Blocks { cache, kind, slots } => {
-            let (ptr, len, addr) = cache.target(kind);
-            DstSpec::Paged {
-                ptr,
-                len,
-                slots: slots.device_ptr(),
-                slots_len: slots.len() as u64,
-                slot_stride: 0,
-                addr: Some(addr),
-            }
-        }
-    }
-}
-
-/// Descriptors and work items of one kernel launch.
-#[derive(Debug, Default)]
-pub(crate) struct Group {
-    pub descs: Vec<PageDesc>,
-    pub work: Vec<[u32; 2]>,
-}
-
-/// Launch key: the kernel and its uniform arguments.
-pub(crate) type GroupKey = (KernelChoice, u32, u32, u32);
-
-/// Adds page `g` (body at `body`) for `dst` to its kernel's group.
-/// Returns `(bytes read, bytes written)` by the kernel for this page.
-pub(crate) fn add_page(
-    groups: &mut BTreeMap<GroupKey, Group>,
-    g: &PageGeom,
-    body: u64,
-    dst: &DstSpec,
-    out: OutType,
-) -> Result<(u64, u64)> {
-    let k = decode_kernel(g.kc, g.head_dim, out)?;
-    let Some((desc, rows_written)) = page_desc(g, body, dst, k.grid.unit())? else {
-        return Ok((0, 0));
-    };
-    let bits = match g.kc {
-        KernelCodec::Raw { src } => u32::from(src.code()),
-        KernelCodec::Affine { bits, .. } => u32::from(bits),
-        _ => 0,
-    };
-    let key = (k.clone(), bits, g.kc.h(), g.kc.c().to_bits());
-    let grp = groups.entry(key).or_default();
-    let i = grp.descs.len() as u32;
-    grp.descs.push(desc);
-    k.grid
-        .push_items(i, desc.rows, desc.tokens, g.head_dim, &mut grp.work);
-    Ok(spec::decode_bytes(g, rows_written))
-}
-
-/// The kernel arguments after (descriptors, work) for a group.
-pub(crate) fn group_args(key: &GroupKey, status: u64) -> Args {
-    let (k, bits, h, c) = key;
-    let fallback = !matches!(k.grid, spec::Grid::Units { .. });
-    match k.source {
-        "raw" => Args {
-            bits: fallback.then_some(*bits),
-            h: None,
-            c: None,
-            status,
-        },
-        "affine" => Args {
-            bits: fallback.then_some(*bits),
-            h: Some(*h),
-            c: Some(f32::from_bits(*c)),
-            status,
-        },
-        // The kernels of the other codecs read everything from their
-        // descriptors.
-        _ => Args {
-            bits: None,
-            h: None,
-            c: None,
-            status,
-        },
-    }
-}
-
-/// Checks the two status words of a decode: word 0, the smallest page row
-/// whose slot-mapping entry pointed past the paged cache; word 1, the
-/// smallest descriptor whose page failed a content check in a kernel (hqmq
-/// digit groups and scales). Both `u64::MAX` when all is well.
-///
-/// # Errors
-/// [`Error::Parameter`] for word 0, [`Error::Format`] for word 1.
-pub(crate) fn check_status(s: &[u64]) -> Result<()> {
-    if s[0] != u64::MAX {
-        return Err(Error::param(format!(
-            "a slot mapping entry (page row {}) points past the paged cache",
-            s[0]
-        )));
-    }
-    if s.get(1).is_some_and(|&w| w != u64::MAX) {
-        return Err(Error::format(
-            crate::error::Location::Header,
-            "a page failed its codec's content checks on the GPU (a digit group or padding \
-             digit out of range, or a scale that is not finite and non-negative); decode it on \
-             the CPU for the page's name",
-        ));
-    }
-    Ok(())
-}
-
-/// Serializes groups as `[descs of group 0][work of group 0][descs of
-/// group 1]...` (each part 256-aligned) into `out`, returning per group
-/// `(key, descs offset, work offset, blocks)`.
-pub(crate) fn pack_groups(
-    groups: BTreeMap<GroupKey, Group>,
-    out: &mut Vec<u8>,
-) -> Vec<(GroupKey, usize, usize, u32)> {
-    let mut v = Vec::new();
-    for (key, g) in groups {
-        out.resize(out.len().next_multiple_of(BODY_ALIGN), 0);
-        let d = out.len();
-        out.extend_from_slice(bytemuck::cast_slice(&g.descs));
-        out.resize(out.len().next_multiple_of(BODY_ALIGN), 0);
-        let w = out.len();
-        out.extend_from_slice(bytemuck::cast_slice(&g.work));
-        v.push((key, d, w, g.work.len() as u32));
-    }
-    v
-}
-
 /// A prepared decode: descriptor tables and work lists on the device, one
 /// launch per kernel. Launch it as often as needed (benchmarks); the
 /// targets and pages it was planned for stay borrowed.
@@ -346,7 +153,7 @@ impl Gpu {
         let (mut read, mut written) = (0, 0);
         for (tensor, g, body) in &pages.pages {
             if let Some(dst) = by_tensor.get(tensor) {
-                let (r, w) = add_page(&mut groups, g, *body, dst, out)?;
+                let (r, w) = add_page(&mut groups, g, *body, dst, out, self.options)?;
                 read += r;
                 written += w;
             }

@@ -84,12 +84,19 @@ impl Gpu {
             )));
         }
         let mut extra = Vec::new();
-        let layout = crate::gpu::encplan::plan(src.device_ptr(), info, codec, pages, &mut |b| {
-            let buf = self.upload(b)?;
-            let at = buf.device_ptr();
-            extra.push(buf);
-            Ok(at)
-        })?;
+        let layout = crate::gpu::encplan::plan(
+            src.device_ptr(),
+            info,
+            codec,
+            pages,
+            self.options,
+            &mut |b| {
+                let buf = self.upload(b)?;
+                let at = buf.device_ptr();
+                extra.push(buf);
+                Ok(at)
+            },
+        )?;
         let EncodeLayout {
             layouts,
             mut host,

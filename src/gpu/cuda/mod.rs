@@ -13,9 +13,7 @@ mod paged;
 mod stream;
 
 pub use decode::{DecodePlan, GpuPages};
-pub(crate) use decode::{Staged, add_page, check_status, group_args, pack_groups, stage_page};
 pub use encode::EncodePlan;
-pub(crate) use paged::PagedImage;
 pub use paged::{GatherPlan, PagedJob};
 pub use stream::FileDecoder;
 
@@ -30,7 +28,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use super::GpuInfo;
+use super::decplan::Args;
 use super::sources::{self, Source};
+use super::spec::KernelOptions;
 use crate::error::{Error, Result};
 
 /// Maps a CUDA driver failure to [`Error::Device`] with what kvpack was
@@ -63,6 +63,8 @@ pub struct Gpu {
     /// The stream this handle submits to: kvpack's own, or a caller's
     /// ([`Gpu::with_stream`]).
     stream: Arc<CudaStream>,
+    /// Kernel selection options ([`Gpu::with_kernel_options`]).
+    pub(crate) options: KernelOptions,
 }
 
 struct Inner {
@@ -154,6 +156,7 @@ impl Gpu {
                 smem: Mutex::new(HashMap::new()),
             }),
             stream,
+            options: KernelOptions::default(),
         };
         map.insert(ordinal, g.clone());
         Ok(g)
@@ -200,6 +203,16 @@ impl Gpu {
         Gpu {
             inner: self.inner.clone(),
             stream: s,
+            options: self.options,
+        }
+    }
+
+    /// This handle choosing kernels with `options` for the plans it builds
+    /// from now on (benchmark knobs; results are identical).
+    pub fn with_kernel_options(&self, options: KernelOptions) -> Gpu {
+        Gpu {
+            options,
+            ..self.clone()
         }
     }
 
@@ -482,19 +495,6 @@ impl Gpu {
         unsafe { l.launch(cfg) }.map_err(cuda_err(&format!("launch {}", k.name)))?;
         Ok(())
     }
-}
-
-/// Optional kernel arguments after (descriptors, work list).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Args {
-    /// Bits (fallback affine kernels) or source type code (raw fallback).
-    pub bits: Option<u32>,
-    /// Rotation block (affine kernels).
-    pub h: Option<u32>,
-    /// `1/sqrt(h)` (affine kernels).
-    pub c: Option<f32>,
-    /// Address of the u64 status word.
-    pub status: u64,
 }
 
 /// Compiles a source with NVRTC for compute capability `cc`, without fused

@@ -14,180 +14,15 @@
 //! words back into the pinned buffer, followed by an event. Nothing waits
 //! on the host until [`PagedJob::wait`].
 
-use std::collections::BTreeMap;
-
 use cudarc::driver::{CudaEvent, PinnedHostSlice, result, sys};
-use rayon::prelude::*;
 
-use super::decode::{
-    BODY_ALIGN, GroupKey, Staged, add_page, check_status, pack_groups, stage_page,
-};
 use super::{Gpu, GpuBuffer, cuda_err};
 use crate::cache::Kind;
 use crate::decode::Archive;
 use crate::error::{Error, Result};
-use crate::gpu::paged::{PagedAddr, PagedCache, PagedShape, layer_tensors, slot_mapping};
-use crate::gpu::spec::DstSpec;
+use crate::gpu::decplan::{PagedImage, check_status};
+use crate::gpu::paged::{PagedCache, slot_mapping};
 use crate::gpu::{OutType, PagedStats};
-
-/// One launch of an image: key, descriptors offset, work offset (from
-/// the image's base), blocks.
-pub(crate) type Launch = (GroupKey, usize, usize, u32);
-
-/// The validated pages of one layer and the fixed part of the image that
-/// carries them to the device (module docs).
-pub(crate) struct PagedImage<'a> {
-    staged: Vec<Staged<'a>>,
-    /// Body offset of each staged page in the image.
-    bodies: Vec<usize>,
-    tables: Vec<u8>,
-    side_at: BTreeMap<(u16, u32), u64>,
-    side0: usize,
-    slots: Vec<i64>,
-    slots0: usize,
-    /// Offset of the two u64 status words.
-    pub status0: usize,
-    /// Length of bodies, side tables, slots and status (where the
-    /// descriptor tables start).
-    pub fixed: usize,
-    tensors: [(u32, Kind); 2],
-    /// Page frame bytes of the layer (for statistics).
-    pub file_bytes: u64,
-}
-
-impl<'a> PagedImage<'a> {
-    /// Validates every page of layer `layer` (CRC, zstd, sections; all
-    /// threads) and the block table.
-    ///
-    /// # Errors
-    /// As [`Gpu::decode_paged`].
-    pub fn new(
-        archive: &Archive<'a>,
-        layer: u32,
-        shape: &PagedShape,
-        block_ids: &[i64],
-    ) -> Result<PagedImage<'a>> {
-        let tensors = layer_tensors(archive, layer, shape)?;
-        let tokens = archive.reader().tokens(tensors[0].0 as usize);
-        let v_tokens = archive.reader().tokens(tensors[1].0 as usize);
-        if v_tokens != tokens {
-            return Err(Error::param(format!(
-                "layer {layer} holds {tokens} K tokens but {v_tokens} V tokens"
-            )));
-        }
-        let slots = slot_mapping(block_ids, shape, tokens)?;
-        let pages: Vec<usize> = tensors
-            .iter()
-            .flat_map(|&(t, _)| archive.reader().pages_overlapping(t as usize, 0, tokens))
-            .collect();
-        let entries = &archive.reader().index().entries;
-        let file_bytes = pages.iter().map(|&p| entries[p].frame_len).sum();
-        let staged: Vec<Staged<'a>> = pages
-            .par_iter()
-            .map(|&pi| stage_page(archive, pi))
-            .collect::<Result<_>>()?;
-        let mut bodies = Vec::with_capacity(staged.len());
-        let mut at = 0usize;
-        for s in &staged {
-            bodies.push(at);
-            at += s.view.body().len().next_multiple_of(BODY_ALIGN);
-        }
-        let (tables, side_at) =
-            crate::gpu::side::for_archive(archive, staged.iter().map(|s| (s.codec, s.tensor)))?;
-        let side0 = at;
-        let slots0 = side0 + tables.len().next_multiple_of(BODY_ALIGN);
-        let status0 = slots0 + (8 * slots.len()).next_multiple_of(BODY_ALIGN);
-        let fixed = status0 + BODY_ALIGN;
-        Ok(PagedImage {
-            staged,
-            bodies,
-            tables,
-            side_at,
-            side0,
-            slots,
-            slots0,
-            status0,
-            fixed,
-            tensors,
-            file_bytes,
-        })
-    }
-
-    /// Writes bodies, side tables, slot mapping and status words (all
-    /// `u64::MAX`) into `out[..self.fixed]`, bodies on all threads.
-    pub fn fill(&self, out: &mut [u8]) {
-        let (head, rest) = out.split_at_mut(self.side0);
-        let mut parts = Vec::with_capacity(self.staged.len());
-        let mut tail = head;
-        let mut pos = 0;
-        for (s, &o) in self.staged.iter().zip(&self.bodies) {
-            let (_, r) = std::mem::take(&mut tail).split_at_mut(o - pos);
-            let n = s.view.body().len();
-            let (mine, r) = r.split_at_mut(n);
-            parts.push((mine, s.view.body()));
-            tail = r;
-            pos = o + n;
-        }
-        parts
-            .into_par_iter()
-            .for_each(|(d, b)| d.copy_from_slice(b));
-        let rest = &mut rest[..self.fixed - self.side0];
-        rest[..self.tables.len()].copy_from_slice(&self.tables);
-        let s = self.slots0 - self.side0;
-        rest[s..s + 8 * self.slots.len()].copy_from_slice(bytemuck::cast_slice(&self.slots));
-        let st = self.status0 - self.side0;
-        rest[st..st + 16].fill(0xff);
-    }
-
-    /// The descriptor tables for the image placed at device address `base`
-    /// (to be written at `base + self.fixed`), decoding into `target(kind)`
-    /// = (address of (block 0, row 0, head 0), elements from there, the
-    /// addressing), with each launch's (key, descriptors offset, work
-    /// offset, blocks), offsets from `base`.
-    ///
-    /// # Errors
-    /// [`Error::Parameter`] when a destination does not hold the tensor;
-    /// [`Error::Unsupported`] for a head_dim the kernels do not take.
-    pub fn tables(
-        &self,
-        base: u64,
-        target: impl Fn(Kind) -> (u64, u64, PagedAddr),
-        out: OutType,
-    ) -> Result<(Vec<u8>, Vec<Launch>, u64)> {
-        let dst = |kind: Kind| {
-            let (ptr, len, addr) = target(kind);
-            DstSpec::Paged {
-                ptr,
-                len,
-                slots: base + self.slots0 as u64,
-                slots_len: self.slots.len() as u64,
-                slot_stride: 0,
-                addr: Some(addr),
-            }
-        };
-        let by_tensor: BTreeMap<u32, DstSpec> =
-            self.tensors.iter().map(|&(t, k)| (t, dst(k))).collect();
-        let mut groups = BTreeMap::new();
-        let mut written = 0;
-        for (s, &o) in self.staged.iter().zip(&self.bodies) {
-            let mut g = s.geom;
-            if let Some(&t) = self.side_at.get(&(s.codec, s.tensor)) {
-                g.side = base + (self.side0 as u64) + t;
-            }
-            let (_, w) = add_page(&mut groups, &g, base + o as u64, &by_tensor[&s.tensor], out)?;
-            written += w;
-        }
-        // pack_groups aligns each part relative to the start of its vector;
-        // `fixed` is a multiple of BODY_ALIGN, so alignment holds on the
-        // device too.
-        let mut bytes = Vec::new();
-        let launches = pack_groups(groups, &mut bytes)
-            .into_iter()
-            .map(|(k, d, w, b)| (k, self.fixed + d, self.fixed + w, b))
-            .collect();
-        Ok((bytes, launches, written))
-    }
-}
 
 /// Decode work enqueued on a stream by [`Gpu::decode_paged`]. Holds the
 /// pinned host staging and the device buffer until the work is done.
@@ -299,11 +134,11 @@ impl Gpu {
         let img = PagedImage::new(archive, layer, &cache.shape(), block_ids)?;
         let target = |k: Kind| cache.target(k);
         // The tables' size does not depend on the base address.
-        let tlen = img.tables(0, target, out)?.0.len();
+        let tlen = img.tables(0, target, out, self.options)?.0.len();
         let total = img.fixed + tlen;
         let dev = self.alloc_uninit(total)?;
         let base = dev.device_ptr();
-        let (tables, launches, written) = img.tables(base, target, out)?;
+        let (tables, launches, written) = img.tables(base, target, out, self.options)?;
         let status_at = total.next_multiple_of(16);
         let mut staging = self.take_pinned(status_at + 16)?;
         {
@@ -320,7 +155,7 @@ impl Gpu {
             unsafe { result::memcpy_htod_async(base, &host[..total], s) }
                 .map_err(cuda_err("host-to-device copy"))?;
             for (key, d, w, blocks) in &launches {
-                let args = super::decode::group_args(key, status);
+                let args = crate::gpu::decplan::group_args(key, status);
                 self.launch_items(&key.0, base + *d as u64, base + *w as u64, *blocks, &args)?;
             }
             Ok(())

@@ -16,13 +16,13 @@ use std::time::Instant;
 use cudarc::driver::{CudaEvent, CudaStream, PinnedHostSlice, result};
 use rayon::prelude::*;
 
-use super::decode::{
-    BODY_ALIGN, add_page, check_status, dst_spec, group_args, pack_groups, stage_page,
-};
 use super::{Gpu, GpuBuffer, cuda_err};
 use crate::decode::Archive;
 use crate::error::{Error, Result};
 use crate::format::FLAG_ZSTD;
+use crate::gpu::decplan::{
+    BODY_ALIGN, add_page, check_status, dst_spec, group_args, pack_groups, stage_page,
+};
 use crate::gpu::spec::{self, DstSpec, KernelCodec};
 use crate::gpu::{OutType, StreamStats, Target};
 
@@ -162,10 +162,20 @@ impl FileDecoder {
             let reserve = if e.flags & FLAG_ZSTD == 0 {
                 e.frame_len.saturating_sub(64)
             } else {
-                spec::canonical_body_len(kc, rows, u64::from(m.tokens), u64::from(info.head_dim))
+                crate::gpu::codecs::canonical_body_len(
+                    kc,
+                    rows,
+                    u64::from(m.tokens),
+                    u64::from(info.head_dim),
+                )
             };
             let reserve = (reserve as usize).next_multiple_of(BODY_ALIGN);
-            let k = spec::decode_kernel(kc, info.head_dim, OutType::Bf16)?;
+            let k = crate::gpu::codecs::decode_kernel(
+                kc,
+                info.head_dim,
+                OutType::Bf16,
+                self.gpu.options,
+            )?;
             let mut items = Vec::new();
             k.grid
                 .push_items(0, rows as u32, m.tokens, info.head_dim, &mut items);
@@ -283,7 +293,14 @@ impl FileDecoder {
             let mut groups = BTreeMap::new();
             for (tensor, g, off) in &staged {
                 let dst = &by_tensor[tensor];
-                let (_, w) = add_page(&mut groups, g, dev + *off as u64, dst, out)?;
+                let (_, w) = add_page(
+                    &mut groups,
+                    g,
+                    dev + *off as u64,
+                    dst,
+                    out,
+                    self.gpu.options,
+                )?;
                 stats.output_bytes += w;
             }
             let mut meta = Vec::new();

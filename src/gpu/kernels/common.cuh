@@ -40,7 +40,7 @@ typedef long long i64;
 #define SRC_F16 2
 #define SRC_F32 3
 
-// One page to decode (mirrors gpu::spec::PageDesc, 160 bytes).
+// One page to decode (mirrors gpu::abi::PageDesc, 160 bytes).
 struct PageDesc {
     u64 body;     // device address of the page body (uncompressed)
     u64 dst;      // output base: contiguous = element (plane 0, output token 0); paged = cache base
@@ -77,8 +77,9 @@ struct PageDesc {
     u32 block_size;
     u32 m_block;  // udiv magic of block_size
 };
+static_assert(sizeof(PageDesc) == 160, "PageDesc must match gpu::abi::PageDesc");
 
-// One page to encode (mirrors gpu::spec::EncDesc, 104 bytes).
+// One page to encode (mirrors gpu::abi::EncDesc, 104 bytes).
 struct EncDesc {
     u64 src;      // device address of source element (plane 0, page token 0)
     u64 body;     // device address of the output page body
@@ -102,6 +103,7 @@ struct EncDesc {
     u32 p2;
     u32 p3;
 };
+static_assert(sizeof(EncDesc) == 104, "EncDesc must match gpu::abi::EncDesc");
 
 // n / d for the d whose magic m = ceil(2^32 / d) (0 when d == 1), computed
 // on the host (gpu::spec::magic): umulhi gives the quotient or one more.

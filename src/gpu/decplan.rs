@@ -1,0 +1,397 @@
+//! Device-independent decode planning, shared by the CUDA backend and the
+//! SIMT emulator: staging a page (checked through its codec's page layout),
+//! the descriptor of each page and its kernel's group, the uniform kernel
+//! arguments, the packed descriptor and work tables, the status words, and
+//! the image of a paged-cache decode. Nothing here touches a device, so the
+//! emulator builds and runs without the `cuda` feature.
+
+use std::collections::BTreeMap;
+
+use rayon::prelude::*;
+
+use crate::cache::Kind;
+use crate::decode::Archive;
+use crate::error::{Error, Result};
+use crate::gpu::codecs::{decode_kernel, desc_params, page_sections};
+use crate::gpu::paged::{PagedAddr, PagedShape, layer_tensors, slot_mapping};
+use crate::gpu::spec::{
+    self, DstSpec, KernelChoice, KernelCodec, KernelOptions, OutType, PageDesc, PageGeom, page_desc,
+};
+
+/// Optional kernel arguments after (descriptors, work list).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Args {
+    /// Bits (fallback affine kernels) or source type code (raw fallback).
+    pub bits: Option<u32>,
+    /// Rotation block (affine kernels).
+    pub h: Option<u32>,
+    /// `1/sqrt(h)` (affine kernels).
+    pub c: Option<f32>,
+    /// Address of the u64 status word.
+    pub status: u64,
+}
+
+/// Alignment of page bodies inside a device buffer, bytes.
+pub(crate) const BODY_ALIGN: usize = 256;
+
+/// A page ready for the device: geometry, tensor, codec slot, and its
+/// validated view (whose `body()` is the uncompressed body). The geometry's
+/// side-table address is set when the page is placed on the device.
+pub(crate) struct Staged<'a> {
+    pub tensor: u32,
+    pub codec: u16,
+    pub geom: PageGeom,
+    pub view: crate::format::PageView<'a>,
+}
+
+/// Validates page `pi` of `archive` (CRC, zstd, sections against the
+/// codec's spec) and returns its uncompressed body.
+pub(crate) fn stage_page<'a>(archive: &Archive<'a>, pi: usize) -> Result<Staged<'a>> {
+    let view = archive.reader().page(pi)?;
+    let m = view.header.meta;
+    let h = archive.reader().header();
+    let info = crate::cache::TensorInfo {
+        tokens: archive.reader().tokens(m.tensor as usize),
+        ..h.tensors[m.tensor as usize].clone()
+    };
+    let kc = KernelCodec::of(archive.codec(m.codec as usize), &info)?;
+    let (sections, extra) = page_sections(kc, &view, &info)?;
+    let geom = PageGeom {
+        kc,
+        token_start: m.token_start,
+        tokens: m.tokens,
+        batch: info.batch,
+        heads: info.heads,
+        head_dim: info.head_dim,
+        sections,
+        params: desc_params(kc, info.head_dim, extra),
+        side: 0,
+        read: spec::section_bytes(&view),
+    };
+    Ok(Staged {
+        tensor: m.tensor,
+        codec: m.codec,
+        geom,
+        view,
+    })
+}
+
+/// The plain-address form of a [`crate::gpu::Dst`].
+#[cfg(feature = "cuda")]
+pub(crate) fn dst_spec(d: &crate::gpu::Dst<'_>) -> DstSpec {
+    use crate::gpu::Dst;
+    match *d {
+        Dst::Contiguous {
+            buf,
+            first_token,
+            tokens,
+        } => DstSpec::Contiguous {
+            ptr: buf.device_ptr(),
+            len: buf.len() as u64,
+            first_token,
+            tokens,
+        },
+        Dst::Paged {
+            cache,
+            slots,
+            slot_stride,
+        } => DstSpec::Paged {
+            ptr: cache.device_ptr(),
+            len: cache.len() as u64,
+            slots: slots.device_ptr(),
+            slots_len: slots.len() as u64,
+            slot_stride,
+            addr: None,
+        },
+        Dst::Blocks { cache, kind, slots } => {
+            let (ptr, len, addr) = cache.target(kind);
+            DstSpec::Paged {
+                ptr,
+                len,
+                slots: slots.device_ptr(),
+                slots_len: slots.len() as u64,
+                slot_stride: 0,
+                addr: Some(addr),
+            }
+        }
+    }
+}
+
+/// Descriptors and work items of one kernel launch.
+#[derive(Debug, Default)]
+pub(crate) struct Group {
+    pub descs: Vec<PageDesc>,
+    pub work: Vec<[u32; 2]>,
+}
+
+/// Launch key: the kernel and its uniform arguments.
+pub(crate) type GroupKey = (KernelChoice, u32, u32, u32);
+
+/// Adds page `g` (body at `body`) for `dst` to its kernel's group.
+/// Returns `(bytes read, bytes written)` by the kernel for this page.
+pub(crate) fn add_page(
+    groups: &mut BTreeMap<GroupKey, Group>,
+    g: &PageGeom,
+    body: u64,
+    dst: &DstSpec,
+    out: OutType,
+    opts: KernelOptions,
+) -> Result<(u64, u64)> {
+    let k = decode_kernel(g.kc, g.head_dim, out, opts)?;
+    let Some((desc, rows_written)) = page_desc(g, body, dst, k.grid.unit())? else {
+        return Ok((0, 0));
+    };
+    let bits = match g.kc {
+        KernelCodec::Raw { src } => u32::from(src.code()),
+        KernelCodec::Affine { bits, .. } => u32::from(bits),
+        _ => 0,
+    };
+    let key = (k.clone(), bits, g.kc.h(), g.kc.c().to_bits());
+    let grp = groups.entry(key).or_default();
+    let i = grp.descs.len() as u32;
+    grp.descs.push(desc);
+    k.grid
+        .push_items(i, desc.rows, desc.tokens, g.head_dim, &mut grp.work);
+    Ok(spec::decode_bytes(g, rows_written))
+}
+
+/// The kernel arguments after (descriptors, work) for a group.
+pub(crate) fn group_args(key: &GroupKey, status: u64) -> Args {
+    let (k, bits, h, c) = key;
+    let fallback = !matches!(k.grid, spec::Grid::Units { .. });
+    match k.source {
+        "raw" => Args {
+            bits: fallback.then_some(*bits),
+            h: None,
+            c: None,
+            status,
+        },
+        "affine" => Args {
+            bits: fallback.then_some(*bits),
+            h: Some(*h),
+            c: Some(f32::from_bits(*c)),
+            status,
+        },
+        // The kernels of the other codecs read everything from their
+        // descriptors.
+        _ => Args {
+            bits: None,
+            h: None,
+            c: None,
+            status,
+        },
+    }
+}
+
+/// Checks the two status words of a decode: word 0, the smallest page row
+/// whose slot-mapping entry pointed past the paged cache; word 1, the
+/// smallest descriptor whose page failed a content check in a kernel (hqmq
+/// digit groups and scales). Both `u64::MAX` when all is well.
+///
+/// # Errors
+/// [`Error::Parameter`] for word 0, [`Error::Format`] for word 1.
+pub(crate) fn check_status(s: &[u64]) -> Result<()> {
+    if s[0] != u64::MAX {
+        return Err(Error::param(format!(
+            "a slot mapping entry (page row {}) points past the paged cache",
+            s[0]
+        )));
+    }
+    if s.get(1).is_some_and(|&w| w != u64::MAX) {
+        return Err(Error::format(
+            crate::error::Location::Header,
+            "a page failed its codec's content checks on the GPU (a digit group or padding \
+             digit out of range, or a scale that is not finite and non-negative); decode it on \
+             the CPU for the page's name",
+        ));
+    }
+    Ok(())
+}
+
+/// Serializes groups as `[descs of group 0][work of group 0][descs of
+/// group 1]...` (each part 256-aligned) into `out`, returning per group
+/// `(key, descs offset, work offset, blocks)`.
+pub(crate) fn pack_groups(
+    groups: BTreeMap<GroupKey, Group>,
+    out: &mut Vec<u8>,
+) -> Vec<(GroupKey, usize, usize, u32)> {
+    let mut v = Vec::new();
+    for (key, g) in groups {
+        out.resize(out.len().next_multiple_of(BODY_ALIGN), 0);
+        let d = out.len();
+        out.extend_from_slice(bytemuck::cast_slice(&g.descs));
+        out.resize(out.len().next_multiple_of(BODY_ALIGN), 0);
+        let w = out.len();
+        out.extend_from_slice(bytemuck::cast_slice(&g.work));
+        v.push((key, d, w, g.work.len() as u32));
+    }
+    v
+}
+
+/// One launch of an image: key, descriptors offset, work offset (from
+/// the image's base), blocks.
+pub(crate) type Launch = (GroupKey, usize, usize, u32);
+
+/// The validated pages of one layer and the fixed part of the image that
+/// carries them to the device (module docs).
+pub(crate) struct PagedImage<'a> {
+    staged: Vec<Staged<'a>>,
+    /// Body offset of each staged page in the image.
+    pub bodies: Vec<usize>,
+    tables: Vec<u8>,
+    side_at: BTreeMap<(u16, u32), u64>,
+    side0: usize,
+    slots: Vec<i64>,
+    slots0: usize,
+    /// Offset of the two u64 status words.
+    pub status0: usize,
+    /// Length of bodies, side tables, slots and status (where the
+    /// descriptor tables start).
+    pub fixed: usize,
+    tensors: [(u32, Kind); 2],
+    /// Page frame bytes of the layer (for statistics).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub file_bytes: u64,
+}
+
+impl<'a> PagedImage<'a> {
+    /// Validates every page of layer `layer` (CRC, zstd, sections; all
+    /// threads) and the block table.
+    ///
+    /// # Errors
+    /// As [`Gpu::decode_paged`].
+    pub fn new(
+        archive: &Archive<'a>,
+        layer: u32,
+        shape: &PagedShape,
+        block_ids: &[i64],
+    ) -> Result<PagedImage<'a>> {
+        let tensors = layer_tensors(archive, layer, shape)?;
+        let tokens = archive.reader().tokens(tensors[0].0 as usize);
+        let v_tokens = archive.reader().tokens(tensors[1].0 as usize);
+        if v_tokens != tokens {
+            return Err(Error::param(format!(
+                "layer {layer} holds {tokens} K tokens but {v_tokens} V tokens"
+            )));
+        }
+        let slots = slot_mapping(block_ids, shape, tokens)?;
+        let pages: Vec<usize> = tensors
+            .iter()
+            .flat_map(|&(t, _)| archive.reader().pages_overlapping(t as usize, 0, tokens))
+            .collect();
+        let entries = &archive.reader().index().entries;
+        let file_bytes = pages.iter().map(|&p| entries[p].frame_len).sum();
+        let staged: Vec<Staged<'a>> = pages
+            .par_iter()
+            .map(|&pi| stage_page(archive, pi))
+            .collect::<Result<_>>()?;
+        let mut bodies = Vec::with_capacity(staged.len());
+        let mut at = 0usize;
+        for s in &staged {
+            bodies.push(at);
+            at += s.view.body().len().next_multiple_of(BODY_ALIGN);
+        }
+        let (tables, side_at) =
+            crate::gpu::side::for_archive(archive, staged.iter().map(|s| (s.codec, s.tensor)))?;
+        let side0 = at;
+        let slots0 = side0 + tables.len().next_multiple_of(BODY_ALIGN);
+        let status0 = slots0 + (8 * slots.len()).next_multiple_of(BODY_ALIGN);
+        let fixed = status0 + BODY_ALIGN;
+        Ok(PagedImage {
+            staged,
+            bodies,
+            tables,
+            side_at,
+            side0,
+            slots,
+            slots0,
+            status0,
+            fixed,
+            tensors,
+            file_bytes,
+        })
+    }
+
+    /// Writes bodies, side tables, slot mapping and status words (all
+    /// `u64::MAX`) into `out[..self.fixed]`, bodies on all threads.
+    pub fn fill(&self, out: &mut [u8]) {
+        let (head, rest) = out.split_at_mut(self.side0);
+        let mut parts = Vec::with_capacity(self.staged.len());
+        let mut tail = head;
+        let mut pos = 0;
+        for (s, &o) in self.staged.iter().zip(&self.bodies) {
+            let (_, r) = std::mem::take(&mut tail).split_at_mut(o - pos);
+            let n = s.view.body().len();
+            let (mine, r) = r.split_at_mut(n);
+            parts.push((mine, s.view.body()));
+            tail = r;
+            pos = o + n;
+        }
+        parts
+            .into_par_iter()
+            .for_each(|(d, b)| d.copy_from_slice(b));
+        let rest = &mut rest[..self.fixed - self.side0];
+        rest[..self.tables.len()].copy_from_slice(&self.tables);
+        let s = self.slots0 - self.side0;
+        rest[s..s + 8 * self.slots.len()].copy_from_slice(bytemuck::cast_slice(&self.slots));
+        let st = self.status0 - self.side0;
+        rest[st..st + 16].fill(0xff);
+    }
+
+    /// The descriptor tables for the image placed at device address `base`
+    /// (to be written at `base + self.fixed`), decoding into `target(kind)`
+    /// = (address of (block 0, row 0, head 0), elements from there, the
+    /// addressing), with each launch's (key, descriptors offset, work
+    /// offset, blocks), offsets from `base`.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when a destination does not hold the tensor;
+    /// [`Error::Unsupported`] for a head_dim the kernels do not take.
+    pub fn tables(
+        &self,
+        base: u64,
+        target: impl Fn(Kind) -> (u64, u64, PagedAddr),
+        out: OutType,
+        opts: KernelOptions,
+    ) -> Result<(Vec<u8>, Vec<Launch>, u64)> {
+        let dst = |kind: Kind| {
+            let (ptr, len, addr) = target(kind);
+            DstSpec::Paged {
+                ptr,
+                len,
+                slots: base + self.slots0 as u64,
+                slots_len: self.slots.len() as u64,
+                slot_stride: 0,
+                addr: Some(addr),
+            }
+        };
+        let by_tensor: BTreeMap<u32, DstSpec> =
+            self.tensors.iter().map(|&(t, k)| (t, dst(k))).collect();
+        let mut groups = BTreeMap::new();
+        let mut written = 0;
+        for (s, &o) in self.staged.iter().zip(&self.bodies) {
+            let mut g = s.geom;
+            if let Some(&t) = self.side_at.get(&(s.codec, s.tensor)) {
+                g.side = base + (self.side0 as u64) + t;
+            }
+            let (_, w) = add_page(
+                &mut groups,
+                &g,
+                base + o as u64,
+                &by_tensor[&s.tensor],
+                out,
+                opts,
+            )?;
+            written += w;
+        }
+        // pack_groups aligns each part relative to the start of its vector;
+        // `fixed` is a multiple of BODY_ALIGN, so alignment holds on the
+        // device too.
+        let mut bytes = Vec::new();
+        let launches = pack_groups(groups, &mut bytes)
+            .into_iter()
+            .map(|(k, d, w, b)| (k, self.fixed + d, self.fixed + w, b))
+            .collect();
+        Ok((bytes, launches, written))
+    }
+}
