@@ -35,14 +35,19 @@ ENCODE = "int4,bdr128,hqmq:s96r4"
 HEADS, DIM, TOKENS, BLOCK = 8, 128, 32768, 16
 
 
-def median_us(f, runs):
-    f()
-    ts = []
+def interleaved_us(rust_once, py_once, runs):
+    """Medians (us) of the Rust and the Python call, alternating one of each
+    per round so that both see the same machine state (host staging and
+    PCIe dominate the whole call and drift over a run)."""
+    rust_once()
+    py_once()
+    rust, py = [], []
     for _ in range(runs):
+        rust.extend(rust_once())
         t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e6
+        py_once()
+        py.append(time.perf_counter() - t)
+    return statistics.median(rust) * 1e6, statistics.median(py) * 1e6
 
 
 def main() -> int:
@@ -77,19 +82,20 @@ def main() -> int:
     out = torch.empty_like(cache)
     for codec in filter(None, args.decode.split(",")):
         data = kvpack.compress([(k, v)], codec).data
-        rust = statistics.median(
-            _native.cuda_bench_decode_paged(data, [out], ids, layer=0, layout="flash_attn", stream=stream, runs=args.runs)
-        ) * 1e6
-        py = median_us(lambda: kvpack.cuda.decode_paged(data, out, ids, layer=0), args.runs)
+        rust, py = interleaved_us(
+            lambda: _native.cuda_bench_decode_paged(data, [out], ids, layer=0, layout="flash_attn", stream=stream, runs=1),
+            lambda: kvpack.cuda.decode_paged(data, out, ids, layer=0),
+            args.runs,
+        )
         r = rust / py
         worst = min(worst, r)
         print(f"| {codec} | decode_paged | {rust:.0f} | {gbs(rust):.1f} | {py:.0f} | {gbs(py):.1f} | {100 * r:.0f}% |")
     for codec in filter(None, args.encode.split(",")):
         same = bytes(kvpack.cuda.encode_paged(cache, ids, TOKENS, codec)) == kvpack.compress([(k, v)], codec).data
-        rust = statistics.median(
-            _native.cuda_bench_encode_paged([cache], ids, TOKENS, codec, layout="flash_attn", stream=stream, runs=args.runs)
-        ) * 1e6
-        py = median_us(lambda: kvpack.cuda.encode_paged(cache, ids, TOKENS, codec), args.runs)
+        rust_once = lambda: _native.cuda_bench_encode_paged(  # noqa: E731
+            [cache], ids, TOKENS, codec, layout="flash_attn", stream=stream, runs=1
+        )
+        rust, py = interleaved_us(rust_once, lambda: kvpack.cuda.encode_paged(cache, ids, TOKENS, codec), args.runs)
         r = rust / py
         print(
             f"| {codec} | encode_paged -> array | {rust:.0f} | {gbs(rust):.1f} | {py:.0f} | {gbs(py):.1f} | {100 * r:.0f}% |"
@@ -97,7 +103,9 @@ def main() -> int:
         )
         # Into a caller buffer: no copy into a bytes object.
         buf = torch.empty(rows_bytes + (1 << 20), dtype=torch.uint8).pin_memory()
-        py = median_us(lambda: kvpack.cuda.encode_paged(cache, ids, TOKENS, codec, out=buf), args.runs)
+        rust, py = interleaved_us(
+            rust_once, lambda: kvpack.cuda.encode_paged(cache, ids, TOKENS, codec, out=buf), args.runs
+        )
         r = rust / py
         worst = min(worst, r)
         print(f"| {codec} | encode_paged out= | {rust:.0f} | {gbs(rust):.1f} | {py:.0f} | {gbs(py):.1f} | {100 * r:.0f}% |")
