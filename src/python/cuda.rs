@@ -115,7 +115,22 @@ fn import_cache(
 
 /// The device handle submitting to `stream` (a raw `CUstream`).
 fn gpu_on(ordinal: usize, stream: u64) -> PyResult<Gpu> {
-    let gpu = Gpu::new(ordinal).py_err()?;
+    // One handle per device for the life of the process: its loaded
+    // modules and pooled pinned staging buffers serve every later call
+    // (a fresh handle per call reloads modules and pins new staging).
+    static GPUS: std::sync::OnceLock<Mutex<std::collections::HashMap<usize, Gpu>>> =
+        std::sync::OnceLock::new();
+    let gpus = GPUS.get_or_init(Default::default);
+    let mut held = gpus.lock().unwrap_or_else(|e| e.into_inner());
+    let gpu = match held.get(&ordinal) {
+        Some(g) => g.clone(),
+        None => {
+            let g = Gpu::new(ordinal).py_err()?;
+            held.insert(ordinal, g.clone());
+            g
+        }
+    };
+    drop(held);
     // SAFETY: the Python caller passes its current stream of this device
     // (`torch.cuda.current_stream().cuda_stream` by default, see
     // kvpack/cuda.py), which outlives the call and the job holding it.
