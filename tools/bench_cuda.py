@@ -65,6 +65,7 @@ def main() -> int:
     v = torch.randn(1, HEADS, TOKENS, DIM, generator=g).to(torch.bfloat16)
     nb = TOKENS // BLOCK + 64
     ids = torch.randperm(nb, generator=g)[: TOKENS // BLOCK].tolist()
+    ids_t = torch.tensor(ids, dtype=torch.int64)  # a block table as engines hold it
     cache = torch.zeros(2, nb, BLOCK, HEADS, DIM, dtype=torch.bfloat16, device=dev)
     # The layer's rows at the block table's slots (for encode).
     t = torch.arange(TOKENS, device=dev)
@@ -84,7 +85,7 @@ def main() -> int:
         data = kvpack.compress([(k, v)], codec).data
         rust, py = interleaved_us(
             lambda: _native.cuda_bench_decode_paged(data, [out], ids, layer=0, layout="flash_attn", stream=stream, runs=1),
-            lambda: kvpack.cuda.decode_paged(data, out, ids, layer=0),
+            lambda: kvpack.cuda.decode_paged(data, out, ids_t, layer=0),
             args.runs,
         )
         r = rust / py
@@ -95,7 +96,7 @@ def main() -> int:
         rust_once = lambda: _native.cuda_bench_encode_paged(  # noqa: E731
             [cache], ids, TOKENS, codec, layout="flash_attn", stream=stream, runs=1
         )
-        rust, py = interleaved_us(rust_once, lambda: kvpack.cuda.encode_paged(cache, ids, TOKENS, codec), args.runs)
+        rust, py = interleaved_us(rust_once, lambda: kvpack.cuda.encode_paged(cache, ids_t, TOKENS, codec), args.runs)
         r = rust / py
         print(
             f"| {codec} | encode_paged -> array | {rust:.0f} | {gbs(rust):.1f} | {py:.0f} | {gbs(py):.1f} | {100 * r:.0f}% |"
@@ -104,7 +105,7 @@ def main() -> int:
         # Into a caller buffer: no copy into a bytes object.
         buf = torch.empty(rows_bytes + (1 << 20), dtype=torch.uint8).pin_memory()
         rust, py = interleaved_us(
-            rust_once, lambda: kvpack.cuda.encode_paged(cache, ids, TOKENS, codec, out=buf), args.runs
+            rust_once, lambda: kvpack.cuda.encode_paged(cache, ids_t, TOKENS, codec, out=buf), args.runs
         )
         r = rust / py
         worst = min(worst, r)

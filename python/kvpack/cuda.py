@@ -81,9 +81,13 @@ def _stream(stream: Any, tensor: Any) -> int:
     return int(stream)
 
 
-def _block_ids(block_ids: Any) -> list:
-    if hasattr(block_ids, "tolist"):
-        block_ids = block_ids.tolist()
+def _block_ids(block_ids: Any) -> Any:
+    """A list of ints or a 1-d int32/int64 host array, as the native call
+    reads it without converting element by element."""
+    if isinstance(block_ids, list) or hasattr(block_ids, "__dlpack__"):
+        if getattr(block_ids, "is_cuda", False):
+            return block_ids.cpu()  # waits for the producer, as documented
+        return block_ids
     try:
         return [int(b) for b in block_ids]
     except TypeError as e:

@@ -137,6 +137,29 @@ fn gpu_on(ordinal: usize, stream: u64) -> PyResult<Gpu> {
     Ok(unsafe { gpu.with_stream(stream) })
 }
 
+/// A block table: a list of ints, or a 1-d int32/int64 host array (numpy,
+/// CPU torch) read through DLPack without a per-element conversion.
+fn block_table(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if let Ok(v) = obj.extract::<Vec<i64>>() {
+        return Ok(v);
+    }
+    let t = dlpack::import(obj, None)?;
+    let bytes = t.host_bytes("block_ids")?;
+    match (t.dtype.code, t.dtype.bits, t.shape.len()) {
+        (0, 64, 1) => Ok(bytes
+            .chunks_exact(8)
+            .map(|c| i64::from_ne_bytes(c.try_into().expect("8 bytes")))
+            .collect()),
+        (0, 32, 1) => Ok(bytes
+            .chunks_exact(4)
+            .map(|c| i64::from(i32::from_ne_bytes(c.try_into().expect("4 bytes"))))
+            .collect()),
+        _ => Err(pyo3::exceptions::PyValueError::new_err(
+            "block_ids must be a list of ints or a 1-d int32/int64 array",
+        )),
+    }
+}
+
 /// Counters of a paged decode as a dict.
 fn stats_dict<'py>(py: Python<'py>, s: &PagedStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
@@ -194,12 +217,13 @@ pub fn cuda_decode_paged(
     py: Python<'_>,
     data: &Bound<'_, PyAny>,
     kv_cache: Vec<Bound<'_, PyAny>>,
-    block_ids: Vec<i64>,
+    block_ids: &Bound<'_, PyAny>,
     layer: u32,
     layout: &str,
     stream: u64,
 ) -> PyResult<CudaJob> {
     let layout = PagedLayout::parse(layout).py_err()?;
+    let block_ids = block_table(block_ids)?;
     let (hold, cache, ordinal) = import_cache(&kv_cache, layout, true, stream)?;
     let gpu = gpu_on(ordinal, stream)?;
     let run = |a: &crate::decode::Archive<'_>| gpu.decode_paged(a, layer, &cache, &block_ids);
@@ -243,7 +267,7 @@ type Encoded<'py> = (
 pub fn cuda_encode_paged<'py>(
     py: Python<'py>,
     kv_cache: Vec<Bound<'py, PyAny>>,
-    block_ids: Vec<i64>,
+    block_ids: &Bound<'_, PyAny>,
     num_tokens: u32,
     codec: &str,
     layout: &str,
@@ -268,6 +292,7 @@ pub fn cuda_encode_paged<'py>(
     }
     .resolve(codec.as_ref())?;
     let layout = PagedLayout::parse(layout).py_err()?;
+    let block_ids = block_table(block_ids)?;
     let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false, stream)?;
     let gpu = gpu_on(ordinal, stream)?;
     let c = codec.as_ref();
@@ -301,13 +326,14 @@ pub fn cuda_bench_decode_paged(
     py: Python<'_>,
     data: &Bound<'_, PyBytes>,
     kv_cache: Vec<Bound<'_, PyAny>>,
-    block_ids: Vec<i64>,
+    block_ids: &Bound<'_, PyAny>,
     layer: u32,
     layout: &str,
     stream: u64,
     runs: usize,
 ) -> PyResult<Vec<f64>> {
     let layout = PagedLayout::parse(layout).py_err()?;
+    let block_ids = block_table(block_ids)?;
     let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, true, stream)?;
     let gpu = gpu_on(ordinal, stream)?;
     let bytes = data.as_bytes();
@@ -332,7 +358,7 @@ pub fn cuda_bench_decode_paged(
 pub fn cuda_bench_encode_paged(
     py: Python<'_>,
     kv_cache: Vec<Bound<'_, PyAny>>,
-    block_ids: Vec<i64>,
+    block_ids: &Bound<'_, PyAny>,
     num_tokens: u32,
     codec: &str,
     layout: &str,
@@ -350,6 +376,7 @@ pub fn cuda_bench_encode_paged(
     }
     .resolve(codec.as_ref())?;
     let layout = PagedLayout::parse(layout).py_err()?;
+    let block_ids = block_table(block_ids)?;
     let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false, stream)?;
     let gpu = gpu_on(ordinal, stream)?;
     let c = codec.as_ref();
