@@ -90,6 +90,8 @@ class TensorInfo(NamedTuple):
     kv_heads: int
     tokens: int
     head_dim: int
+    #: the per-tensor scale of an fp8 tensor (value = code * scale), else None
+    scale: Optional[float] = None
 
     @property
     def shape(self) -> Tuple[int, int, int, int]:
@@ -201,6 +203,7 @@ def compress(
     token_ids: Optional[Iterable[int]] = None,
     metadata: Optional[Mapping[str, str]] = None,
     dtype: Optional[str] = None,
+    scales: Optional[Mapping[Key, float]] = None,
 ) -> CompressResult:
     """Compresses a KV cache into a kvpack file.
 
@@ -232,7 +235,13 @@ def compress(
         token_ids: token ids of the cached prefix (prompt-cache identity).
         metadata: extra string metadata.
         dtype: element type of uint16 bit-pattern inputs (``"bf16"`` or
-            ``"fp16"``).
+            ``"fp16"``) or of uint8 fp8 codes (``"fp8_e4m3"``,
+            ``"fp8_e5m2"``); torch ``float8_e4m3fn`` / ``float8_e5m2``
+            tensors need no hint.
+        scales: per-tensor scales of fp8 inputs, ``{(layer, "K"|"V"):
+            scale}`` (dequantized value = code * scale, vLLM's
+            ``k_scale``/``v_scale``); default 1. ``raw`` keeps fp8 codes
+            bit-exact; other codecs code the dequantized values.
 
     Returns:
         A :class:`CompressResult`; ``.data`` holds the file unless ``path``
@@ -246,7 +255,7 @@ def compress(
             non-contiguous head_dim axis).
     """
     if isinstance(layers, (str, os.PathLike)):
-        if model is not None or token_ids is not None or metadata or dtype is not None:
+        if model is not None or token_ids is not None or metadata or dtype is not None or scales:
             raise ParameterError(
                 "a safetensors input carries its own metadata and token ids: "
                 "model, token_ids, metadata and dtype apply to in-memory tensors"
@@ -262,9 +271,13 @@ def compress(
         )
         return CompressResult(data=data, written=written, **report)
     tensors = []
+    scales = {(int(l), _kind(k)): float(v) for (l, k), v in (scales or {}).items()}
     for layer, kind, arr in _entries(layers):
         a, hint = _source(arr, dtype)
-        tensors.append((layer, kind, a, hint) if hint else (layer, kind, a))
+        s = scales.pop((layer, kind), None)
+        tensors.append((layer, kind, a, hint, s) if s is not None else ((layer, kind, a, hint) if hint else (layer, kind, a)))
+    if scales:
+        raise ParameterError(f"scales given for tensors that are not in the cache: {sorted(scales)}")
     meta = dict(metadata or {})
     if model is not None:
         meta[MODEL_KEY] = model

@@ -18,8 +18,8 @@ Array = Any
 __version__: str
 FORMAT_VERSION: Tuple[int, int]
 
-#: ``(name, layer, kind, dtype, batch, kv_heads, tokens, head_dim)``
-InfoTuple = Tuple[str, int, str, str, int, int, int, int]
+#: ``(name, layer, kind, dtype, batch, kv_heads, tokens, head_dim, fp8 scale)``
+InfoTuple = Tuple[str, int, str, str, int, int, int, int, Optional[float]]
 
 class OwnedArray:
     """Decoded elements owned by Rust (row-major, host memory); wrap with
@@ -96,7 +96,7 @@ def compress(
     metadata: Optional[Dict[str, str]] = None,
     token_ids: Optional[List[int]] = None,
 ) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]:
-    """``tensors``: ``(layer, kind, array[, dtype])``. Returns ``(report,
+    """``tensors``: ``(layer, kind, array[, dtype[, fp8 scale]])``. Returns ``(report,
     file bytes or None, bytes written into out or None)``."""
 
 def compress_file(

@@ -32,8 +32,18 @@ pub struct Archive {
 }
 
 /// One tensor table entry: `(name, layer, kind, dtype, batch, kv_heads,
-/// tokens, head_dim)`.
-pub type InfoTuple = (String, u32, &'static str, &'static str, u32, u32, u32, u32);
+/// tokens, head_dim, fp8 scale or None)`.
+pub type InfoTuple = (
+    String,
+    u32,
+    &'static str,
+    &'static str,
+    u32,
+    u32,
+    u32,
+    u32,
+    Option<f32>,
+);
 
 /// The tuple form of a tensor table entry.
 pub fn info_tuple(i: &TensorInfo) -> InfoTuple {
@@ -46,6 +56,7 @@ pub fn info_tuple(i: &TensorInfo) -> InfoTuple {
         i.heads,
         i.tokens,
         i.head_dim,
+        i.dtype.scale(),
     )
 }
 

@@ -33,10 +33,37 @@ pub fn dtype_of(t: &Imported, hint: Option<&str>, what: &str) -> PyResult<DType>
         (dlpack::F16, None | Some(DType::F16)) => DType::F16,
         (dlpack::F32, None | Some(DType::F32)) => DType::F32,
         (dlpack::U16, Some(h @ (DType::Bf16 | DType::F16))) => h,
+        // torch.float8_e4m3fn / float8_e5m2 (DLPack codes 10 and 12), or
+        // uint8 codes with an fp8 dtype hint; the scale comes separately.
+        (
+            DLDataType {
+                code: 10,
+                bits: 8,
+                lanes: 1,
+            },
+            None,
+        ) => DType::Fp8(crate::cache::Fp8::unscaled(crate::cache::Fp8Format::E4M3Fn)),
+        (
+            DLDataType {
+                code: 12,
+                bits: 8,
+                lanes: 1,
+            },
+            None,
+        ) => DType::Fp8(crate::cache::Fp8::unscaled(crate::cache::Fp8Format::E5M2)),
+        (
+            DLDataType {
+                code: 10 | 12 | 1,
+                bits: 8,
+                lanes: 1,
+            },
+            Some(h @ DType::Fp8(_)),
+        ) => h,
         (dt, h) => {
             return Err(PyValueError::new_err(format!(
-                "{what}: element type {} cannot be read as {}; kvpack takes bfloat16, float16 \
-                 and float32 (uint16 bit patterns with dtype=\"bf16\" or \"fp16\")",
+                "{what}: element type {} cannot be read as {}; kvpack takes bfloat16, float16, \
+                 float32 and float8 e4m3fn/e5m2 (uint16 bit patterns with dtype=\"bf16\" or \
+                 \"fp16\", uint8 codes with dtype=\"fp8_e4m3\" or \"fp8_e5m2\")",
                 dl_name(dt),
                 h.map_or("any kvpack dtype", |d| d.name())
             )));

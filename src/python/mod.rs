@@ -164,23 +164,38 @@ fn compress<'py>(
     // Import every tensor, then borrow views of them.
     let mut imported = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
-        let (layer, kind, arr, hint): (u32, String, Bound<'_, PyAny>, Option<String>) =
-            match t.extract::<(u32, String, Bound<'_, PyAny>)>() {
-                Ok((l, k, a)) => (l, k, a, None),
-                Err(_) => t.extract().map_err(|_| {
+        type Entry<'p> = (u32, String, Bound<'p, PyAny>, Option<String>, Option<f32>);
+        let (layer, kind, arr, hint, scale): Entry<'_> =
+            if let Ok((l, k, a)) = t.extract::<(u32, String, Bound<'_, PyAny>)>() {
+                (l, k, a, None, None)
+            } else if let Ok((l, k, a, h)) = t.extract() {
+                (l, k, a, h, None)
+            } else {
+                t.extract().map_err(|_| {
                     PyValueError::new_err(format!(
-                        "tensor {i}: expected (layer, kind, array[, dtype])"
+                        "tensor {i}: expected (layer, kind, array[, dtype[, fp8 scale]])"
                     ))
-                })?,
+                })?
             };
         let kind = parse_kind(&kind)?;
-        imported.push((layer, kind, self::dlpack::import(&arr, None)?, hint));
+        imported.push((layer, kind, self::dlpack::import(&arr, None)?, hint, scale));
     }
     imported.sort_by_key(|x| (x.0, x.1));
     let mut views = Vec::new();
-    for (layer, kind, t, hint) in &imported {
+    for (layer, kind, t, hint, scale) in &imported {
         let what = format!("layer {layer} {}", kind.letter());
-        let dtype = dtype_of(t, hint.as_deref(), &what)?;
+        let dtype = match (dtype_of(t, hint.as_deref(), &what)?, scale) {
+            (DType::Fp8(f), Some(s)) => {
+                DType::Fp8(crate::cache::Fp8::new(f.format(), *s).py_err()?)
+            }
+            (DType::Fp8(f), None) => DType::Fp8(f),
+            (_, Some(_)) => {
+                return Err(PyValueError::new_err(format!(
+                    "{what}: a scale is given but the tensor is not fp8"
+                )));
+            }
+            (d, None) => d,
+        };
         let (shape, strides) = kv_layout(t, &what)?;
         let info = kv_info(*layer, *kind, dtype, shape);
         views.push(TensorView::new(info, host_elems(t, dtype, &what)?, strides).py_err()?);

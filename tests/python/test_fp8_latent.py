@@ -8,6 +8,7 @@ import pathlib
 import struct
 
 import numpy as np
+import pytest
 
 import kvpack
 
@@ -53,3 +54,33 @@ def test_latent_vector_kind_and_selection():
     assert list(got) == [(1, "L")]
     assert got[(1, "L")].shape == (1, 1, 21, 576)
     assert ar.decode(kind="K") == {}
+
+
+def test_fp8_torch_tensors_in_with_scales():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    import kvpack
+
+    g = torch.Generator().manual_seed(3)
+    layers = []
+    for _ in range(2):
+        k = (torch.randn(1, 2, 64, 32, generator=g) * 4).to(torch.float8_e4m3fn)
+        v = (torch.randn(1, 2, 64, 32, generator=g) * 4).to(torch.float8_e5m2)
+        layers.append((k, v))
+    scales = {(0, "K"): 0.5, (0, "V"): 0.25, (1, "K"): 2.0, (1, "V"): 1.0}
+    ar = kvpack.open(kvpack.compress(layers, "raw", scales=scales).data)
+    assert [(t.dtype, t.scale) for t in ar.tensors] == [
+        ("fp8_e4m3", 0.5), ("fp8_e5m2", 0.25), ("fp8_e4m3", 2.0), ("fp8_e5m2", 1.0)
+    ]
+    back = ar.decode(output="torch")  # raw keeps the codes: uint8 views
+    for (l, kind), t in back.items():
+        src = layers[l][0 if kind == "K" else 1]
+        assert torch.equal(t, src.view(torch.uint8)), (l, kind)
+    # A lossy codec codes the dequantized values (code * scale).
+    f32 = kvpack.open(kvpack.compress(layers, "int8", scales=scales).data).decode(dtype="fp32", output="torch")
+    want = layers[1][0].float() * 2.0
+    cos = torch.nn.functional.cosine_similarity(f32[(1, "K")].ravel(), want.ravel(), dim=0)
+    assert cos > 0.99, cos
+    with pytest.raises(kvpack.ParameterError, match="not in the cache"):
+        kvpack.compress(layers, "raw", scales={(5, "K"): 1.0})
+    with pytest.raises(ValueError, match="not fp8"):
+        kvpack.compress([(torch.zeros(1, 1, 4, 8), None)], "raw", scales={(0, "K"): 1.0})
