@@ -302,6 +302,7 @@ pub fn cuda_encode_paged<'py>(
         let w = super::SliceWriter { buf: bytes, pos: 0 };
         let (w, report) = py
             .detach(|| gpu.encode_paged(&cache, &block_ids, num_tokens, c, layer, &opts, w))
+            .map_err(super::full_buffer_is_param)
             .py_err()?;
         return Ok((super::report_dict(py, &report)?, None, Some(w.pos)));
     }

@@ -85,6 +85,17 @@ fn report_dict<'py>(
     Ok(d)
 }
 
+/// A full caller `out` buffer is the caller's sizing, not the OS: the
+/// [`SliceWriter`] error becomes a parameter error; others pass through.
+fn full_buffer_is_param(e: crate::Error) -> crate::Error {
+    match e {
+        crate::Error::Io { source, .. } if source.kind() == std::io::ErrorKind::WriteZero => {
+            crate::Error::param(source.to_string())
+        }
+        e => e,
+    }
+}
+
 /// Writes into a caller buffer; running out of room is an error that says
 /// how to size the buffer.
 struct SliceWriter<'a> {
@@ -256,15 +267,7 @@ fn write_out<'py>(
                     &none,
                 )
             })
-            .map_err(|e| match e {
-                // A full caller buffer is the caller's sizing, not the OS.
-                crate::Error::Io { source, .. }
-                    if source.kind() == std::io::ErrorKind::WriteZero =>
-                {
-                    crate::Error::param(source.to_string())
-                }
-                e => e,
-            })
+            .map_err(full_buffer_is_param)
             .py_err()?;
         return Ok((report_dict(py, &report)?, None, Some(w.pos)));
     }
