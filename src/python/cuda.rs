@@ -12,8 +12,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::Opts;
 use super::archive::Archive;
+use super::codec_and_options;
 use super::dlpack::{self, Imported};
 use super::errors::IntoPy;
 use crate::cache::DType;
@@ -281,16 +281,15 @@ pub fn cuda_encode_paged<'py>(
     align_log2: u8,
     raw_fallback: bool,
 ) -> PyResult<Encoded<'py>> {
-    let codec = crate::codec::parse(codec).py_err()?;
-    let opts = Opts {
+    let (codec, opts) = codec_and_options(
+        codec,
         page_tokens,
         sink,
         recent,
         zstd_level,
         align_log2,
         raw_fallback,
-    }
-    .resolve(codec.as_ref())?;
+    )?;
     let layout = PagedLayout::parse(layout).py_err()?;
     let block_ids = block_table(block_ids)?;
     let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false, stream)?;
@@ -366,16 +365,7 @@ pub fn cuda_bench_encode_paged(
     stream: u64,
     runs: usize,
 ) -> PyResult<Vec<f64>> {
-    let codec = crate::codec::parse(codec).py_err()?;
-    let opts = Opts {
-        page_tokens: None,
-        sink: None,
-        recent: None,
-        zstd_level: None,
-        align_log2: 6,
-        raw_fallback: false,
-    }
-    .resolve(codec.as_ref())?;
+    let (codec, opts) = super::codec_and_options(codec, None, None, None, None, 6, false)?;
     let layout = PagedLayout::parse(layout).py_err()?;
     let block_ids = block_table(block_ids)?;
     let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false, stream)?;

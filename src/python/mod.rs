@@ -67,6 +67,30 @@ impl Opts {
     }
 }
 
+/// Parses a codec name and builds its compress options (windows default to
+/// the codec's own), as every encoding entry point takes them.
+pub(crate) fn codec_and_options(
+    name: &str,
+    page_tokens: Option<u32>,
+    sink: Option<u32>,
+    recent: Option<u32>,
+    zstd_level: Option<i32>,
+    align_log2: u8,
+    raw_fallback: bool,
+) -> PyResult<(Box<dyn Codec>, CompressOptions)> {
+    let codec = crate::codec::parse(name).py_err()?;
+    let opts = Opts {
+        page_tokens,
+        sink,
+        recent,
+        zstd_level,
+        align_log2,
+        raw_fallback,
+    }
+    .resolve(codec.as_ref())?;
+    Ok((codec, opts))
+}
+
 /// A compression report as a dict.
 fn report_dict<'py>(
     py: Python<'py>,
@@ -162,16 +186,15 @@ fn compress<'py>(
     metadata: Option<BTreeMap<String, String>>,
     token_ids: Option<Vec<u32>>,
 ) -> PyResult<Compressed<'py>> {
-    let codec = crate::codec::parse(codec).py_err()?;
-    let opts = Opts {
+    let (codec, opts) = codec_and_options(
+        codec,
         page_tokens,
         sink,
         recent,
         zstd_level,
         align_log2,
         raw_fallback,
-    }
-    .resolve(codec.as_ref())?;
+    )?;
     // Import every tensor, then borrow views of them.
     let mut imported = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
@@ -303,16 +326,15 @@ fn compress_file<'py>(
     align_log2: u8,
     raw_fallback: bool,
 ) -> PyResult<Compressed<'py>> {
-    let codec = crate::codec::parse(codec).py_err()?;
-    let opts = Opts {
+    let (codec, opts) = codec_and_options(
+        codec,
         page_tokens,
         sink,
         recent,
         zstd_level,
         align_log2,
         raw_fallback,
-    }
-    .resolve(codec.as_ref())?;
+    )?;
     let name = source.to_string_lossy().into_owned();
     let input = py.detach(|| crate::io::file::open_input(&name)).py_err()?;
     let cache = py
@@ -342,16 +364,15 @@ fn max_size(
     metadata: Option<BTreeMap<String, String>>,
     token_ids: usize,
 ) -> PyResult<u64> {
-    let codec = crate::codec::parse(codec).py_err()?;
-    let opts = Opts {
+    let (codec, opts) = codec_and_options(
+        codec,
         page_tokens,
         sink,
         recent,
         zstd_level,
         align_log2,
-        raw_fallback: true,
-    }
-    .resolve(codec.as_ref())?;
+        true,
+    )?;
     let mut infos: Vec<TensorInfo> = tensors
         .into_iter()
         .map(|(layer, kind, shape, dtype)| {
