@@ -84,7 +84,7 @@ impl Gpu {
             )));
         }
         let mut extra = Vec::new();
-        let layout = crate::gpu::encplan::plan(
+        let layout = crate::gpu::family::plan_encode(
             src.device_ptr(),
             info,
             codec,
