@@ -93,6 +93,7 @@
 // benchmarks only: `#[doc(hidden)]`, not part of the API.
 mod abi;
 mod addr;
+mod backend;
 #[doc(hidden)]
 pub mod body;
 mod decplan;
