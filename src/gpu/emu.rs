@@ -3,7 +3,7 @@
 //! runtime (`emu_runtime.h`, `emu_main.h`) in which every CUDA thread of a
 //! block is a fiber and `__syncthreads` / warp shuffles are barriers. It
 //! executes the very plans the CUDA backend launches (descriptors, work
-//! lists, side tables; [`super::spec`], [`super::encplan`], [`super::family`]) over a "device
+//! lists, side tables; [`super::spec`], [`super::encplan`], `gpu::family`) over a "device
 //! memory" file mapped at a fixed address, so kernel logic and indexing can
 //! be checked against the CPU codecs on machines without a GPU. Not fast
 //! (fibers), not a performance model, and not a substitute for running on

@@ -1,6 +1,6 @@
 //! Device-independent planning of a GPU encode: page body templates,
 //! descriptors ([`EncDesc`]) and the work lists of each kernel launch. The
-//! per-codec part is each family's [`super::family::GpuFamily::plan_encode`]
+//! per-codec part is each family's `gpu::family::GpuFamily::plan_encode`
 //! (`int{b}` / `bdr{h}`: one kernel, `family/affine.rs`; `hqmq` without
 //! outlier extraction: a search and a pack kernel, `family/hqmq.rs`); this
 //! module holds the plan types, the dispatch and the shared helpers.

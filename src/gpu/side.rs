@@ -7,7 +7,7 @@
 //! |---|---|
 //! | polar | the `2^m` directions `(cos, sin)` of the parameter block, f32 pairs |
 //! | innerq K with normalization | the layer's factors, f32 `[heads][head_dim]` |
-//! | octopus | float4 `n(a, b) = (x, y, r, 0)` at `a * 2^b_dir + b`, the `2^b_norm` norm centroids, then at [`super::family::sphere_sign_offset`] per kv head the `D` rotation sign bits and, with QJL, the `D` bits of `s'` (1 = negative, LSB-first); when `2 b_dir + b_norm <= 10`, then (16-aligned) the products `n(a, b)_k * C_rho[jn]` as float4 at `((a + b 2^b_dir) 2^b_norm) + jn` |
+//! | octopus | float4 `n(a, b) = (x, y, r, 0)` at `a * 2^b_dir + b`, the `2^b_norm` norm centroids, then at `gpu::family::sphere_sign_offset` per kv head the `D` rotation sign bits and, with QJL, the `D` bits of `s'` (1 = negative, LSB-first); when `2 b_dir + b_norm <= 10`, then (16-aligned) the products `n(a, b)_k * C_rho[jn]` as float4 at `((a + b 2^b_dir) 2^b_norm) + jn` |
 //! | turbo | the `2^b` coordinate centroids, then the signs as for octopus |
 //! | hqmq decode | u64 `O^G` (0 when it is `2^64`), 8 zero bytes, then per kv head the `24 S` joint codewords (float4) |
 //! | hqmq encode | per kv head the `S` secondaries then the `24 S` joint codewords (float4) |
@@ -25,7 +25,7 @@ use super::spec::KernelCodec;
 
 /// The decode side table of tensor `t` for pages of `codec` (kernel family
 /// `kc`), or `None` when the kernels need none: the family's
-/// [`super::family::GpuFamily::side_table`].
+/// `gpu::family::GpuFamily::side_table`.
 ///
 /// # Errors
 /// [`Error::Parameter`] when the parameter block lacks what `t` needs (an

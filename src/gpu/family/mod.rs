@@ -1,5 +1,5 @@
 //! One home per codec family on the GPU. Each kernel family
-//! ([`KernelCodec`] variant) has one file here implementing [`GpuFamily`]:
+//! ([`KernelCodec`] variant) has one file here implementing `GpuFamily`:
 //! the kernel family of a (codec, tensor) pair read from the codec's id and
 //! parameter block, the checked section offsets of a page, the kernel that
 //! decodes it and its grid, the codec parameters its descriptor carries,
@@ -17,8 +17,8 @@
 //! | `Hqmq` | `hqmq.rs` | `hqmq` |
 //!
 //! Dispatch happens in two places, both here: [`KernelCodec::of`] (codec
-//! id to the family that reads its parameter block, [`FAMILIES`]) and
-//! [`of`] (kernel family to its implementation).
+//! id to the family that reads its parameter block, `FAMILIES`) and
+//! `of` (kernel family to its implementation).
 //!
 //! Nothing here reads a codec's bytes: parameters come from each codec's
 //! own parser (`Kivi::from_params`, `InnerQ::from_params`, ...) and every
@@ -58,14 +58,14 @@ pub const POLAR_UNITS: u32 = 4;
 pub const QUAD_UNITS: u32 = 4;
 
 /// The GPU side of one kernel family (module docs). Every method but
-/// [`GpuFamily::kernel_codec`] receives a `kc` of this family's variant.
+/// `GpuFamily::kernel_codec` receives a `kc` of this family's variant.
 pub(crate) trait GpuFamily: Sync {
     /// Ids of the codecs whose parameter blocks this family reads
     /// ([`KernelCodec::of`] dispatches on them).
     fn codec_ids(&self) -> &'static [u16];
 
     /// The kernel family of pages of `t` encoded by `codec` (one of
-    /// [`GpuFamily::codec_ids`]), from the codec's own parameter parser;
+    /// `GpuFamily::codec_ids`), from the codec's own parameter parser;
     /// may be another family's variant (polar V pages are raw / affine).
     ///
     /// # Errors
@@ -100,7 +100,7 @@ pub(crate) trait GpuFamily: Sync {
     ) -> Result<KernelChoice>;
 
     /// The codec parameters `p0..p3` of a page descriptor (`extra`: the
-    /// page-specific parameter of [`GpuFamily::page_sections`]).
+    /// page-specific parameter of `GpuFamily::page_sections`).
     fn desc_params(&self, _kc: KernelCodec, _head_dim: u32, _extra: u32) -> [u32; 4] {
         [0; 4]
     }
@@ -129,7 +129,7 @@ pub(crate) trait GpuFamily: Sync {
     /// launch (the source check test compiles them all).
     fn kernel_names(&self) -> Vec<(&'static str, String)>;
 
-    /// True when the GPU encodes pages of `kc` ([`GpuFamily::plan_encode`]
+    /// True when the GPU encodes pages of `kc` (`GpuFamily::plan_encode`
     /// plans them).
     fn encodes(&self, _kc: KernelCodec) -> bool {
         false
@@ -183,7 +183,7 @@ pub(crate) fn of(kc: KernelCodec) -> &'static dyn GpuFamily {
 impl KernelCodec {
     /// The kernel family of pages of `t` encoded by `codec`, from the
     /// codec's own parameter parser (through the family listing the codec's
-    /// id, [`GpuFamily::codec_ids`]).
+    /// id, `GpuFamily::codec_ids`).
     ///
     /// # Errors
     /// [`Error::Unsupported`] for a codec without GPU kernels or a tensor
@@ -202,7 +202,7 @@ impl KernelCodec {
     }
 }
 
-/// [`GpuFamily::page_sections`] of `kc`'s family.
+/// `GpuFamily::page_sections` of `kc`'s family.
 ///
 /// # Errors
 /// [`Error::Format`] naming the page when a section is missing, extra, has
@@ -215,7 +215,7 @@ pub fn page_sections(
     of(kc).page_sections(kc, page, t)
 }
 
-/// [`GpuFamily::decode_kernel`] of `kc`'s family.
+/// `GpuFamily::decode_kernel` of `kc`'s family.
 ///
 /// # Errors
 /// [`Error::Unsupported`] for shapes no kernel handles (`int`/`bdr`
@@ -230,25 +230,25 @@ pub fn decode_kernel(
     of(kc).decode_kernel(kc, head_dim, out, opts)
 }
 
-/// [`GpuFamily::desc_params`] of `kc`'s family.
+/// `GpuFamily::desc_params` of `kc`'s family.
 pub fn desc_params(kc: KernelCodec, head_dim: u32, extra: u32) -> [u32; 4] {
     of(kc).desc_params(kc, head_dim, extra)
 }
 
-/// [`GpuFamily::canonical_body_len`] of `kc`'s family.
+/// `GpuFamily::canonical_body_len` of `kc`'s family.
 pub fn canonical_body_len(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
     of(kc).canonical_body_len(kc, rows, tokens, d)
 }
 
 /// Plans the encode of `pages` of tensor `info` (source elements at device
 /// address `src`, `[planes, tokens, head_dim]`) with `codec`, through the
-/// codec's family ([`GpuFamily::plan_encode`]). `place`
+/// codec's family (`GpuFamily::plan_encode`). `place`
 /// stores a byte buffer on the device and returns its address.
 ///
 /// # Errors
 /// [`Error::Parameter`] for a page outside the tensor or a codec that
 /// cannot encode it; [`Error::Unsupported`] for codecs without a GPU
-/// encoder ([`gpu_encodes`] is false); the errors of `place`.
+/// encoder (`gpu_encodes` is false); the errors of `place`.
 pub fn plan_encode(
     src: u64,
     info: &TensorInfo,
@@ -277,9 +277,9 @@ pub fn plan_encode(
     family.plan_encode(&job, place)
 }
 
-/// True when the GPU encodes `codec` for tensor `info` ([`plan_encode`] accepts
+/// True when the GPU encodes `codec` for tensor `info` (`plan_encode` accepts
 /// it): the codec takes the tensor and its kernel family has an encoder
-/// ([`GpuFamily::encodes`]; today `int{b}`, `bdr{h}` and
+/// (`GpuFamily::encodes`; today `int{b}`, `bdr{h}` and
 /// `hqmq` without `+med`).
 pub fn gpu_encodes(codec: &dyn Codec, info: &TensorInfo) -> bool {
     codec.check(info).is_ok() && KernelCodec::of(codec, info).is_ok_and(|kc| of(kc).encodes(kc))
