@@ -624,7 +624,6 @@ pub fn decode_bytes(g: &PageGeom, rows_written: u64) -> (u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{PageFrame, PageMeta};
 
     #[test]
     fn struct_sizes_match_cuda() {
