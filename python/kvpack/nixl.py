@@ -275,9 +275,10 @@ class _Buffer:
 class _Endpoint:
     """A NIXL agent with kvpack's notification bookkeeping."""
 
-    def __init__(self, name: str, *, port: Optional[int], backends: Sequence[str]):
+    def __init__(self, name: str, *, port: Optional[int], backends: Sequence[str], progress_thread: bool):
         api = _nixl_api()
         cfg = api.nixl_agent_config(
+            enable_prog_thread=progress_thread,
             enable_listen_thread=port is not None,
             listen_port=port or 0,
             backends=list(backends),
@@ -285,10 +286,13 @@ class _Endpoint:
         )
         self.name = name
         self.port = port
+        #: registered buffers kept for reuse between requests
+        self.pool_size = 2
         self.agent = api.nixl_agent(name, cfg)
         if not self.agent.backends:
             raise UnsupportedError(f"NIXL agent {name}: none of the backends {list(backends)} could start")
         self._notifs: List[Tuple[str, bytes]] = []
+        self._pool: List[_Buffer] = []
         self._lock = threading.Lock()
 
     def metadata(self) -> bytes:
@@ -321,6 +325,30 @@ class _Endpoint:
             if time.monotonic() > end:
                 raise TimeoutError(f"NIXL metadata of {peer} at {host}:{port} did not arrive in {timeout} s")
             time.sleep(0.001)
+
+    def _buffer(self, nbytes: int, memory: str, device: int) -> _Buffer:
+        """A registered buffer of at least ``nbytes``: a released one of the
+        same kind if any is big enough (registration pins memory and first
+        touches fault pages: both cost more than a layer), else a new one."""
+        fits = [b for b in self._pool if b.memory == memory and b.device == device and b.nbytes >= nbytes]
+        if fits:
+            b = min(fits, key=lambda b: b.nbytes)
+            self._pool.remove(b)
+            return b
+        return _Buffer(self.agent, nbytes, memory, device)
+
+    def _release(self, buf: _Buffer) -> None:
+        """Keeps ``buf`` registered for the next request (at most
+        ``pool_size`` buffers, the largest kept)."""
+        self._pool.append(buf)
+        self._pool.sort(key=lambda b: -b.nbytes)
+        while len(self._pool) > self.pool_size:
+            self._pool.pop().close()
+
+    def close(self) -> None:
+        """Deregisters the pooled buffers."""
+        while self._pool:
+            self._pool.pop().close()
 
     def _poll(self) -> None:
         new = self.agent.get_new_notifs()
@@ -448,7 +476,7 @@ class Incoming:
         if len(self.block_ids) < spec.num_blocks():
             raise ParameterError(f"block table has {len(self.block_ids)} blocks; {spec.num_tokens} tokens need {spec.num_blocks()}")
         self.slot = spec.slot_bytes()
-        self.buffer = _Buffer(rx.agent, self.slot * spec.num_layers, memory, device)
+        self.buffer = rx._buffer(self.slot * spec.num_layers, memory, device)
         self._landed: Dict[int, Dict[str, Any]] = {}
         self._failed: Dict[int, str] = {}
         self.stats: Dict[int, LayerStats] = {}
@@ -633,8 +661,11 @@ class Incoming:
                 _native.decode_bytes_into(data, [part])
 
     def close(self) -> None:
-        """Deregisters the landing buffer."""
-        self.buffer.close()
+        """Gives the landing buffer back to the receiver (kept registered
+        for the next request)."""
+        if self.buffer is not None:
+            self.rx._release(self.buffer)
+            self.buffer = None
 
 
 class Receiver(_Endpoint):
@@ -647,13 +678,20 @@ class Receiver(_Endpoint):
             :meth:`metadata` / :meth:`add_peer` or :meth:`connect`).
         backends: NIXL backends (default UCX: RDMA, TCP, shared memory,
             CUDA IPC, whatever UCX finds).
+        progress_thread: also run NIXL's own progress thread. Off by
+            default: it polls the backend continuously (a third of a core
+            when idle, measured), and kvpack progresses its transfers itself
+            (the sender's request thread polls its writes, the receiver
+            polls while it waits for a layer).
 
     Raises:
         UnsupportedError: NIXL is not installed or no backend starts.
     """
 
-    def __init__(self, name: str, *, port: Optional[int] = None, backends: Sequence[str] = ("UCX",)):
-        super().__init__(name, port=port, backends=backends)
+    def __init__(
+        self, name: str, *, port: Optional[int] = None, backends: Sequence[str] = ("UCX",), progress_thread: bool = False
+    ):
+        super().__init__(name, port=port, backends=backends, progress_thread=progress_thread)
 
     def expect(
         self,
@@ -714,7 +752,7 @@ class Outgoing:
                 f"this build bounds a layer at {self.spec.slot_bytes()} (different kvpack versions?)"
             )
         self.remote = (int(ticket["addr"]), int(ticket["device"]), str(ticket["memory"]))
-        self.buffer = _Buffer(tx.agent, self.slot * self.spec.num_layers, memory, device)
+        self.buffer = tx._buffer(self.slot * self.spec.num_layers, memory, device)
         self.stats: Dict[int, LayerStats] = {}
         self._xfers: Dict[int, Any] = {}
         self._rate = None if link_gbit is None else float(link_gbit) * 1e9 / 8
@@ -897,8 +935,9 @@ class Outgoing:
         return self.stats
 
     def close(self) -> None:
-        """Stops the request's thread, releases pending transfers and
-        deregisters the staging buffer."""
+        """Stops the request's thread, releases pending transfers and gives
+        the staging buffer back to the sender (kept registered for the next
+        request)."""
         with self._cv:
             self._closed = True
             self._queue.clear()
@@ -908,7 +947,9 @@ class Outgoing:
         for h in self._xfers.values():
             h.release()
         self._xfers.clear()
-        self.buffer.close()
+        if self.buffer is not None:
+            self.tx._release(self.buffer)
+            self.buffer = None
 
 
 class Sender(_Endpoint):
@@ -918,13 +959,16 @@ class Sender(_Endpoint):
         name: this agent's name.
         port: NIXL listener port (see :class:`Receiver`), or None.
         backends: NIXL backends (default UCX).
+        progress_thread: as for :class:`Receiver`.
 
     Raises:
         UnsupportedError: NIXL is not installed or no backend starts.
     """
 
-    def __init__(self, name: str, *, port: Optional[int] = None, backends: Sequence[str] = ("UCX",)):
-        super().__init__(name, port=port, backends=backends)
+    def __init__(
+        self, name: str, *, port: Optional[int] = None, backends: Sequence[str] = ("UCX",), progress_thread: bool = False
+    ):
+        super().__init__(name, port=port, backends=backends, progress_thread=progress_thread)
 
     def accept(
         self,

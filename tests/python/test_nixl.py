@@ -68,15 +68,33 @@ def _paged(layers, block_ids, num_blocks):
     return caches
 
 
-def _prefill(port, spec_json, block_ids, num_blocks, q, back):
+def _to_device(cache, device):
+    """A uint16 (bf16 bits) numpy cache as a bf16 torch tensor on ``device``
+    (``"cpu"``: the numpy array itself)."""
+    if device == "cpu":
+        return cache
+    import torch
+
+    return torch.from_numpy(cache.view(np.int16)).view(torch.bfloat16).to(device)
+
+
+def _to_host(cache):
+    if isinstance(cache, np.ndarray):
+        return cache
+    import torch
+
+    return cache.cpu().view(torch.int16).numpy().view(np.uint16)
+
+
+def _prefill(port, spec_json, block_ids, num_blocks, q, back, device="cpu", memory="DRAM"):
     """Child process: the prefill worker."""
     try:
         spec = kn.HandoffSpec.from_json(spec_json)
         layers = _fixture_layers(spec.num_layers)
-        caches = _paged(layers, block_ids, num_blocks)
+        caches = [_to_device(c, device) for c in _paged(layers, block_ids, num_blocks)]
         tx = kn.Sender("prefill", port=port)
         q.put("ready")
-        out = tx.accept(model=spec.model, timeout=60)
+        out = tx.accept(model=spec.model, timeout=60, memory=memory)
         for layer in range(spec.num_layers):
             out.send_layer(layer, caches[layer], block_ids)
         out.finish(timeout=60)
@@ -86,7 +104,7 @@ def _prefill(port, spec_json, block_ids, num_blocks, q, back):
         q.put(f"error: {e!r}")
 
 
-def _handoff(codec, *, n_layers=3, corrupt=None):
+def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM"):
     """Runs one handoff; returns (spec, decoded caches, reference layers,
     decode block ids, TransferErrors by layer)."""
     spec_probe = _fixture().tensors[0]
@@ -101,19 +119,21 @@ def _handoff(codec, *, n_layers=3, corrupt=None):
     port = _free_port()
     ctx = mp.get_context("spawn")
     q, back = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_prefill, args=(port, spec.to_json(), pre_blocks, nb + 8, q, back))
+    p = ctx.Process(target=_prefill, args=(port, spec.to_json(), pre_blocks, nb + 8, q, back, device, memory))
     p.start()
     try:
         assert q.get(timeout=60) == "ready"
         rx = kn.Receiver("decode", port=_free_port())
         rx.connect("prefill", "127.0.0.1", port)
-        inc = rx.expect(spec, dec_blocks, peer="prefill")
-        caches = [np.zeros((2, nb + 5, BLOCK, spec.kv_heads, spec.head_dim), np.uint16) for _ in range(n_layers)]
+        inc = rx.expect(spec, dec_blocks, peer="prefill", memory=memory)
+        zeros = np.zeros((2, nb + 5, BLOCK, spec.kv_heads, spec.head_dim), np.uint16)
+        caches = [_to_device(zeros.copy(), device) for _ in range(n_layers)]
         errors = {}
         for layer in range(n_layers):
             if corrupt is not None and layer == corrupt[0]:
                 frame = inc.wait_layer(layer)
-                frame[corrupt[1](len(frame))] ^= 0x10  # a flipped bit in flight
+                i = corrupt[1](len(frame))
+                frame[i] = frame[i] ^ 0x10  # a flipped bit in flight
             try:
                 inc.decode_layer(layer, caches[layer])
             except kn.TransferError as e:
@@ -126,7 +146,7 @@ def _handoff(codec, *, n_layers=3, corrupt=None):
         p.join(60)
         if p.is_alive():
             p.kill()
-    return spec, caches, _fixture_layers(n_layers), dec_blocks, errors
+    return spec, [_to_host(c) for c in caches], _fixture_layers(n_layers), dec_blocks, errors
 
 
 def _unpaged(cache, blocks, tokens):
@@ -201,3 +221,54 @@ def test_runs_merge_consecutive_blocks():
     assert kn._runs([4, 5, 6, 9, 10], 70, 16) == [(0, 48, 4), (48, 22, 9)]
     with pytest.raises(kvpack.ParameterError):
         kn._runs([1, 2], 40, 16)
+
+
+# --------------------------------------------------------------------------
+# GPU to GPU (run on a CUDA machine; skipped elsewhere with the reason)
+
+
+def _gpu_reason():
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    import kvpack.cuda
+
+    if not (torch.cuda.is_available() and kvpack.cuda.available()):
+        return "needs a CUDA GPU and a kvpack build with the cuda feature"
+    return None
+
+
+# A string condition: evaluated when a test runs, not when the spawned
+# children import this module (importing torch there would cost seconds).
+gpu_only = pytest.mark.skipif(
+    "_gpu_reason() is not None", reason="GPU handoff: needs torch, a CUDA GPU and a kvpack build with the cuda feature"
+)
+
+
+@gpu_only
+@pytest.mark.parametrize("memory", ["VRAM", "DRAM"])
+@pytest.mark.parametrize("codec", ["raw", "bdr128", "int4", "turbo:b4", "polar:m4n4", "hqmq:s96r4"])
+def test_gpu_handoff_is_bit_exact_with_the_cpu_codec(codec, memory):
+    """Paged GPU caches on both sides (two processes, one GPU), NIXL
+    buffers in GPU memory (VRAM) or host memory (DRAM): the decode side's
+    cache equals the CPU codec's round trip of the same layer."""
+    spec, caches, ref, blocks, errors = _handoff(codec, device="cuda", memory=memory)
+    assert errors == {}
+    for layer, (k, v) in enumerate(ref):
+        want = kvpack.open(kvpack.compress({(layer, "K"): k, (layer, "V"): v}, codec, dtype="bf16").data).decode(dtype="bf16")
+        got_k, got_v = _unpaged(caches[layer], blocks, TOKENS)
+        np.testing.assert_array_equal(got_k, np.asarray(want[(layer, "K")])[0].view(np.uint16))
+        np.testing.assert_array_equal(got_v, np.asarray(want[(layer, "V")])[0].view(np.uint16))
+        assert not caches[layer][:, :5].any()
+
+
+@gpu_only
+def test_gpu_flipped_byte_in_vram_names_layer_and_every_block():
+    spec, caches, ref, blocks, errors = _handoff("bdr128", device="cuda", memory="VRAM", corrupt=(1, lambda n: n // 2))
+    assert list(errors) == [1]
+    e = errors[1]
+    assert e.cause == "corrupt" and "CRC mismatch" in str(e) and len(e.tokens) == 1
+    # a CUDA cache's layer decodes all or nothing: every block is named, none written
+    assert e.blocks == blocks
+    assert not caches[1].any()
