@@ -167,11 +167,15 @@ def main() -> int:
     ap.add_argument("--rates", default="25,100,400,0", help="link rates in Gbit/s, 0 = unpaced")
     ap.add_argument("--progress-thread", action=argparse.BooleanOptionalAction, default=False,
                     help="NIXL's own progress thread in both agents (default off, as in kvpack.nixl)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="codec threads per side (RAYON_NUM_THREADS; default: all cores)")
     ap.add_argument("--json", help="write the rows here as JSON")
     args = ap.parse_args()
     args.wire = args.wire or ("VRAM" if args.device == "cuda" else "DRAM")
     args.scatter = args.device == "cuda" if args.scatter is None else args.scatter
     args.num_blocks = -(-args.tokens // args.block_size) + (64 if args.scatter else 0)
+    if args.threads:
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # before the first codec call; the child inherits it
 
     from kvpack import nixl as kn
 
@@ -213,7 +217,8 @@ def main() -> int:
     src_mib = rows[0]["source_bytes"] / 2**20
     print(f"{args.layers} layers x {args.kv_heads} kv heads x {args.tokens} tokens x {args.head_dim} bf16 "
           f"({src_mib:.0f} MiB), device {args.device}, NIXL buffers {args.wire}, "
-          f"block tables {'shuffled' if args.scatter else 'contiguous'}")
+          f"block tables {'shuffled' if args.scatter else 'contiguous'}, "
+          f"codec threads per side {args.threads or os.cpu_count()}")
     print(f"{'codec':>12} {'link':>8} {'total ms':>9} {'x raw':>6} {'first ms':>9} "
           f"{'enc GB/s':>9} {'wire Gb/s':>10} {'dec GB/s':>9} {'bytes':>6}")
     for r in rows:

@@ -294,6 +294,12 @@ class _Endpoint:
         self._notifs: List[Tuple[str, bytes]] = []
         self._pool: List[_Buffer] = []
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._active = 0  # open requests: poll fast while > 0
+        self._busy_until = 0.0  # ... or until a sent notification has surely left
+        self._stop = False
+        self._poller = threading.Thread(target=self._poll_loop, name=f"kvpack-nixl-{name}", daemon=True)
+        self._poller.start()
 
     def metadata(self) -> bytes:
         """This agent's NIXL metadata blob (``get_agent_metadata``), for a
@@ -346,22 +352,49 @@ class _Endpoint:
             self._pool.pop().close()
 
     def close(self) -> None:
-        """Deregisters the pooled buffers."""
+        """Stops the agent's polling thread and deregisters the pooled
+        buffers."""
+        with self._cond:
+            self._stop = True
+        self._poller.join()
         while self._pool:
             self._pool.pop().close()
 
-    def _poll(self) -> None:
-        new = self.agent.get_new_notifs()
-        if new:
-            with self._lock:
-                for peer, msgs in new.items():
-                    p = peer.decode() if isinstance(peer, bytes) else peer
-                    self._notifs.extend((p, m) for m in msgs)
+    def _poll_loop(self) -> None:
+        """The agent's polling thread: collects notifications (which also
+        progresses the backend: outgoing notifications leave, incoming data
+        lands) every 0.2 ms while a request is open or a notification was
+        just sent, every 5 ms otherwise."""
+        while not self._stop:
+            new = self.agent.get_new_notifs()
+            with self._cond:
+                if new:
+                    for peer, msgs in new.items():
+                        p = peer.decode() if isinstance(peer, bytes) else peer
+                        self._notifs.extend((p, m) for m in msgs)
+                    self._cond.notify_all()
+                fast = self._active > 0 or time.monotonic() < self._busy_until
+            time.sleep(0.0002 if fast else 0.005)
+
+    def _notify(self, peer: str, msg: bytes) -> None:
+        """Sends a NIXL notification; polls fast for a second so it leaves."""
+        with self._cond:
+            self._busy_until = time.monotonic() + 1.0
+        self.agent.send_notif(peer, msg)
+
+    def _wait(self, end: float) -> bool:
+        """Waits (at most until ``end``, monotonic) for new notifications;
+        False once ``end`` has passed."""
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        with self._cond:
+            self._cond.wait(min(left, 0.002))
+        return True
 
     def _take(self, prefix: bytes, match: Any) -> Optional[Tuple[str, Dict[str, Any]]]:
         """Pops the first notification with ``prefix`` whose JSON body
         satisfies ``match``."""
-        self._poll()
         with self._lock:
             for i, (peer, msg) in enumerate(self._notifs):
                 if msg.startswith(prefix):
@@ -477,6 +510,8 @@ class Incoming:
             raise ParameterError(f"block table has {len(self.block_ids)} blocks; {spec.num_tokens} tokens need {spec.num_blocks()}")
         self.slot = spec.slot_bytes()
         self.buffer = rx._buffer(self.slot * spec.num_layers, memory, device)
+        with rx._cond:
+            rx._active += 1
         self._landed: Dict[int, Dict[str, Any]] = {}
         self._failed: Dict[int, str] = {}
         self.stats: Dict[int, LayerStats] = {}
@@ -542,15 +577,14 @@ class Incoming:
         if not 0 <= layer < self.spec.num_layers:
             raise ParameterError(f"layer {layer} outside 0..{self.spec.num_layers}")
         end = time.monotonic() + timeout
-        while layer not in self._landed:
+        while True:
             self.poll()
-            if layer in self._failed:
-                raise self._error(layer, f"the prefill side failed: {self._failed[layer]}", "peer")
             if layer in self._landed:
                 break
-            if time.monotonic() > end:
+            if layer in self._failed:
+                raise self._error(layer, f"the prefill side failed: {self._failed[layer]}", "peer")
+            if not self.rx._wait(end):
                 raise self._error(layer, f"no data within {timeout} s", "timeout")
-            time.sleep(0.0001)
         n = int(self._landed[layer]["n"])
         if not 0 < n <= self.slot:
             raise self._error(layer, f"frame of {n} bytes does not fit a {self.slot}-byte slot", "corrupt")
@@ -666,6 +700,8 @@ class Incoming:
         if self.buffer is not None:
             self.rx._release(self.buffer)
             self.buffer = None
+            with self.rx._cond:
+                self.rx._active -= 1
 
 
 class Receiver(_Endpoint):
@@ -722,7 +758,7 @@ class Receiver(_Endpoint):
                 the shape.
         """
         inc = Incoming(self, spec, block_ids, request or uuid.uuid4().hex, peer, memory, device)
-        self.agent.send_notif(peer, _REQ + inc.ticket())
+        self._notify(peer, _REQ + inc.ticket())
         return inc
 
 
@@ -753,6 +789,8 @@ class Outgoing:
             )
         self.remote = (int(ticket["addr"]), int(ticket["device"]), str(ticket["memory"]))
         self.buffer = tx._buffer(self.slot * self.spec.num_layers, memory, device)
+        with tx._cond:
+            tx._active += 1
         self.stats: Dict[int, LayerStats] = {}
         self._xfers: Dict[int, Any] = {}
         self._rate = None if link_gbit is None else float(link_gbit) * 1e9 / 8
@@ -767,7 +805,7 @@ class Outgoing:
 
     def _fail(self, layer: int, why: str, cause: str) -> TransferError:
         try:
-            self.tx.agent.send_notif(self.peer, _FAIL + json.dumps({"r": self.request, "l": layer, "why": why}).encode())
+            self.tx._notify(self.peer, _FAIL + json.dumps({"r": self.request, "l": layer, "why": why}).encode())
         except Exception:  # the peer may be gone; the local error still says what happened
             pass
         return TransferError(why, request=self.request, layer=layer, tokens=[(0, self.spec.num_tokens)], cause=cause)
@@ -950,6 +988,8 @@ class Outgoing:
         if self.buffer is not None:
             self.tx._release(self.buffer)
             self.buffer = None
+            with self.tx._cond:
+                self.tx._active -= 1
 
 
 class Sender(_Endpoint):
@@ -1005,9 +1045,8 @@ class Sender(_Endpoint):
             got = self._take(_REQ, lambda b: request is None or b.get("request") == request)
             if got is not None:
                 break
-            if time.monotonic() > end:
+            if not self._wait(end):
                 raise TimeoutError(f"no kvpack ticket within {timeout} s")
-            time.sleep(0.0002)
         peer, ticket = got
         self.add_peer(bytes.fromhex(ticket["md"]))
         spec = HandoffSpec.from_json(ticket["spec"])
@@ -1017,6 +1056,6 @@ class Sender(_Endpoint):
         elif expect is not None and spec != expect:
             why = f"ticket spec {spec} differs from {expect}"
         if why is not None:
-            self.agent.send_notif(peer, _FAIL + json.dumps({"r": ticket["request"], "l": 0, "why": why}).encode())
+            self._notify(peer, _FAIL + json.dumps({"r": ticket["request"], "l": 0, "why": why}).encode())
             raise ParameterError(why)
         return Outgoing(self, peer, ticket, memory, device, link_gbit)
