@@ -24,7 +24,8 @@ n*8/R``, ``link_free = due`` (``Sender.accept(link_gbit=R)``); the real
 transfer (loopback / NVLink / PCIe here) then adds its own, small, time.
 Rate 0 means unpaced: post as soon as encoded.
 
-Columns: ``total`` first encode start (prefill) to last decode end (decode
+Columns (with ``--repeats N``, the run with the median total; all totals
+are in the JSON): ``total`` first encode start (prefill) to last decode end (decode
 side), both ``time.perf_counter()`` (the system-wide monotonic clock);
 ``x raw`` total over raw's at the same rate; ``first`` layer 0's decode end
 minus its encode start; ``encode`` and ``decode`` GB/s of bf16 cache (source
@@ -167,6 +168,7 @@ def main() -> int:
     ap.add_argument("--rates", default="25,100,400,0", help="link rates in Gbit/s, 0 = unpaced")
     ap.add_argument("--progress-thread", action=argparse.BooleanOptionalAction, default=False,
                     help="NIXL's own progress thread in both agents (default off, as in kvpack.nixl)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per codec and rate; the median run (by total) is reported")
     ap.add_argument("--threads", type=int, default=None,
                     help="codec threads per side (RAYON_NUM_THREADS; default: all cores)")
     ap.add_argument("--json", help="write the rows here as JSON")
@@ -203,7 +205,9 @@ def main() -> int:
         rows = []
         for rate in rates:
             for codec in codecs:
-                rows.append(_run(args, tx, jobs, results, caches, blocks, codec, rate))
+                runs = sorted((_run(args, tx, jobs, results, caches, blocks, codec, rate) for _ in range(args.repeats)),
+                              key=lambda r: r["total_ms"])
+                rows.append(dict(runs[len(runs) // 2], runs_total_ms=[r["total_ms"] for r in runs]))
                 print(f"  {codec:>12} @ {rate or 'unpaced'}: {rows[-1]['total_ms']:.1f} ms", file=sys.stderr, flush=True)
         jobs.put(None)
     finally:

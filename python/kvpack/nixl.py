@@ -470,6 +470,27 @@ def _check_layout(layout: str) -> None:
         raise ParameterError(f"unknown cache layout {layout!r}: expected one of {LAYOUTS}")
 
 
+def _check_cache(cache: Any, layout: str, spec: HandoffSpec) -> None:
+    """The cache's block size, KV heads and head_dim against the spec."""
+    _check_layout(layout)
+    if layout == "hnd":
+        if not isinstance(cache, (tuple, list)) or len(cache) != 2:
+            raise ParameterError("the hnd layout takes a (k_cache, v_cache) pair")
+        shape = tuple(cache[0].shape)
+        got = (shape[2], shape[1], shape[3]) if len(shape) == 4 else None
+    else:
+        if isinstance(cache, (tuple, list)):
+            raise ParameterError(f"the {layout} layout takes one tensor holding K and V")
+        shape = tuple(cache.shape)
+        ok = len(shape) == 5 and shape[0 if layout == "flash_attn" else 1] == 2
+        got = (shape[2], shape[3], shape[4]) if ok else None
+    want = (spec.block_size, spec.kv_heads, spec.head_dim)
+    if got != want:
+        raise ParameterError(
+            f"{layout} cache of shape {shape}: expected block_size, kv_heads, head_dim {want} (see kvpack.nixl.LAYOUTS)"
+        )
+
+
 def _hint(arr: Any, dtype: str) -> Optional[str]:
     """The bit-pattern dtype hint for uint16 numpy arrays holding bf16/fp16."""
     if isinstance(arr, np.ndarray) and arr.dtype == np.uint16:
@@ -653,7 +674,7 @@ class Incoming:
                 untouched and every block is named.
             ParameterError: a cache that does not match the spec.
         """
-        _check_layout(layout)
+        _check_cache(kv_cache, layout, self.spec)
         frame = self.wait_layer(layer, timeout=timeout)
         st = self.stats.setdefault(layer, LayerStats(layer))
         st.decode_start = time.perf_counter()
@@ -666,24 +687,54 @@ class Incoming:
             except FormatError as e:
                 raise self._faults(data, layer, e, whole=True) from e
         else:
-            outs = []
-            for first, k, v in _host_views(kv_cache, layout, _runs(self.block_ids, self.spec.num_tokens, self.spec.block_size)):
-                for kind, a in (("K", k), ("V", v)):
-                    h = _hint(a, self.spec.dtype)
-                    outs.append((layer, kind, first, a, h) if h else (layer, kind, first, a))
-            try:
-                _native.decode_bytes_into(data, outs)
-            except FormatError as e:
-                err = self._faults(data, layer, e, whole=False)
-                if err.tokens != [(0, self.spec.num_tokens)]:
-                    self._decode_intact(data, outs, err.tokens)
-                raise err from e
+            self._decode_host(data, layer, kv_cache, layout)
         st.decode_end = time.perf_counter()
         return st
 
+    def _decode_host(self, data: np.ndarray, layer: int, kv_cache: Any, layout: str) -> None:
+        """Decodes into a host cache: straight into it when the block table
+        is one token-contiguous run (flash_attn, consecutive blocks), else
+        into a contiguous scratch layer scattered into the blocks after (one
+        decode per page, one copy). Intact pages of a damaged frame are
+        still decoded and scattered."""
+        views = _host_views(kv_cache, layout, _runs(self.block_ids, self.spec.num_tokens, self.spec.block_size))
+        if len(views) == 1:
+            targets = views
+        else:
+            k0 = views[0][1]
+            shape = (1, k0.shape[1], self.spec.num_tokens, k0.shape[3])
+            if isinstance(k0, np.ndarray):
+                targets = [(0, np.empty(shape, k0.dtype), np.empty(shape, k0.dtype))]
+            else:
+                torch = sys.modules["torch"]
+                targets = [(0, torch.empty(shape, dtype=k0.dtype), torch.empty(shape, dtype=k0.dtype))]
+        outs = []
+        for first, k, v in targets:
+            for kind, a in (("K", k), ("V", v)):
+                h = _hint(a, self.spec.dtype)
+                outs.append((layer, kind, first, a, h) if h else (layer, kind, first, a))
+        bad: List[Tuple[int, int]] = []
+        try:
+            _native.decode_bytes_into(data, outs)
+        except FormatError as e:
+            err = self._faults(data, layer, e, whole=False)
+            if err.tokens == [(0, self.spec.num_tokens)]:
+                raise err from e
+            self._decode_intact(data, outs, err.tokens)
+            bad, failure = err.tokens, err
+        if targets is not views:
+            _, tk, tv = targets[0]
+            for first, k, v in views:
+                n = k.shape[2]
+                if not any(first < b and first + n > a for a, b in bad):
+                    k[...] = tk[:, :, first : first + n]
+                    v[...] = tv[:, :, first : first + n]
+        if bad:
+            raise failure
+
     def _decode_intact(self, data: np.ndarray, outs: List[Tuple], bad: List[Tuple[int, int]]) -> None:
-        """Decodes the outputs whose tokens avoid every damaged range, each
-        run split at the damaged ranges (host caches)."""
+        """Decodes the outputs' token ranges that avoid every damaged range
+        (host caches), each output split at the damaged ranges."""
         for o in outs:
             layer, kind, first, a = o[:4]
             n = a.shape[2]
@@ -825,10 +876,14 @@ class Outgoing:
         if _is_cuda(kv_cache):
             from . import cuda
 
-            n = cuda.encode_paged(
-                kv_cache, block_ids, s.num_tokens, s.codec, layout=layout, layer=layer, stream=stream,
-                page_tokens=s.page_tokens, sink=s.sink, recent=s.recent, raw_fallback=True, out=dst,
-            )
+            kw = dict(layout=layout, layer=layer, stream=stream, page_tokens=s.page_tokens, sink=s.sink, recent=s.recent, out=dst)
+            try:
+                # raw_fallback sends encode_paged to the CPU codecs: first try
+                # without; a page the codec would make larger than raw (then
+                # the slot bound counts it raw) overflows and we retry.
+                n = cuda.encode_paged(kv_cache, block_ids, s.num_tokens, s.codec, **kw)
+            except ParameterError:
+                n = cuda.encode_paged(kv_cache, block_ids, s.num_tokens, s.codec, raw_fallback=True, **kw)
         else:
             from . import compress
 
@@ -928,7 +983,7 @@ class Outgoing:
             ParameterError: a cache or block table that does not match the
                 spec, NaN/inf values (the row is named).
         """
-        _check_layout(layout)
+        _check_cache(kv_cache, layout, self.spec)
         if not 0 <= layer < self.spec.num_layers:
             raise ParameterError(f"layer {layer} outside 0..{self.spec.num_layers}")
         if layer in self.stats:

@@ -53,19 +53,39 @@ def _fixture_layers(n_layers: int):
     return out
 
 
-def _paged(layers, block_ids, num_blocks):
-    """flash_attn host caches [2, num_blocks, BLOCK, kv_heads, head_dim] per
-    layer holding ``layers`` at ``block_ids``."""
+def _paged(layers, block_ids, num_blocks, layout="flash_attn"):
+    """Host caches per layer in ``layout`` (flash_attn ``[2, num_blocks,
+    BLOCK, heads, dim]``, flashinfer ``[num_blocks, 2, BLOCK, heads, dim]``,
+    hnd a pair of ``[num_blocks, heads, BLOCK, dim]``) holding ``layers`` at
+    ``block_ids``."""
     caches = []
     for k, v in layers:
         h, t, d = k.shape
-        c = np.zeros((2, num_blocks, BLOCK, h, d), np.uint16)
+        fa = np.zeros((2, num_blocks, BLOCK, h, d), np.uint16)
         for i, b in enumerate(block_ids):
             lo, hi = i * BLOCK, min(t, (i + 1) * BLOCK)
-            c[0, b, : hi - lo] = k[:, lo:hi].transpose(1, 0, 2)
-            c[1, b, : hi - lo] = v[:, lo:hi].transpose(1, 0, 2)
-        caches.append(c)
+            fa[0, b, : hi - lo] = k[:, lo:hi].transpose(1, 0, 2)
+            fa[1, b, : hi - lo] = v[:, lo:hi].transpose(1, 0, 2)
+        caches.append(_relayout(fa, layout))
     return caches
+
+
+def _relayout(fa, layout):
+    """A flash_attn cache in another layout (contiguous copies)."""
+    if layout == "flash_attn":
+        return fa
+    if layout == "flashinfer":
+        return np.ascontiguousarray(fa.transpose(1, 0, 2, 3, 4))
+    return tuple(np.ascontiguousarray(fa[i].transpose(0, 2, 1, 3)) for i in range(2))
+
+
+def _as_flash_attn(cache, layout):
+    """Inverse of :func:`_relayout` (host numpy)."""
+    if layout == "hnd":
+        return np.stack([c.transpose(0, 2, 1, 3) for c in cache])
+    if layout == "flashinfer":
+        return cache.transpose(1, 0, 2, 3, 4)
+    return cache
 
 
 def _to_device(cache, device):
@@ -79,6 +99,8 @@ def _to_device(cache, device):
 
 
 def _to_host(cache):
+    if isinstance(cache, tuple):
+        return tuple(_to_host(c) for c in cache)
     if isinstance(cache, np.ndarray):
         return cache
     import torch
@@ -86,17 +108,17 @@ def _to_host(cache):
     return cache.cpu().view(torch.int16).numpy().view(np.uint16)
 
 
-def _prefill(port, spec_json, block_ids, num_blocks, q, back, device="cpu", memory="DRAM"):
+def _prefill(port, spec_json, block_ids, num_blocks, q, back, device="cpu", memory="DRAM", layout="flash_attn"):
     """Child process: the prefill worker."""
     try:
         spec = kn.HandoffSpec.from_json(spec_json)
         layers = _fixture_layers(spec.num_layers)
-        caches = [_to_device(c, device) for c in _paged(layers, block_ids, num_blocks)]
+        caches = [_to_device(c, device) for c in _paged(layers, block_ids, num_blocks, layout)]
         tx = kn.Sender("prefill", port=port)
         q.put("ready")
         out = tx.accept(model=spec.model, timeout=60, memory=memory)
         for layer in range(spec.num_layers):
-            out.send_layer(layer, caches[layer], block_ids)
+            out.send_layer(layer, caches[layer], block_ids, layout=layout)
         out.finish(timeout=60)
         q.put("done")
         back.get(timeout=120)  # keep the agent alive until the decode side is done
@@ -104,7 +126,7 @@ def _prefill(port, spec_json, block_ids, num_blocks, q, back, device="cpu", memo
         q.put(f"error: {e!r}")
 
 
-def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM"):
+def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM", layout="flash_attn"):
     """Runs one handoff; returns (spec, decoded caches, reference layers,
     decode block ids, TransferErrors by layer)."""
     spec_probe = _fixture().tensors[0]
@@ -119,7 +141,7 @@ def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM"):
     port = _free_port()
     ctx = mp.get_context("spawn")
     q, back = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_prefill, args=(port, spec.to_json(), pre_blocks, nb + 8, q, back, device, memory))
+    p = ctx.Process(target=_prefill, args=(port, spec.to_json(), pre_blocks, nb + 8, q, back, device, memory, layout))
     p.start()
     try:
         assert q.get(timeout=60) == "ready"
@@ -127,7 +149,7 @@ def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM"):
         rx.connect("prefill", "127.0.0.1", port)
         inc = rx.expect(spec, dec_blocks, peer="prefill", memory=memory)
         zeros = np.zeros((2, nb + 5, BLOCK, spec.kv_heads, spec.head_dim), np.uint16)
-        caches = [_to_device(zeros.copy(), device) for _ in range(n_layers)]
+        caches = [_to_device(_relayout(zeros.copy(), layout), device) for _ in range(n_layers)]
         errors = {}
         for layer in range(n_layers):
             if corrupt is not None and layer == corrupt[0]:
@@ -135,7 +157,7 @@ def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM"):
                 i = corrupt[1](len(frame))
                 frame[i] = frame[i] ^ 0x10  # a flipped bit in flight
             try:
-                inc.decode_layer(layer, caches[layer])
+                inc.decode_layer(layer, caches[layer], layout=layout)
             except kn.TransferError as e:
                 errors[layer] = e
         msg = q.get(timeout=60)
@@ -146,7 +168,7 @@ def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM"):
         p.join(60)
         if p.is_alive():
             p.kill()
-    return spec, [_to_host(c) for c in caches], _fixture_layers(n_layers), dec_blocks, errors
+    return spec, [_as_flash_attn(_to_host(c), layout) for c in caches], _fixture_layers(n_layers), dec_blocks, errors
 
 
 def _unpaged(cache, blocks, tokens):
@@ -171,9 +193,30 @@ def test_host_handoff_matches_local_decode(codec):
         assert not caches[layer][:, :5].any()
 
 
-def test_flipped_byte_in_flight_names_layer_and_blocks():
+@pytest.mark.parametrize("layout", ["flashinfer", "hnd"])
+def test_host_handoff_other_layouts(layout):
+    spec, caches, ref, blocks, errors = _handoff("raw", n_layers=2, layout=layout)
+    assert errors == {}
+    for layer, (k, v) in enumerate(ref):
+        got_k, got_v = _unpaged(caches[layer], blocks, TOKENS)
+        np.testing.assert_array_equal(got_k, k)
+        np.testing.assert_array_equal(got_v, v)
+
+
+def test_cache_that_does_not_match_the_spec_is_refused():
+    spec = kn.HandoffSpec(model="m", codec="raw", num_layers=1, kv_heads=8, head_dim=128, num_tokens=64, block_size=16)
+    with pytest.raises(kvpack.ParameterError, match="block_size"):
+        kn._check_cache(np.zeros((2, 4, 32, 8, 128), np.uint16), "flash_attn", spec)
+    with pytest.raises(kvpack.ParameterError, match="pair"):
+        kn._check_cache(np.zeros((2, 4, 16, 8, 128), np.uint16), "hnd", spec)
+    kn._check_cache((np.zeros((4, 8, 16, 128)),) * 2, "hnd", spec)
+    kn._check_cache(np.zeros((4, 2, 16, 8, 128)), "flashinfer", spec)
+
+
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])  # decoded in place / via scratch + scatter
+def test_flipped_byte_in_flight_names_layer_and_blocks(layout):
     # Flip a bit in the middle of layer 1's landed frame: inside a page body.
-    spec, caches, ref, blocks, errors = _handoff("bdr128", corrupt=(1, lambda n: n // 2))
+    spec, caches, ref, blocks, errors = _handoff("bdr128", corrupt=(1, lambda n: n // 2), layout=layout)
     assert list(errors) == [1]
     e = errors[1]
     assert e.layer == 1 and e.cause == "corrupt" and "CRC mismatch" in str(e)
