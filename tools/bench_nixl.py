@@ -201,6 +201,8 @@ def main() -> int:
             raise RuntimeError(ready)
         caches = [_alloc(args, 1000 + layer, True) for layer in range(args.layers)]
         blocks = _block_ids(args, 1)
+        if args.device == "cuda":
+            blocks = np.asarray(blocks, dtype=np.int32)  # read by encode_paged through DLPack
         _run(args, tx, jobs, results, caches, blocks, "raw", 0)  # warm-up: connections, kernels
         rows = []
         for rate in rates:

@@ -70,11 +70,13 @@ system-wide monotonic clock, so both sides' stamps on one machine compare.
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -272,6 +274,18 @@ class _Buffer:
             self.reg = None
 
 
+_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_threads() -> None:
+    """Stops every request and agent thread before the interpreter (and
+    with it NIXL's agents) goes away: a thread inside NIXL while its agent
+    is destroyed aborts the process."""
+    for obj in list(_LIVE):
+        obj._halt()
+
+
 class _Endpoint:
     """A NIXL agent with kvpack's notification bookkeeping."""
 
@@ -300,6 +314,13 @@ class _Endpoint:
         self._stop = False
         self._poller = threading.Thread(target=self._poll_loop, name=f"kvpack-nixl-{name}", daemon=True)
         self._poller.start()
+        _LIVE.add(self)
+
+    def _halt(self) -> None:
+        with self._cond:
+            self._stop = True
+        if self._poller is not threading.current_thread():
+            self._poller.join()
 
     def metadata(self) -> bytes:
         """This agent's NIXL metadata blob (``get_agent_metadata``), for a
@@ -354,9 +375,7 @@ class _Endpoint:
     def close(self) -> None:
         """Stops the agent's polling thread and deregisters the pooled
         buffers."""
-        with self._cond:
-            self._stop = True
-        self._poller.join()
+        self._halt()
         while self._pool:
             self._pool.pop().close()
 
@@ -529,6 +548,7 @@ class Incoming:
         self.block_ids = [int(b) for b in list(block_ids)[: spec.num_blocks()]]
         if len(self.block_ids) < spec.num_blocks():
             raise ParameterError(f"block table has {len(self.block_ids)} blocks; {spec.num_tokens} tokens need {spec.num_blocks()}")
+        self._ids = np.asarray(self.block_ids, dtype=np.int64)  # read through DLPack, no per-id conversion
         self.slot = spec.slot_bytes()
         self.buffer = rx._buffer(self.slot * spec.num_layers, memory, device)
         with rx._cond:
@@ -683,7 +703,7 @@ class Incoming:
             from . import cuda
 
             try:
-                cuda.decode_paged(data, kv_cache, self.block_ids, layer=layer, layout=layout, stream=stream)
+                cuda.decode_paged(data, kv_cache, self._ids, layer=layer, layout=layout, stream=stream)
             except FormatError as e:
                 raise self._faults(data, layer, e, whole=True) from e
         else:
@@ -853,6 +873,16 @@ class Outgoing:
         self._closed = False
         self._thread = threading.Thread(target=self._progress_loop, name=f"kvpack-nixl-{self.request}", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
+
+    def _halt(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._error = self._error or TransferError("closed", request=self.request, layer=-1, cause="peer")
+            self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _fail(self, layer: int, why: str, cause: str) -> TransferError:
         try:
@@ -1031,12 +1061,7 @@ class Outgoing:
         """Stops the request's thread, releases pending transfers and gives
         the staging buffer back to the sender (kept registered for the next
         request)."""
-        with self._cv:
-            self._closed = True
-            self._queue.clear()
-            self._error = self._error or TransferError("closed", request=self.request, layer=-1, cause="peer")
-            self._cv.notify_all()
-        self._thread.join()
+        self._halt()
         for h in self._xfers.values():
             h.release()
         self._xfers.clear()

@@ -164,6 +164,7 @@ def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM", la
         assert msg == "done", msg
         back.put("bye")
         inc.close()
+        rx.close()
     finally:
         p.join(60)
         if p.is_alive():
