@@ -224,7 +224,8 @@ def main() -> int:
     print(f"{args.layers} layers x {args.kv_heads} kv heads x {args.tokens} tokens x {args.head_dim} bf16 "
           f"({src_mib:.0f} MiB), device {args.device}, NIXL buffers {args.wire}, "
           f"block tables {'shuffled' if args.scatter else 'contiguous'}, "
-          f"codec threads per side {args.threads or os.cpu_count()}")
+          f"codec threads per side {args.threads or os.cpu_count()}, "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"{'codec':>12} {'link':>8} {'total ms':>9} {'x raw':>6} {'first ms':>9} "
           f"{'enc GB/s':>9} {'wire Gb/s':>10} {'dec GB/s':>9} {'bytes':>6}")
     for r in rows:
@@ -233,7 +234,7 @@ def main() -> int:
               f"{r['encode_gbps']:9.2f} {r['wire_gbit']:10.1f} {r['decode_gbps']:9.2f} {r['bytes_ratio']:6.3f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows}, f, indent=1)
+            json.dump({"args": vars(args), "loadavg": os.getloadavg(), "rows": rows}, f, indent=1)
     return 0
 
 
