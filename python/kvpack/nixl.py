@@ -26,8 +26,8 @@ Per request, one layer at a time::
 
 * **Metadata.** :class:`HandoffSpec` carries the model identity, codec,
   token count, layer count, KV shape, dtype and block size. The decode side
-  sends it, with the place of its landing buffer and NIXL's partial agent
-  metadata for that buffer, in a *ticket*, a NIXL notification (``kvpack/req``)
+  sends it, with its block table, the place of its landing buffer and
+  NIXL's partial agent metadata for that buffer, in a *ticket*, a NIXL notification (``kvpack/req``)
   to the prefill agent, which checks the model and shape against its own
   before it writes anything. Agents first learn each other through NIXL's
   listener (:meth:`Receiver.connect`: ``fetch_remote_metadata`` +
@@ -116,8 +116,9 @@ class TransferError(KvpackError):
         request: the request id.
         layer: the layer index.
         blocks: the decode side's block ids (from its block table) that hold
-            no valid KV for this layer and must be recomputed (empty on the
-            prefill side, which does not know them).
+            no valid KV for this layer and must be recomputed (on the
+            prefill side: every block of the decode side's table, from the
+            ticket).
         tokens: the damaged token ranges ``[(start, stop), ...]``.
         cause: ``"corrupt"`` (a frame failed validation), ``"transfer"``
             (NIXL reported the write failed), ``"timeout"`` or ``"peer"``
@@ -561,8 +562,9 @@ class Incoming:
     def ticket(self) -> bytes:
         """The request ticket the prefill side needs (sent by
         :meth:`Receiver.expect` as a NIXL notification): the spec, the
-        landing buffer's address, slot size and memory kind, and NIXL's
-        partial metadata for that buffer."""
+        decode side's block table, the landing buffer's address, slot size
+        and memory kind, and NIXL's partial metadata for that buffer (JSON;
+        about 5 bytes per block plus 1 KB)."""
         md = self.rx.agent.get_partial_agent_metadata(self.buffer.reg, True)
         return json.dumps(
             {
@@ -572,6 +574,7 @@ class Incoming:
                 "addr": self.buffer.addr,
                 "device": self.buffer.device,
                 "slot": self.slot,
+                "blocks": self.block_ids,
                 "md": md.hex(),
             }
         ).encode()
@@ -844,6 +847,7 @@ class Outgoing:
         spec: the decode side's :class:`HandoffSpec`.
         request: the request id.
         peer: the decode agent's name.
+        remote_blocks: the decode side's block table.
         stats: per layer :class:`LayerStats` (encode and post times, sizes).
     """
 
@@ -859,6 +863,8 @@ class Outgoing:
                 f"this build bounds a layer at {self.spec.slot_bytes()} (different kvpack versions?)"
             )
         self.remote = (int(ticket["addr"]), int(ticket["device"]), str(ticket["memory"]))
+        #: the decode side's block table for the request (from the ticket)
+        self.remote_blocks: List[int] = [int(b) for b in ticket.get("blocks", [])]
         self.buffer = tx._buffer(self.slot * self.spec.num_layers, memory, device)
         with tx._cond:
             tx._active += 1
@@ -889,7 +895,9 @@ class Outgoing:
             self.tx._notify(self.peer, _FAIL + json.dumps({"r": self.request, "l": layer, "why": why}).encode())
         except Exception:  # the peer may be gone; the local error still says what happened
             pass
-        return TransferError(why, request=self.request, layer=layer, tokens=[(0, self.spec.num_tokens)], cause=cause)
+        return TransferError(
+            why, request=self.request, layer=layer, blocks=self.remote_blocks, tokens=[(0, self.spec.num_tokens)], cause=cause
+        )
 
     def _encode(self, layer: int, kv_cache: Any, block_ids: Sequence[int], layout: str, stream: Any) -> int:
         """Encodes the layer into its staging slot; returns the byte count."""

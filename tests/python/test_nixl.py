@@ -108,25 +108,32 @@ def _to_host(cache):
     return cache.cpu().view(torch.int16).numpy().view(np.uint16)
 
 
-def _prefill(port, spec_json, block_ids, num_blocks, q, back, device="cpu", memory="DRAM", layout="flash_attn"):
-    """Child process: the prefill worker."""
+def _prefill(port, spec_json, block_ids, num_blocks, q, back, device="cpu", memory="DRAM", layout="flash_attn", poison=None):
+    """Child process: the prefill worker (``poison``: a layer whose keys get
+    a NaN, which the codecs refuse)."""
     try:
         spec = kn.HandoffSpec.from_json(spec_json)
         layers = _fixture_layers(spec.num_layers)
+        if poison is not None:
+            layers[poison][0][0, 3, 5] = 0x7FC0  # bf16 NaN
         caches = [_to_device(c, device) for c in _paged(layers, block_ids, num_blocks, layout)]
         tx = kn.Sender("prefill", port=port)
         q.put("ready")
         out = tx.accept(model=spec.model, timeout=60, memory=memory)
+        failed = []
         for layer in range(spec.num_layers):
-            out.send_layer(layer, caches[layer], block_ids, layout=layout)
+            try:
+                out.send_layer(layer, caches[layer], block_ids, layout=layout)
+            except kvpack.ParameterError:
+                failed.append(layer)
         out.finish(timeout=60)
-        q.put("done")
+        q.put(f"done, failed {failed}")
         back.get(timeout=120)  # keep the agent alive until the decode side is done
     except BaseException as e:  # reported to the parent
         q.put(f"error: {e!r}")
 
 
-def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM", layout="flash_attn"):
+def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM", layout="flash_attn", poison=None):
     """Runs one handoff; returns (spec, decoded caches, reference layers,
     decode block ids, TransferErrors by layer)."""
     spec_probe = _fixture().tensors[0]
@@ -141,7 +148,7 @@ def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM", la
     port = _free_port()
     ctx = mp.get_context("spawn")
     q, back = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=_prefill, args=(port, spec.to_json(), pre_blocks, nb + 8, q, back, device, memory, layout))
+    p = ctx.Process(target=_prefill, args=(port, spec.to_json(), pre_blocks, nb + 8, q, back, device, memory, layout, poison))
     p.start()
     try:
         assert q.get(timeout=60) == "ready"
@@ -161,7 +168,7 @@ def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM", la
             except kn.TransferError as e:
                 errors[layer] = e
         msg = q.get(timeout=60)
-        assert msg == "done", msg
+        assert msg == f"done, failed {[] if poison is None else [poison]}", msg
         back.put("bye")
         inc.close()
         rx.close()
@@ -192,6 +199,54 @@ def test_host_handoff_matches_local_decode(codec):
             np.testing.assert_array_equal(got_k, k)
         # blocks outside the table stay untouched
         assert not caches[layer][:, :5].any()
+
+
+def test_prefill_failure_names_the_layer_on_the_decode_side():
+    spec, caches, ref, blocks, errors = _handoff("bdr128", n_layers=3, poison=1)
+    assert list(errors) == [1]
+    e = errors[1]
+    assert e.cause == "peer" and "encode failed" in str(e) and "non-finite" in str(e), str(e)
+    assert e.blocks == blocks and e.tokens == [(0, TOKENS)]
+    assert not caches[1].any() and caches[0].any() and caches[2].any()
+
+
+def test_nothing_arriving_is_a_timeout_naming_every_block():
+    tx, rx = kn.Sender("t-prefill"), kn.Receiver("t-decode")
+    try:
+        tx.add_peer(rx.metadata())
+        rx.add_peer(tx.metadata())
+        spec = kn.HandoffSpec(model="m", codec="raw", num_layers=2, kv_heads=1, head_dim=64, num_tokens=40, block_size=16)
+        inc = rx.expect(spec, [7, 8, 9], peer="t-prefill")
+        out = tx.accept(model="m", timeout=10)
+        assert out.remote_blocks == [7, 8, 9] and out.spec == spec
+        with pytest.raises(kn.TransferError) as e:
+            inc.wait_layer(0, timeout=0.3)
+        assert e.value.cause == "timeout" and e.value.blocks == [7, 8, 9] and e.value.layer == 0
+        with pytest.raises(kvpack.ParameterError):
+            inc.wait_layer(2)
+        out.close()
+        inc.close()
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_ticket_for_another_model_is_refused_on_both_sides():
+    tx, rx = kn.Sender("m-prefill"), kn.Receiver("m-decode")
+    try:
+        tx.add_peer(rx.metadata())
+        rx.add_peer(tx.metadata())
+        spec = kn.HandoffSpec(model="other", codec="raw", num_layers=1, kv_heads=1, head_dim=64, num_tokens=16, block_size=16)
+        inc = rx.expect(spec, [0], peer="m-prefill")
+        with pytest.raises(kvpack.ParameterError, match="other"):
+            tx.accept(model="mine", timeout=10)
+        with pytest.raises(kn.TransferError) as e:
+            inc.wait_layer(0, timeout=10)
+        assert e.value.cause == "peer" and "mine" in str(e.value)
+        inc.close()
+    finally:
+        tx.close()
+        rx.close()
 
 
 @pytest.mark.parametrize("layout", ["flashinfer", "hnd"])
