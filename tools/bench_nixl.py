@@ -45,7 +45,6 @@ import multiprocessing as mp
 import os
 import socket
 import sys
-import time
 from typing import Any, Dict, List
 
 import numpy as np

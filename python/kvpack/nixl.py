@@ -77,7 +77,7 @@ import threading
 import time
 import uuid
 import weakref
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -93,6 +93,7 @@ __all__ = [
     "Outgoing",
     "Incoming",
     "TransferError",
+    "LayerStats",
     "available",
     "LAYOUTS",
 ]

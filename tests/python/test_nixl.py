@@ -9,7 +9,6 @@ nixl``); CI has none.
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import socket
 from pathlib import Path
 
