@@ -17,6 +17,7 @@ import pytest
 
 import kvpack
 from kvpack import nixl as kn
+from kvpack.nixl import caches as kc
 
 pytestmark = pytest.mark.skipif(not kn.available(), reason="NIXL is not installed (pip install nixl): handoff tests skipped")
 
@@ -261,11 +262,11 @@ def test_host_handoff_other_layouts(layout):
 def test_cache_that_does_not_match_the_spec_is_refused():
     spec = kn.HandoffSpec(model="m", codec="raw", num_layers=1, kv_heads=8, head_dim=128, num_tokens=64, block_size=16)
     with pytest.raises(kvpack.ParameterError, match="block_size"):
-        kn._check_cache(np.zeros((2, 4, 32, 8, 128), np.uint16), "flash_attn", spec)
+        kc._check_cache(np.zeros((2, 4, 32, 8, 128), np.uint16), "flash_attn", spec)
     with pytest.raises(kvpack.ParameterError, match="pair"):
-        kn._check_cache(np.zeros((2, 4, 16, 8, 128), np.uint16), "hnd", spec)
-    kn._check_cache((np.zeros((4, 8, 16, 128)),) * 2, "hnd", spec)
-    kn._check_cache(np.zeros((4, 2, 16, 8, 128)), "flashinfer", spec)
+        kc._check_cache(np.zeros((2, 4, 16, 8, 128), np.uint16), "hnd", spec)
+    kc._check_cache((np.zeros((4, 8, 16, 128)),) * 2, "hnd", spec)
+    kc._check_cache(np.zeros((4, 2, 16, 8, 128)), "flashinfer", spec)
 
 
 @pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])  # decoded in place / via scratch + scatter
@@ -316,9 +317,9 @@ def test_spec_checks():
 
 
 def test_runs_merge_consecutive_blocks():
-    assert kn._runs([4, 5, 6, 9, 10], 70, 16) == [(0, 48, 4), (48, 22, 9)]
+    assert kc._runs([4, 5, 6, 9, 10], 70, 16) == [(0, 48, 4), (48, 22, 9)]
     with pytest.raises(kvpack.ParameterError):
-        kn._runs([1, 2], 40, 16)
+        kc._runs([1, 2], 40, 16)
 
 
 # --------------------------------------------------------------------------
