@@ -178,6 +178,70 @@ fn round_trip_meets_each_examples_quality_floor() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// The GPU side states each kernel family's page layout once, as the list
+/// of its canonical body's sections (`gpu::family::body_sections`, which
+/// sizes staging and the encode templates); every page the CPU writes for
+/// every example has exactly those sections, in that order, or (for
+/// codecs whose page size depends on the data) sections no larger.
+#[test]
+fn gpu_body_sections_match_the_pages_the_cpu_writes() {
+    use kvpack::gpu::family::{body_sections, canonical_body_len};
+    use kvpack::gpu::spec::KernelCodec;
+    let cache = synthetic_cache();
+    let mut rows = Vec::new();
+    for (_, e) in examples() {
+        let codec = kvpack::codec::parse(e.name).unwrap();
+        let file = try_compress(&cache, codec.as_ref(), CODED, None).unwrap();
+        let ar = Archive::open(&file).unwrap();
+        let infos = ar.tensors();
+        let exact = codec.size_depends_only_on_shape();
+        let n = ar.reader().index().entries.len();
+        for i in 0..n {
+            let page = ar.reader().page(i).unwrap();
+            let m = page.header.meta;
+            let info = &infos[m.tensor as usize];
+            let kc = KernelCodec::of(ar.codec(m.codec as usize), info).unwrap();
+            let (tokens, d) = (u64::from(m.tokens), u64::from(info.head_dim));
+            let r = info.planes() as u64 * tokens;
+            let want = body_sections(kc, r, tokens, d).unwrap();
+            let got: Vec<_> = page
+                .sections()
+                .iter()
+                .map(|s| (s.kind, s.stream, s.elem, s.count, s.len))
+                .collect();
+            let want: Vec<_> = want
+                .iter()
+                .map(|s| (s.kind, s.stream, s.elem, s.count, s.len))
+                .collect();
+            let bound = canonical_body_len(kc, r, tokens, d);
+            let body = page.body().len() as u64;
+            if exact {
+                assert_eq!(got, want, "{} page {i}", e.name);
+                assert_eq!(body, bound, "{} page {i}", e.name);
+            } else {
+                assert!(
+                    body <= bound,
+                    "{} page {i}: body {body} > bound {bound}",
+                    e.name
+                );
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(
+                        g.0 == w.0 && g.1 == w.1 && g.2 == w.2 && g.3 <= w.3,
+                        "{} page {i}: {g:?} not within {w:?}",
+                        e.name
+                    );
+                }
+            }
+        }
+        rows.push(format!(
+            "{:<26} {n} pages {}",
+            e.name,
+            if exact { "exact" } else { "within the bound" }
+        ));
+    }
+    eprintln!("GPU body sections:\n  {}", rows.join("\n  "));
+}
+
 struct Golden {
     file: String,
     /// The input it encodes (format 1.1 vectors have fp8 and latent inputs).

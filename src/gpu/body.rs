@@ -6,8 +6,6 @@
 use crate::error::{Error, Result};
 use crate::format::{ElemType, Section, SectionKind};
 
-use super::spec::AffineBody;
-
 /// One section of a body: kind, stream, element type, element count and
 /// byte length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,43 +89,44 @@ impl CanonicalBody {
     }
 }
 
-impl From<&AffineBody> for CanonicalBody {
-    fn from(l: &AffineBody) -> CanonicalBody {
-        let spec = |kind, elem, count, len| SectionSpec {
-            kind,
-            stream: 0,
-            elem,
-            count,
-            len,
-        };
-        CanonicalBody {
-            specs: vec![
-                spec(SectionKind::Scale, ElemType::F32, l.rows, l.lens[0]),
-                spec(SectionKind::Zero, ElemType::F32, l.rows, l.lens[1]),
-                spec(
-                    SectionKind::Index,
-                    ElemType::Packed(l.bits),
-                    l.rows * l.head_dim,
-                    l.lens[2],
-                ),
-            ],
-            offsets: l.offsets.to_vec(),
-            body_len: l.body_len,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The template of an affine page's sections (the GPU family's
+    /// `body_sections`) is the body the format's page writer lays out.
     #[test]
-    fn affine_layout_is_the_same_canonical_body() {
-        let l = AffineBody::new(33, 96, 3).unwrap();
-        let c = CanonicalBody::from(&l);
-        assert_eq!(c.template(), l.template());
-        assert_eq!(CanonicalBody::new(c.specs.clone()).unwrap(), c);
-        let body = l.template();
-        assert_eq!(c.sections(&body), l.sections(&body));
+    fn template_is_the_page_writers_body() {
+        use crate::format::{PageFrame, PageMeta};
+        use crate::gpu::family::body_sections;
+        use crate::gpu::spec::KernelCodec;
+        for (rows, d, bits) in [(10u32, 128u32, 4u8), (7, 6, 3), (1, 1, 1), (33, 96, 8)] {
+            let kc = KernelCodec::Affine { bits, block: None };
+            let l =
+                CanonicalBody::new(body_sections(kc, rows.into(), 1, d.into()).unwrap()).unwrap();
+            let n = (rows * d) as usize;
+            let sections = vec![
+                Section::f32s(SectionKind::Scale, 0, &vec![0.0; rows as usize]),
+                Section::f32s(SectionKind::Zero, 0, &vec![0.0; rows as usize]),
+                Section::packed(
+                    SectionKind::Index,
+                    0,
+                    bits,
+                    n as u32,
+                    vec![0; crate::kernels::bitpack::packed_len(n, u32::from(bits))],
+                ),
+            ];
+            let meta = PageMeta {
+                tensor: 0,
+                token_start: 0,
+                tokens: 1,
+                codec: 0,
+            };
+            let frame = PageFrame::encode(meta, &sections, None, 64).unwrap();
+            let body = &frame.bytes[64..64 + frame.header.body_len as usize];
+            assert_eq!(l.template(), body, "rows {rows} d {d} bits {bits}");
+            assert_eq!(l.sections(body), sections);
+            assert_eq!(CanonicalBody::new(l.specs.clone()).unwrap(), l);
+        }
     }
 }

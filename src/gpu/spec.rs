@@ -1,8 +1,8 @@
 //! Host-side description of GPU work, shared by the CUDA backend and the
 //! CPU-only tests: which kernel handles a page, the page descriptors the
 //! kernels read (`PageDesc` / `EncDesc`, mirrored in `kernels/common.cuh`),
-//! the work lists (one entry per thread block), and the canonical body
-//! layout of an encoded page.
+//! and the work lists (one entry per thread block). The canonical body of
+//! a page is `super::body`, its sections each family's `body_sections`.
 //!
 //! Nothing here touches a device; it is all plain data, so it is tested on
 //! machines without CUDA.
@@ -11,7 +11,7 @@ use bytemuck::Zeroable;
 
 use crate::cache::{DType, TensorInfo};
 use crate::error::{Error, Result};
-use crate::format::{ElemType, PageView, SectionKind};
+use crate::format::PageView;
 
 /// Threads per block of the unit kernels (`BLOCK` in `common.cuh`).
 pub const BLOCK: u32 = 256;
@@ -613,114 +613,6 @@ pub fn page_desc(
     }
 }
 
-/// Canonical body layout of an `int`/`bdr` page (format/SPEC.md 6.2):
-/// section table, then SCALE, ZERO and INDEX, each 64-aligned.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AffineBody {
-    /// Rows (`planes * tokens`).
-    pub rows: u32,
-    /// Elements per row.
-    pub head_dim: u32,
-    /// Bits per code.
-    pub bits: u8,
-    /// Offsets of SCALE, ZERO and INDEX from the body start.
-    pub offsets: [u32; 3],
-    /// Byte lengths of SCALE, ZERO and INDEX.
-    pub lens: [u32; 3],
-    /// Total body length (a multiple of 64).
-    pub body_len: u32,
-}
-
-impl AffineBody {
-    /// The layout for `rows` rows of `head_dim` codes of `bits` bits.
-    ///
-    /// # Errors
-    /// [`Error::Parameter`] for a page over 2^32 codes.
-    pub fn new(rows: u32, head_dim: u32, bits: u8) -> Result<AffineBody> {
-        let codes = u64::from(rows) * u64::from(head_dim);
-        let index_len = (codes * u64::from(bits)).div_ceil(8);
-        if codes > u64::from(u32::MAX) || index_len > u64::from(u32::MAX) - 256 {
-            return Err(Error::param("page over 2^32 elements"));
-        }
-        let a = |x: u64| x.next_multiple_of(64);
-        let scale = a(16 * 3);
-        let zero = a(scale + 4 * u64::from(rows));
-        let index = a(zero + 4 * u64::from(rows));
-        let end = a(index + index_len);
-        let fits = u32::try_from(end).map_err(|_| Error::param("page body over 4 GiB"))?;
-        Ok(AffineBody {
-            rows,
-            head_dim,
-            bits,
-            offsets: [scale as u32, zero as u32, index as u32],
-            lens: [4 * rows, 4 * rows, index_len as u32],
-            body_len: fits,
-        })
-    }
-
-    /// The body with its section table filled in and every section zeroed:
-    /// the kernels write the sections into this template.
-    pub fn template(&self) -> Vec<u8> {
-        let mut b = vec![0u8; self.body_len as usize];
-        let kinds = [
-            (SectionKind::Scale, ElemType::F32, self.rows),
-            (SectionKind::Zero, ElemType::F32, self.rows),
-            (
-                SectionKind::Index,
-                ElemType::Packed(self.bits),
-                self.rows * self.head_dim,
-            ),
-        ];
-        for (i, (kind, elem, count)) in kinds.into_iter().enumerate() {
-            let (code, bits) = elem.code_bits();
-            let e = &mut b[16 * i..16 * (i + 1)];
-            e[0] = kind.code();
-            e[1] = 0;
-            e[2] = code;
-            e[3] = bits;
-            e[4..8].copy_from_slice(&count.to_le_bytes());
-            e[8..12].copy_from_slice(&self.offsets[i].to_le_bytes());
-            e[12..16].copy_from_slice(&self.lens[i].to_le_bytes());
-        }
-        b
-    }
-
-    /// The three sections of an encoded body, as the CPU encoder returns
-    /// them (SCALE, ZERO, INDEX).
-    ///
-    /// # Panics
-    /// If `body` is shorter than [`AffineBody::body_len`].
-    pub fn sections(&self, body: &[u8]) -> Vec<crate::format::Section> {
-        let s = |i: usize| {
-            let o = self.offsets[i] as usize;
-            body[o..o + self.lens[i] as usize].to_vec()
-        };
-        vec![
-            crate::format::Section {
-                kind: SectionKind::Scale,
-                stream: 0,
-                elem: ElemType::F32,
-                count: self.rows,
-                data: s(0),
-            },
-            crate::format::Section {
-                kind: SectionKind::Zero,
-                stream: 0,
-                elem: ElemType::F32,
-                count: self.rows,
-                data: s(1),
-            },
-            crate::format::Section {
-                kind: SectionKind::Index,
-                stream: 0,
-                elem: ElemType::Packed(self.bits),
-                count: self.rows * self.head_dim,
-                data: s(2),
-            },
-        ]
-    }
-}
-
 /// Bytes a decode kernel moves for page `g`: `(read, written)` with read =
 /// the page's section bytes (codes, scales, zero points, tables or raw
 /// elements) and written = the output elements (2 bytes each) of the rows
@@ -732,7 +624,6 @@ pub fn decode_bytes(g: &PageGeom, rows_written: u64) -> (u64, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::format::{PageFrame, PageMeta};
 
     #[test]
     fn struct_sizes_match_cuda() {
@@ -750,35 +641,6 @@ mod tests {
             ("HQ_ITEM", HQ_ITEM),
         ] {
             assert!(c.contains(&format!("#define {name} {v}\n")), "{name}");
-        }
-    }
-
-    #[test]
-    fn affine_template_is_the_canonical_body() {
-        for (rows, d, bits) in [(10u32, 128u32, 4u8), (7, 6, 3), (1, 1, 1), (33, 96, 8)] {
-            let l = AffineBody::new(rows, d, bits).unwrap();
-            let n = (rows * d) as usize;
-            let sections = vec![
-                crate::format::Section::f32s(SectionKind::Scale, 0, &vec![0.0; rows as usize]),
-                crate::format::Section::f32s(SectionKind::Zero, 0, &vec![0.0; rows as usize]),
-                crate::format::Section::packed(
-                    SectionKind::Index,
-                    0,
-                    bits,
-                    n as u32,
-                    vec![0; crate::kernels::bitpack::packed_len(n, bits as u32)],
-                ),
-            ];
-            let meta = PageMeta {
-                tensor: 0,
-                token_start: 0,
-                tokens: 1,
-                codec: 0,
-            };
-            let frame = PageFrame::encode(meta, &sections, None, 64).unwrap();
-            let body = &frame.bytes[64..64 + frame.header.body_len as usize];
-            assert_eq!(l.template(), body, "rows {rows} d {d} bits {bits}");
-            assert_eq!(l.sections(body), sections);
         }
     }
 

@@ -5,13 +5,13 @@
 use crate::cache::{DType, TensorInfo};
 use crate::codec::{self, Codec};
 use crate::error::{Error, Result};
-use crate::format::PageView;
+use crate::format::{ElemType, PageView, SectionKind};
 
-use super::{GpuFamily, OUTS, a64, at, packed};
-use crate::gpu::body::CanonicalBody;
+use super::{GpuFamily, OUTS, at, section};
+use crate::gpu::body::{CanonicalBody, SectionSpec};
 use crate::gpu::encplan::{EncWork, EncodeJob, EncodeLayout, empty, page_rows, push_body};
 use crate::gpu::spec::{
-    self, AffineBody, DEC_UNITS_W32, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions,
+    self, DEC_UNITS_W32, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions,
     MAX_SHUFFLE_BLOCK, OutType, SEG_MAX, W8,
 };
 
@@ -115,9 +115,19 @@ impl GpuFamily for Family {
         }
     }
 
-    fn canonical_body_len(&self, kc: KernelCodec, rows: u64, _tokens: u64, d: u64) -> u64 {
+    fn body_sections(
+        &self,
+        kc: KernelCodec,
+        rows: u64,
+        _tokens: u64,
+        d: u64,
+    ) -> Result<Vec<SectionSpec>> {
         let (bits, _) = bits_of(kc);
-        64 + 2 * a64(4 * rows) + a64(packed(rows * d, u64::from(bits)))
+        Ok(vec![
+            section(SectionKind::Scale, 0, ElemType::F32, rows)?,
+            section(SectionKind::Zero, 0, ElemType::F32, rows)?,
+            section(SectionKind::Index, 0, ElemType::Packed(bits), rows * d)?,
+        ])
     }
 
     fn kernel_names(&self) -> Vec<(&'static str, String)> {
@@ -177,11 +187,11 @@ impl GpuFamily for Family {
         let mut work = Vec::new();
         for (i, pg) in pages.iter().enumerate() {
             let rows = page_rows(info, pg)?;
-            let l = AffineBody::new(rows, d, bits)?;
-            let cl = CanonicalBody::from(&l);
+            let sections = self.body_sections(kc, rows.into(), pg.tokens.into(), d.into())?;
+            let cl = CanonicalBody::new(sections)?;
             let off = push_body(&mut p.host, &cl);
             p.read += u64::from(rows) * u64::from(d) * esize;
-            p.written += u64::from(l.lens[0]) + u64::from(l.lens[1]) + u64::from(l.lens[2]);
+            p.written += cl.specs.iter().map(|s| u64::from(s.len)).sum::<u64>();
             p.descs.push(EncDesc {
                 src: src + u64::from(pg.token_start) * u64::from(d) * esize,
                 body: off as u64,
@@ -189,9 +199,9 @@ impl GpuFamily for Family {
                 rows,
                 tokens: pg.tokens,
                 head_dim: d,
-                sec_scale: l.offsets[0],
-                sec_zero: l.offsets[1],
-                sec_index: l.offsets[2],
+                sec_scale: cl.offsets[0],
+                sec_zero: cl.offsets[1],
+                sec_index: cl.offsets[2],
                 page: i as u32,
                 m_tokens: spec::magic(pg.tokens),
                 upr: d.checked_div(kernel.grid.unit()).unwrap_or(0),

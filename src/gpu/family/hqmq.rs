@@ -12,7 +12,7 @@ use crate::format::{ElemType, PageView, SectionKind};
 use crate::kernels::radix::Groups;
 
 use super::f32_bytes;
-use super::{GpuFamily, OUTS, a64, at, bad_params, offset, packed};
+use super::{GpuFamily, OUTS, at, bad_params, offset, section};
 use crate::gpu::body::{CanonicalBody, SectionSpec};
 use crate::gpu::encplan::{EncWork, EncodeJob, EncodeLayout, empty, page_rows, push_body};
 use crate::gpu::spec::{
@@ -154,16 +154,31 @@ impl GpuFamily for Family {
         [s, bits_word(b, e, g, w), o, extra]
     }
 
-    fn canonical_body_len(&self, kc: KernelCodec, rows: u64, _tokens: u64, d: u64) -> u64 {
-        let (_, _, e, g, w, _, med) = fields(kc);
-        let n = rows * d / 4;
-        let digits = a64(packed(n.div_ceil(u64::from(g)), u64::from(w)));
-        let table = if med {
-            a64(12 + n.div_ceil(8) + 8 * n)
-        } else {
-            0
-        };
-        64 + a64(2 * rows) + a64(packed(n, u64::from(e))) + digits + table
+    fn body_sections(
+        &self,
+        kc: KernelCodec,
+        rows: u64,
+        _tokens: u64,
+        d: u64,
+    ) -> Result<Vec<SectionSpec>> {
+        let (_, _, e, g, _, o, med) = fields(kc);
+        let n = rows * (d / 4);
+        let groups = Groups::new(u64::from(o), u32::from(g))
+            .ok_or_else(|| Error::param("hqmq parameters: invalid digit grouping"))?;
+        let high = usize::try_from(n).map_or(u64::MAX, |n| groups.packed_len(n) as u64);
+        let mut v = vec![
+            section(SectionKind::Scale, 0, ElemType::F16, rows)?,
+            section(SectionKind::Index, 0, ElemType::Packed(e), n)?,
+            section(SectionKind::Index, 1, ElemType::Bytes, high)?,
+        ];
+        if med {
+            // Bound (format/SPEC.md 6.5): every chunk an outlier, its
+            // position in the bitmap (the writer never picks a longer
+            // list), 8 bytes of values each.
+            let table = 12 + n.div_ceil(8) + 8 * n;
+            v.push(section(SectionKind::Outliers, 0, ElemType::Bytes, table)?);
+        }
+        Ok(v)
     }
 
     /// u64 `O^G` (0 when it is `2^64`), 8 zero bytes, then per kv head the
@@ -238,7 +253,6 @@ impl GpuFamily for Family {
         let d = info.head_dim;
         let nc = d / 4;
         let rb = (BLOCK / nc.max(1)).max(1);
-        let groups = Groups::new(u64::from(o), u32::from(g)).expect("checked grouping");
         let side = place(&encode_table(codec, info, s)?)?;
         let mut p = empty();
         let mut chunks = 0u64;
@@ -268,36 +282,12 @@ impl GpuFamily for Family {
             shared: 0,
         };
         let (mut w1, mut w2) = (Vec::new(), Vec::new());
-        let count = |v: u64| u32::try_from(v).map_err(|_| Error::param("hqmq page too large"));
         for (i, pg) in pages.iter().enumerate() {
             let rows = page_rows(info, pg)?;
             let n = u64::from(rows) * u64::from(nc);
-            let low_len = (n * u64::from(e)).div_ceil(8);
-            let high_len = groups.packed_len(n as usize) as u64;
-            let spec = |kind, stream, elem, count, len| SectionSpec {
-                kind,
-                stream,
-                elem,
-                count,
-                len,
-            };
-            let l = CanonicalBody::new(vec![
-                spec(SectionKind::Scale, 0, ElemType::F16, rows, 2 * rows),
-                spec(
-                    SectionKind::Index,
-                    0,
-                    ElemType::Packed(e),
-                    count(n)?,
-                    count(low_len)?,
-                ),
-                spec(
-                    SectionKind::Index,
-                    1,
-                    ElemType::Bytes,
-                    count(high_len)?,
-                    count(high_len)?,
-                ),
-            ])?;
+            let sections = self.body_sections(kc, rows.into(), pg.tokens.into(), d.into())?;
+            let l = CanonicalBody::new(sections)?;
+            let (low_len, high_len) = (u64::from(l.specs[1].len), u64::from(l.specs[2].len));
             let off = push_body(&mut p.host, &l);
             p.read += u64::from(rows) * u64::from(d) * esize;
             p.written += u64::from(2 * rows) + low_len + high_len;

@@ -6,9 +6,10 @@ use crate::cache::{Kind, Role, TensorInfo};
 use crate::codec::Codec;
 use crate::codec::innerq::{self, InnerQ};
 use crate::error::{Error, Result};
-use crate::format::PageView;
+use crate::format::{ElemType, PageView, SectionKind};
+use crate::gpu::body::SectionSpec;
 
-use super::{GROUP_UNITS, GpuFamily, OUTS, a64, at, choice, chunked, group_count, packed, units};
+use super::{GROUP_UNITS, GpuFamily, OUTS, at, choice, chunked, group_count, section, units};
 use crate::gpu::spec::{
     KernelChoice, KernelCodec, KernelOptions, OutType, UNITS_PER_THREAD, magic,
 };
@@ -111,14 +112,35 @@ impl GpuFamily for Family {
         ]
     }
 
-    fn canonical_body_len(&self, kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
-        let (bits, _, group, tok, _) = fields(kc);
+    fn body_sections(
+        &self,
+        kc: KernelCodec,
+        rows: u64,
+        tokens: u64,
+        d: u64,
+    ) -> Result<Vec<SectionSpec>> {
+        let (bits, mode, group, tok, _) = fields(kc);
         let planes = rows.checked_div(tokens).unwrap_or(0);
         let ng = group_count(tok, u32::from(group), planes, tokens, d);
-        64 + a64(2 * ng)
-            + a64(4 * ng * u64::from(group / 32))
-            + a64(ng.div_ceil(8))
-            + a64(packed(rows * d, u64::from(bits)))
+        let mut v = vec![
+            section(SectionKind::Scale, 0, ElemType::F16, ng)?,
+            section(
+                SectionKind::Zero,
+                0,
+                ElemType::U32,
+                ng * u64::from(group / 32),
+            )?,
+        ];
+        if mode == innerq::Mode::Hybrid.code() {
+            v.push(section(SectionKind::Aux, 0, ElemType::Packed(1), ng)?);
+        }
+        v.push(section(
+            SectionKind::Index,
+            0,
+            ElemType::Packed(bits),
+            rows * d,
+        )?);
+        Ok(v)
     }
 
     /// The layer's normalization factors, f32 `[heads][head_dim]` (K with

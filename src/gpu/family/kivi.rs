@@ -5,9 +5,10 @@ use crate::cache::{Kind, TensorInfo};
 use crate::codec::Codec;
 use crate::codec::kivi::{self, Kivi};
 use crate::error::Result;
-use crate::format::PageView;
+use crate::format::{ElemType, PageView, SectionKind};
+use crate::gpu::body::SectionSpec;
 
-use super::{GROUP_UNITS, GpuFamily, OUTS, a64, at, choice, chunked, group_count, packed, units};
+use super::{GROUP_UNITS, GpuFamily, OUTS, at, choice, chunked, group_count, section, units};
 use crate::gpu::spec::{
     KernelChoice, KernelCodec, KernelOptions, OutType, UNITS_PER_THREAD, magic,
 };
@@ -103,11 +104,21 @@ impl GpuFamily for Family {
         ]
     }
 
-    fn canonical_body_len(&self, kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
+    fn body_sections(
+        &self,
+        kc: KernelCodec,
+        rows: u64,
+        tokens: u64,
+        d: u64,
+    ) -> Result<Vec<SectionSpec>> {
         let (bits, group, tok) = fields(kc);
         let planes = rows.checked_div(tokens).unwrap_or(0);
         let ng = group_count(tok, u32::from(group), planes, tokens, d);
-        64 + 2 * a64(2 * ng) + a64(packed(rows * d, u64::from(bits)))
+        Ok(vec![
+            section(SectionKind::Scale, 0, ElemType::F16, ng)?,
+            section(SectionKind::Zero, 0, ElemType::F16, ng)?,
+            section(SectionKind::Index, 0, ElemType::Packed(bits), rows * d)?,
+        ])
     }
 
     fn kernel_names(&self) -> Vec<(&'static str, String)> {

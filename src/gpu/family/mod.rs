@@ -3,8 +3,10 @@
 //! the kernel family of a (codec, tensor) pair read from the codec's id and
 //! parameter block, the checked section offsets of a page, the kernel that
 //! decodes it and its grid, the codec parameters its descriptor carries,
-//! the canonical body length, the side table, the kernel names it may ask
-//! for and, for the families with a GPU encoder, the encode plan.
+//! the sections of its canonical body (the one statement of its page
+//! layout here: the body length and the encode templates follow from it),
+//! the side table, the kernel names it may ask for and, for the families
+//! with a GPU encoder, the encode plan.
 //!
 //! | family | file | codecs (ids) |
 //! |---|---|---|
@@ -39,8 +41,9 @@ pub(crate) mod sphere;
 use crate::cache::TensorInfo;
 use crate::codec::Codec;
 use crate::error::{Error, Result};
-use crate::format::{PageView, SectionKind};
+use crate::format::{ElemType, PageView, SectionKind};
 
+use super::body::{CanonicalBody, SectionSpec};
 use super::encplan::{EncodeJob, EncodeLayout};
 use super::spec::{Grid, KernelChoice, KernelCodec, KernelOptions, OutType};
 use crate::plan::PlannedPage;
@@ -105,11 +108,26 @@ pub(crate) trait GpuFamily: Sync {
         [0; 4]
     }
 
-    /// Length of the canonical body (format/SPEC.md 6.2) of a page of
-    /// `rows` rows (`tokens` per plane) of `d` channels: what the CPU
-    /// encoders write (an upper bound where the body depends on the data),
-    /// used to size staging for zstd pages before they are decompressed.
-    fn canonical_body_len(&self, kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64;
+    /// The sections of the canonical body (format/SPEC.md 6.2) of a page
+    /// of `rows` rows (`tokens` per plane) of `d` channels, in the order
+    /// the CPU encoder writes them: the kinds, streams, element types and
+    /// counts the codec's page layout function expects (an upper bound
+    /// where the body depends on the data: the hqmq `+med` outlier table
+    /// and inlier streams). The one statement of a family's page layout
+    /// on the GPU side: `canonical_body_len` (staging of zstd pages) and
+    /// the encode templates derive from it, and `tests/conformance.rs`
+    /// checks it against the pages the CPU writes for every registry
+    /// example.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for a section over 2^32 elements or 4 GiB.
+    fn body_sections(
+        &self,
+        kc: KernelCodec,
+        rows: u64,
+        tokens: u64,
+        d: u64,
+    ) -> Result<Vec<SectionSpec>>;
 
     /// The decode side table of `t` ([`super::side`] lists the layouts),
     /// or `None` when the kernels need none.
@@ -235,9 +253,24 @@ pub fn desc_params(kc: KernelCodec, head_dim: u32, extra: u32) -> [u32; 4] {
     of(kc).desc_params(kc, head_dim, extra)
 }
 
-/// `GpuFamily::canonical_body_len` of `kc`'s family.
+/// `GpuFamily::body_sections` of `kc`'s family: the canonical sections of
+/// a page of `rows` rows (`tokens` per plane) of `d` channels.
+///
+/// # Errors
+/// [`Error::Parameter`] for a section over 2^32 elements or 4 GiB.
+pub fn body_sections(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> Result<Vec<SectionSpec>> {
+    of(kc).body_sections(kc, rows, tokens, d)
+}
+
+/// Length in bytes of the canonical body (format/SPEC.md 6.2) of a page of
+/// `rows` rows (`tokens` per plane) of `d` channels: the layout of
+/// [`body_sections`], what the CPU encoder writes (an upper bound where
+/// the body depends on the data). Sizes staging for zstd pages before they
+/// are decompressed. `u64::MAX` for a body over 4 GiB, which no page holds.
 pub fn canonical_body_len(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
-    of(kc).canonical_body_len(kc, rows, tokens, d)
+    body_sections(kc, rows, tokens, d)
+        .and_then(CanonicalBody::new)
+        .map_or(u64::MAX, |b| u64::from(b.body_len))
 }
 
 /// Plans the encode of `pages` of tensor `info` (source elements at device
@@ -307,6 +340,34 @@ fn quad_chunks(upr: u32) -> bool {
     upr.is_power_of_two() && upr <= 256
 }
 
+/// Section `(kind, stream)` of `count` elements of `elem`; its byte length
+/// follows from the element type.
+///
+/// # Errors
+/// [`Error::Parameter`] for a section over 2^32 elements or 4 GiB.
+pub(crate) fn section(
+    kind: SectionKind,
+    stream: u8,
+    elem: ElemType,
+    count: u64,
+) -> Result<SectionSpec> {
+    let len = elem.byte_len(count).and_then(|l| u32::try_from(l).ok());
+    match (u32::try_from(count), len) {
+        (Ok(count), Some(len)) => Ok(SectionSpec {
+            kind,
+            stream,
+            elem,
+            count,
+            len,
+        }),
+        _ => Err(Error::param(format!(
+            "section {} stream {stream} of {count} {} elements: over 2^32 elements or 4 GiB",
+            kind.name(),
+            elem.name()
+        ))),
+    }
+}
+
 /// Groups of a kivi / innerq page: `ceil(T / G) * D` per plane along
 /// tokens, `D / G` per row along channels.
 pub(crate) fn group_count(tokens_axis: bool, group: u32, planes: u64, tokens: u64, d: u64) -> u64 {
@@ -315,16 +376,6 @@ pub(crate) fn group_count(tokens_axis: bool, group: u32, planes: u64, tokens: u6
     } else {
         planes * tokens * (d / u64::from(group))
     }
-}
-
-/// `x` rounded up to the 64-byte section alignment of canonical bodies.
-pub(crate) fn a64(x: u64) -> u64 {
-    x.next_multiple_of(64)
-}
-
-/// Bytes of `n` codes of `bits` bits, packed.
-pub(crate) fn packed(n: u64, bits: u64) -> u64 {
-    (n * bits).div_ceil(8)
 }
 
 /// Offset in the page body of `bytes`, a section slice of `page`.

@@ -5,9 +5,10 @@ use crate::cache::{Role, TensorInfo};
 use crate::codec::Codec;
 use crate::codec::polar::{self, Pairing, Polar, Values};
 use crate::error::Result;
-use crate::format::PageView;
+use crate::format::{ElemType, PageView, SectionKind};
+use crate::gpu::body::SectionSpec;
 
-use super::{GpuFamily, OUTS, POLAR_UNITS, a64, at, choice, chunked, packed, units};
+use super::{GpuFamily, OUTS, POLAR_UNITS, at, choice, chunked, section, units};
 use crate::gpu::spec::{KernelChoice, KernelCodec, KernelOptions, OutType, UNITS_PER_THREAD};
 
 /// The polar family ([`KernelCodec::Polar`]).
@@ -100,10 +101,24 @@ impl GpuFamily for Family {
         ]
     }
 
-    fn canonical_body_len(&self, kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u64 {
+    fn body_sections(
+        &self,
+        kc: KernelCodec,
+        rows: u64,
+        tokens: u64,
+        d: u64,
+    ) -> Result<Vec<SectionSpec>> {
         let (m, n, _) = fields(kc);
         let planes = rows.checked_div(tokens).unwrap_or(0);
-        64 + a64(4 * planes * d / 2) + a64(packed(rows * d / 2, u64::from(m + n)))
+        Ok(vec![
+            section(SectionKind::Scale, 0, ElemType::F32, planes * (d / 2))?,
+            section(
+                SectionKind::Index,
+                0,
+                ElemType::Packed(m + n),
+                rows * (d / 2),
+            )?,
+        ])
     }
 
     /// The `2^m` directions `(cos, sin)` of the parameter block, f32 pairs.

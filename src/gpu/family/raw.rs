@@ -3,9 +3,10 @@
 use crate::cache::{DType, TensorInfo};
 use crate::codec::{self, Codec};
 use crate::error::Result;
-use crate::format::PageView;
+use crate::format::{ElemType, PageView, SectionKind};
+use crate::gpu::body::SectionSpec;
 
-use super::{GpuFamily, OUTS, a64, at};
+use super::{GpuFamily, OUTS, at, section};
 use crate::gpu::spec::{Grid, KernelChoice, KernelCodec, KernelOptions, OutType, W8, src_suffix};
 
 /// The raw family ([`KernelCodec::Raw`]).
@@ -62,11 +63,22 @@ impl GpuFamily for Family {
         })
     }
 
-    fn canonical_body_len(&self, kc: KernelCodec, rows: u64, _tokens: u64, d: u64) -> u64 {
+    fn body_sections(
+        &self,
+        kc: KernelCodec,
+        rows: u64,
+        _tokens: u64,
+        d: u64,
+    ) -> Result<Vec<SectionSpec>> {
         let KernelCodec::Raw { src } = kc else {
             unreachable!("raw family")
         };
-        64 + a64(rows * d * src.size() as u64)
+        Ok(vec![section(
+            SectionKind::Raw,
+            0,
+            ElemType::from_dtype(src),
+            rows * d,
+        )?])
     }
 
     fn kernel_names(&self) -> Vec<(&'static str, String)> {

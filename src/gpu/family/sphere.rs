@@ -8,9 +8,10 @@ use crate::codec::octopus::{self, Octopus};
 use crate::codec::sphere::{self, PURPOSE_QJL, PURPOSE_ROTATION, Values};
 use crate::codec::turbo::{self, Turbo};
 use crate::error::{Error, Result};
-use crate::format::PageView;
+use crate::format::{ElemType, PageView, SectionKind};
+use crate::gpu::body::SectionSpec;
 
-use super::{GpuFamily, OUTS, a64, at, choice, packed, units};
+use super::{GpuFamily, OUTS, at, choice, section, units};
 use super::{f32_bytes, sign_bits};
 use crate::gpu::spec::{Grid, KernelChoice, KernelCodec, KernelOptions, OutType};
 
@@ -137,15 +138,40 @@ impl GpuFamily for Family {
         ]
     }
 
-    fn canonical_body_len(&self, kc: KernelCodec, rows: u64, _tokens: u64, d: u64) -> u64 {
-        let (octopus, ba, b, _) = fields(kc);
+    fn body_sections(
+        &self,
+        kc: KernelCodec,
+        rows: u64,
+        _tokens: u64,
+        d: u64,
+    ) -> Result<Vec<SectionSpec>> {
+        let (octopus, a, b, qjl) = fields(kc);
         let t = d.div_ceil(3);
-        let codes = if octopus {
-            a64(packed(2 * rows * t, u64::from(ba))) + a64(packed(rows * t, u64::from(b)))
+        let streams: &[(u8, u64)] = if octopus {
+            &[(a, 2 * t), (b, t)]
         } else {
-            a64(packed(rows * d, u64::from(ba)))
+            &[(a, d)]
         };
-        128 + a64(4 * rows) + codes + a64(2 * rows) + a64(rows * d / 8)
+        let mut v = vec![section(SectionKind::Scale, 0, ElemType::F32, rows)?];
+        for (k, &(bits, n)) in streams.iter().enumerate() {
+            v.push(section(
+                SectionKind::Index,
+                k as u8,
+                ElemType::Packed(bits),
+                rows * n,
+            )?);
+        }
+        if qjl {
+            v.push(section(SectionKind::Scale, 1, ElemType::F16, rows)?);
+            let k = streams.len() as u8;
+            v.push(section(
+                SectionKind::Index,
+                k,
+                ElemType::Packed(1),
+                rows * d,
+            )?);
+        }
+        Ok(v)
     }
 
     /// Octopus: float4 directions, the norm centroids, then per kv head the
