@@ -183,6 +183,7 @@ fn write_pages<W: Write + Send>(
     raw_slot: usize,
     opts: &CompressOptions,
     progress: &(dyn Fn(u64) + Sync),
+    tensor_done: &(dyn Fn(usize) + Sync),
 ) -> Result<(u64, u64)> {
     let total: u64 = pages
         .iter()
@@ -217,6 +218,9 @@ fn write_pages<W: Write + Send>(
             source_bytes += b;
             elements += b / t.info.dtype.size() as u64;
             progress(source_bytes);
+            if p.token_start + p.tokens == t.info.tokens {
+                tensor_done(p.tensor as usize);
+            }
             Ok(())
         },
     )?;
@@ -253,6 +257,25 @@ pub fn compress_view<W: Write + Send>(
     out: W,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(W, CompressReport)> {
+    compress_view_with(cache, codec, opts, out, progress, &|_| {})
+}
+
+/// [`compress_view`] that also calls `tensor_done(t)` once the last page
+/// of `cache.tensors[t]` is written (pages are written in layer-major
+/// order): a caller reading a memory-mapped input drops that tensor's
+/// bytes from memory then, so resident memory stays at a few pages per
+/// thread, not the input's size.
+///
+/// # Errors
+/// As [`compress`].
+pub fn compress_view_with<W: Write + Send>(
+    cache: &CacheView<'_>,
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+    tensor_done: &(dyn Fn(usize) + Sync),
+) -> Result<(W, CompressReport)> {
     let start = Instant::now();
     let file = FilePlan::new(cache, codec, opts)?;
     let codec = file.codec(codec);
@@ -270,6 +293,7 @@ pub fn compress_view<W: Write + Send>(
         codecs.len() - 1,
         opts,
         progress,
+        tensor_done,
     )?;
     let (out, trailer) = w.commit(&cache.token_ids)?;
     let output_bytes = trailer.header_len + trailer.commit_end;
@@ -645,6 +669,7 @@ pub fn append<W: Write + Send>(
         raw_slot.unwrap_or(0),
         &opts,
         progress,
+        &|_| {},
     )?;
     let before = existing.trailer().commit_end;
     let (out, trailer) = w.commit_durable(&longer.token_ids, sync)?;

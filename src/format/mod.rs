@@ -27,7 +27,7 @@ pub use bytes::align_up;
 pub use header::{CodecEntry, FileHeader};
 pub use index::{Index, IndexEntry, Trailer};
 pub use page::{FLAG_ZSTD, PageFrame, PageHeader, PageMeta, PageView};
-pub use reader::Reader;
+pub use reader::{Reader, Release};
 pub use section::{ElemType, Section, SectionDesc, SectionKind};
 pub use stream::{StreamEvent, StreamReader};
 pub use writer::Writer;

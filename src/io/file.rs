@@ -33,6 +33,54 @@ impl InputBytes {
     pub fn is_mapped(&self) -> bool {
         matches!(self, InputBytes::Mapped(..))
     }
+
+    /// Drops the mapped memory pages covering bytes `range` from this
+    /// process's resident set (`madvise(MADV_DONTNEED)` on the enclosing
+    /// whole pages): a reader that is done with a part of a mapped input
+    /// calls it so that resident memory stays at the parts in use, not the
+    /// whole file. The bytes stay readable (a later access reads them from
+    /// the page cache again). Does nothing for owned bytes, an empty or
+    /// out-of-range `range`, or where the advice is not supported.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let InputBytes::Mapped(m, _) = self {
+            // Reading one byte of a mapping maps the cached pages around it
+            // too: Linux maps a whole large folio of the page cache (up to
+            // 2 MiB) or a 64 KiB "fault-around" window, so reading the
+            // header of the next frame maps the end of the previous one
+            // again. Releasing 2 MiB more on each side undoes that (a page
+            // released while another thread reads it is read again).
+            const AROUND: usize = 2 << 20;
+            let start = range.start.saturating_sub(AROUND) / AROUND * AROUND;
+            let end = range.end.saturating_add(AROUND).min(m.len());
+            if start >= end {
+                return;
+            }
+            // SAFETY: the map is a read-only shared file mapping: dropping
+            // its pages loses nothing (the next access reads the file
+            // again); no slice of it is invalidated.
+            let _ = unsafe {
+                m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
+        let _ = range;
+    }
+
+    /// [`InputBytes::release`] of the bytes of `part`, a slice of this
+    /// input (anything else is ignored).
+    pub fn release_slice(&self, part: &[u8]) {
+        let base = self.as_ptr() as usize;
+        let p = part.as_ptr() as usize;
+        if p >= base && p + part.len() <= base + self.len() {
+            self.release(p - base..p - base + part.len());
+        }
+    }
+}
+
+impl crate::format::Release for InputBytes {
+    fn release(&self, range: std::ops::Range<usize>) {
+        InputBytes::release(self, range);
+    }
 }
 
 /// What an input must start with, and how much of a non-mappable input
@@ -300,6 +348,13 @@ pub fn install_cleanup_handlers() {
     }
 }
 
+/// True when `path` exists and is neither a regular file nor a
+/// directory (a FIFO, a character or block device): outputs are written
+/// into such a path directly, in order, instead of replacing it.
+pub fn is_special(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir())
+}
+
 /// Writes a file atomically: `fill` writes into a temporary file in the same
 /// directory, which is flushed, synced and renamed over `path`, and the
 /// directory is synced so that the rename itself survives a crash. Without
@@ -317,10 +372,7 @@ pub fn write_atomic(
     force: bool,
     fill: impl FnOnce(&mut (dyn Write + Send)) -> Result<()>,
 ) -> Result<()> {
-    if let Ok(m) = std::fs::metadata(path)
-        && !m.is_file()
-        && !m.is_dir()
-    {
+    if is_special(path) {
         let f = std::fs::OpenOptions::new()
             .write(true)
             .open(path)
@@ -330,6 +382,35 @@ pub fn write_atomic(
         return w
             .flush()
             .map_err(|e| Error::io(format!("writing {}", path.display()), e));
+    }
+    write_atomic_file(path, force, |f| {
+        let mut w = BufWriter::with_capacity(1 << 20, f);
+        fill(&mut w)?;
+        w.flush()
+            .map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    })
+}
+
+/// Like [`write_atomic`] for a writer that needs the file itself
+/// (positional writes from several threads, [`write_all_at`], or a length
+/// set up front): `fill` gets the temporary file, which is then synced and
+/// renamed over `path` (the directory synced too). `path` must be a regular
+/// file or not exist (see [`is_special`]); the temporary file is removed on
+/// an error, SIGINT, SIGTERM or SIGHUP.
+///
+/// # Errors
+/// As [`write_atomic`]; [`Error::Parameter`] when `path` is a FIFO or
+/// device.
+pub fn write_atomic_file(
+    path: &Path,
+    force: bool,
+    fill: impl FnOnce(&File) -> Result<()>,
+) -> Result<()> {
+    if is_special(path) {
+        return Err(Error::param(format!(
+            "{} is not a regular file; this output needs one",
+            path.display()
+        )));
     }
     check_writable(path, force)?;
     let dir = parent_dir(path);
@@ -343,12 +424,7 @@ pub fn write_atomic(
         .tempfile_in(dir)
         .map_err(|e| Error::io(format!("creating a temporary file in {}", dir.display()), e))?;
     let _registered = TempRegistration::new(tmp.path());
-    {
-        let mut w = BufWriter::with_capacity(1 << 20, tmp.as_file());
-        fill(&mut w)?;
-        w.flush()
-            .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-    }
+    fill(tmp.as_file())?;
     tmp.as_file()
         .sync_all()
         .map_err(|e| Error::io(format!("syncing {}", path.display()), e))?;
@@ -364,6 +440,34 @@ pub fn write_atomic(
         )
     })?;
     sync_dir(dir)
+}
+
+/// Writes all of `buf` at byte `offset` of `f` without moving its cursor
+/// (`pwrite`), so several threads can fill one file.
+///
+/// # Errors
+/// The operating system's error (e.g. disk full).
+pub fn write_all_at(f: &File, buf: &[u8], offset: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::write_all_at(f, buf, offset)
+    }
+    #[cfg(windows)]
+    {
+        let (mut buf, mut offset) = (buf, offset);
+        while !buf.is_empty() {
+            match std::os::windows::fs::FileExt::seek_write(f, buf, offset) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    buf = &buf[n..];
+                    offset += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
 }
 
 fn parent_dir(path: &Path) -> &Path {
