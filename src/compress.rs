@@ -172,6 +172,14 @@ pub(crate) fn ordered_map<T: Sync, U: Send>(
     pending.into_iter().try_for_each(&mut sink)
 }
 
+/// Callbacks of [`write_pages`]: source bytes written so far, and a
+/// tensor's last page written.
+#[derive(Clone, Copy)]
+struct Hooks<'a> {
+    progress: &'a (dyn Fn(u64) + Sync),
+    tensor_done: &'a (dyn Fn(usize) + Sync),
+}
+
 /// Encodes `pages` of `tensors` on all threads and writes them in order.
 /// Window pages use the codec of table slot `raw_slot`, others slot 0.
 /// Returns (elements, source bytes) written.
@@ -182,9 +190,12 @@ fn write_pages<W: Write + Send>(
     codecs: &[&dyn Codec],
     raw_slot: usize,
     opts: &CompressOptions,
-    progress: &(dyn Fn(u64) + Sync),
-    tensor_done: &(dyn Fn(usize) + Sync),
+    hooks: Hooks<'_>,
 ) -> Result<(u64, u64)> {
+    let Hooks {
+        progress,
+        tensor_done,
+    } = hooks;
     let total: u64 = pages
         .iter()
         .map(|p| page_source_bytes(&tensors[p.tensor as usize], p))
@@ -292,8 +303,10 @@ pub fn compress_view_with<W: Write + Send>(
         &codecs,
         codecs.len() - 1,
         opts,
-        progress,
-        tensor_done,
+        Hooks {
+            progress,
+            tensor_done,
+        },
     )?;
     let (out, trailer) = w.commit(&cache.token_ids)?;
     let output_bytes = trailer.header_len + trailer.commit_end;
@@ -668,8 +681,10 @@ pub fn append<W: Write + Send>(
         &refs,
         raw_slot.unwrap_or(0),
         &opts,
-        progress,
-        &|_| {},
+        Hooks {
+            progress,
+            tensor_done: &|_| {},
+        },
     )?;
     let before = existing.trailer().commit_end;
     let (out, trailer) = w.commit_durable(&longer.token_ids, sync)?;

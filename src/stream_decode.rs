@@ -376,7 +376,7 @@ fn run_stream<R: Read>(
                         ));
                     }
                     if checked.insert((m.codec, m.tensor)) {
-                        crate::codec::check_page_fits(&codecs, &header.tensors, m)?;
+                        crate::codec::check_page_fits(codecs, &header.tensors, m)?;
                     }
                     pages += 1;
                     tok_rx.recv().expect("token");

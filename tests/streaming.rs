@@ -236,7 +236,7 @@ fn streaming_commands_stay_small_on_a_large_cache() {
     assert!(bytes >= 256 << 20);
     let packed = dir.path().join("big.kvpack");
     let budget = 48 << 10;
-    let mut check = |what: &str, cmd: &mut Command| {
+    let check = |what: &str, cmd: &mut Command| {
         let (code, kib) = common::run_peak_rss(cmd.stdout(Stdio::null()));
         assert_eq!(code, 0, "{what}");
         let own = common::own_peak_kib();

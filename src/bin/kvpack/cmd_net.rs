@@ -9,7 +9,6 @@ use anyhow::Result;
 use clap::Args as ClapArgs;
 use kvpack::DType;
 use kvpack::compress::CompressOptions;
-use kvpack::decode::Archive;
 use kvpack::format::{StreamEvent, StreamReader};
 use kvpack::io::{file, safetensors};
 use kvpack::net::{Accept, NetLimits};
@@ -404,8 +403,7 @@ pub fn matching(a: MatchArgs) -> Result<u8> {
         kvpack::Error::param(format!("--tokens must be a JSON list of token ids: {e}"))
     })?;
     let input = output::open_kvpack(&a.cache)?;
-    let ar = Archive::open_with(&input, output::limits())
-        .map(|a| a.with_private_pages(input.is_mapped()))?;
+    let ar = output::open_archive(&input)?;
     let m = kvpack::prompt::match_prefix(&ar, &a.model, &prompt)?;
     if a.json {
         output::print_json(
