@@ -280,6 +280,9 @@ impl<'a> Archive<'a> {
         let jobs: Vec<(usize, usize)> = outs
             .iter()
             .enumerate()
+            // An empty selection decodes nothing: never walk the declared
+            // planes (a hostile header may declare 2^30 of them).
+            .filter(|(_, s)| s.info.tokens > 0)
             .flat_map(|(o, s)| {
                 let hi = s.first_token + s.info.tokens;
                 self.reader
