@@ -219,25 +219,44 @@ pub fn open_input_with(path: &str, rules: InputRules<'_>) -> Result<InputBytes> 
     Ok(InputBytes::Mapped(m, f))
 }
 
-/// Takes a shared advisory lock on the whole of `f` (a Linux open file
-/// description lock, `F_OFD_SETLK` with `F_RDLCK`): readers hold it while
-/// the file is mapped, and [`append_file`] only truncates a torn tail when
-/// it can take the exclusive lock. Never blocks; a file that cannot be
-/// locked (no support on this file system) is read without the lock.
+/// Takes a shared advisory lock on the whole of `f` (see [`record_lock`]):
+/// readers hold it while the file is mapped, and [`append_file`] only
+/// truncates a torn tail when it can take the exclusive lock. Never
+/// blocks; a file that cannot be locked (no support on this file system,
+/// or an appender of a platform whose lock kinds conflict) is read without
+/// the lock.
 ///
 /// # Errors
 /// Never in practice: failures to lock are ignored (advisory only).
 pub fn lock_for_reading(f: &File) -> std::io::Result<()> {
-    let _ = ofd_lock(f, false);
+    let _ = record_lock(f, false);
     Ok(())
 }
 
-/// Tries to take the OFD lock on the whole file, shared or exclusive,
-/// without blocking: `Ok(false)` when another open file holds a
-/// conflicting lock.
-#[cfg(target_os = "linux")]
-fn ofd_lock(f: &File, exclusive: bool) -> std::io::Result<bool> {
+/// Tries to take a record lock on the whole file, shared or exclusive,
+/// without blocking: `Ok(false)` when another holder has a conflicting one.
+///
+/// The concurrency contract needs two independent locks on one file:
+/// appenders exclude each other for the whole append (the whole-file lock
+/// of [`File::try_lock`], `flock` on Unix), while readers must not hold
+/// appends back, only the final cut of a torn tail. std's locks are one
+/// lock per file, so readers use this second kind: on Linux an open file
+/// description (OFD) lock, `F_OFD_SETLK`, which is independent of `flock`
+/// and owned by the descriptor (two readers in one process, or a reader
+/// and an appender, each hold their own); on other Unix systems a POSIX
+/// record lock, `F_SETLK`, owned by the process (kvpack keeps one
+/// descriptor per input, so closing another one cannot drop it). Where a
+/// system makes `flock` and record locks conflict, the outcome is an
+/// append refused while a reader holds the file, or a torn tail left in
+/// place (readers ignore it): never a cut under a reader. Elsewhere there
+/// is no such lock and this returns `Ok(true)`.
+#[cfg(unix)]
+fn record_lock(f: &File, exclusive: bool) -> std::io::Result<bool> {
     use std::os::fd::AsRawFd;
+    #[cfg(target_os = "linux")]
+    const SETLK: libc::c_int = libc::F_OFD_SETLK;
+    #[cfg(not(target_os = "linux"))]
+    const SETLK: libc::c_int = libc::F_SETLK;
     // SAFETY: `flock` is a plain C struct; zero is a valid value.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
     fl.l_type = if exclusive {
@@ -249,7 +268,7 @@ fn ofd_lock(f: &File, exclusive: bool) -> std::io::Result<bool> {
     fl.l_start = 0;
     fl.l_len = 0;
     // SAFETY: valid fd and a pointer to an initialized flock struct.
-    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &fl) };
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), SETLK, &fl) };
     if r == 0 {
         return Ok(true);
     }
@@ -260,8 +279,8 @@ fn ofd_lock(f: &File, exclusive: bool) -> std::io::Result<bool> {
     }
 }
 
-#[cfg(not(target_os = "linux"))]
-fn ofd_lock(_f: &File, _exclusive: bool) -> std::io::Result<bool> {
+#[cfg(not(unix))]
+fn record_lock(_f: &File, _exclusive: bool) -> std::io::Result<bool> {
     Ok(true)
 }
 
@@ -602,7 +621,7 @@ pub fn append_file(
         // Leftover bytes of the old torn tail after the new trailer: cut
         // them when no reader holds the file (they are harmless otherwise:
         // readers find the new trailer and report them as a torn tail).
-        if ofd_lock(&file, true).unwrap_or(false) {
+        if record_lock(&file, true).unwrap_or(false) {
             file.set_len(new_end)
                 .map_err(|e| Error::io(format!("removing the torn tail of {name}"), e))?;
             file.sync_data()
