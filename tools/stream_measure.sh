@@ -30,10 +30,10 @@ measure "compress" "$BIN" compress "$IN" -c "$CODEC" -o "$OUT/c.kvpack" -q
 measure "decompress" "$BIN" decompress "$OUT/c.kvpack" -o "$OUT/d.safetensors" -q
 measure "verify" "$BIN" verify "$OUT/c.kvpack"
 measure "verify --against" "$BIN" verify "$OUT/c.kvpack" --against "$IN"
-( sleep 1; "$BIN" send "$IN" -c "$CODEC" --to 127.0.0.1:$PORT -q ) &
+( sleep 0.3; "$BIN" send "$IN" -c "$CODEC" --to 127.0.0.1:$PORT -q ) &
 measure "recv -o .safetensors" "$BIN" recv --listen 127.0.0.1:$PORT -o "$OUT/r.safetensors" -q
 wait
-( sleep 1; "$BIN" send "$IN" -c "$CODEC" --to 127.0.0.1:$((PORT + 1)) -q ) &
+( sleep 0.3; "$BIN" send "$IN" -c "$CODEC" --to 127.0.0.1:$((PORT + 1)) -q ) &
 measure "recv -o .kvpack" "$BIN" recv --listen 127.0.0.1:$((PORT + 1)) -o "$OUT/r.kvpack" -q
 wait
 if cmp -s "$OUT/d.safetensors" "$OUT/r.safetensors"; then

@@ -123,9 +123,9 @@ pub fn run(a: Args) -> Result<u8> {
             })
             .collect();
         let sums: Vec<Mutex<ErrorSums>> = selected.iter().map(|_| Mutex::default()).collect();
-        let compare = |p: Piece<'_>| -> kvpack::Result<()> {
-            let (Some(o), Some(i)) = (&original, pairs[p.output]) else {
-                return Ok(());
+        let compare = |at: usize, p: &Piece<'_>| {
+            let (Some(o), Some(i)) = (&original, pairs[at]) else {
+                return;
             };
             let view = &o.cache.tensors[i];
             let d = view.info.head_dim as usize;
@@ -150,109 +150,147 @@ pub fn run(a: Args) -> Result<u8> {
                 p.elems.load(plane * n * d, &mut y);
                 local.add(&x, &y, d);
             }
-            sums[p.output].lock().expect("lock").merge(&local);
-            Ok(())
+            sums[at].lock().expect("lock").merge(&local);
         };
-        match ar.decode_pieces(&selected, None, &compare) {
-            Err(e) => problems.push(e.to_string()),
-            Ok(()) => {
-                if let Some(orig) = &original {
-                    for (k, s) in selected.iter().enumerate() {
-                        let Some(i) = pairs[k] else {
-                            if let Some(t) = orig
-                                .cache
-                                .tensors
-                                .iter()
-                                .find(|t| t.info.name == s.info.name)
-                            {
-                                problems.push(format!(
-                                    "{}: original shape {:?} vs decoded {:?}",
-                                    s.info.name,
-                                    t.info.shape(),
-                                    s.info.shape()
-                                ));
-                            }
-                            continue;
-                        };
-                        let m = sums[k].lock().expect("lock").finish();
-                        let c = a.min_cosine;
-                        if c > 0.0 && (m.cosine.is_nan() || m.cosine < c) {
-                            problems.push(format!(
-                                "{}: cosine {:.6} below {c}",
-                                orig.cache.tensors[i].info.name, m.cosine
-                            ));
-                        }
-                        rows.push((s.info.layer, s.info.kind, m));
-                    }
-                    for o in &orig.cache.tensors {
-                        if !selected.iter().any(|s| s.info.name == o.info.name) {
-                            problems.push(format!(
-                                "{} is in the original but not in {}",
-                                o.info.name, a.file
-                            ));
-                        }
-                    }
-                    if selected.len() != orig.cache.tensors.len() {
-                        problems.push(format!(
-                            "{} has {} tensors, the original {}",
-                            a.file,
-                            selected.len(),
-                            orig.cache.tensors.len()
-                        ));
-                    }
-                    let meta_scale = orig
-                        .cache
-                        .metadata
-                        .get(safetensors::ATTN_SCALE_KEY)
-                        .and_then(|s| s.parse::<f64>().ok());
-                    // The attention check needs whole K and V: one layer
-                    // at a time is decoded and copied.
-                    let find = |l: u32, k: Kind| {
-                        orig.cache
-                            .tensors
-                            .iter()
-                            .find(|t| t.info.layer == l && t.info.kind == k)
-                    };
-                    for q in &orig.queries {
-                        let (Some(k), Some(v)) =
-                            (find(q.layer, Kind::Key), find(q.layer, Kind::Value))
-                        else {
-                            continue;
-                        };
-                        let layer = Selection {
-                            layers: Some(q.layer..q.layer + 1),
-                            ..Selection::default()
-                        };
-                        let dec = match ar.decode(&layer, Some(DType::F32), None) {
-                            Ok(d) => d,
-                            Err(e) => {
-                                problems.push(e.to_string());
-                                continue;
-                            }
-                        };
-                        let (Some(k2), Some(v2)) =
-                            (dec.get(q.layer, Kind::Key), dec.get(q.layer, Kind::Value))
-                        else {
-                            continue;
-                        };
-                        let (k, v) = (owned(k), owned(v));
-                        let scale = meta_scale.unwrap_or(1.0 / f64::from(k.info.head_dim).sqrt());
-                        match metrics::attention_error(q, &k, &v, k2, v2, scale) {
-                            Ok(e) => {
-                                if let Some(m) = a.max_attn_err
-                                    && e > m
-                                {
-                                    problems.push(format!(
-                                        "layer {}: attention error {e:.6} above {m}",
-                                        q.layer
-                                    ));
-                                }
-                                attn.push((q.layer, e));
-                            }
-                            Err(e) => problems.push(e.to_string()),
-                        }
+        // The attention check needs a layer's whole K and V: where the
+        // original has queries, pages are decoded a layer at a time and
+        // that layer is kept (one layer in memory); otherwise in one pass.
+        let queries: Vec<&safetensors::Queries> =
+            original.iter().flat_map(|o| &o.queries).collect();
+        let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
+        for (k, s) in selected.iter().enumerate() {
+            match groups.last_mut() {
+                Some(g) if queries.is_empty() || selected[g.start].info.layer == s.info.layer => {
+                    g.end = k + 1;
+                }
+                _ => groups.push(k..k + 1),
+            }
+        }
+        let mut decoded_all = true;
+        for g in groups {
+            let group = &selected[g.clone()];
+            let layer = group[0].info.layer;
+            let layer_queries: Vec<_> = queries.iter().filter(|q| q.layer == layer).collect();
+            let kept: Vec<Mutex<Option<TensorData>>> = group
+                .iter()
+                .map(|s| {
+                    Mutex::new(
+                        (!layer_queries.is_empty())
+                            .then(|| TensorData::zeros(DType::F32, s.info.elements() as usize)),
+                    )
+                })
+                .collect();
+            let sink = |p: Piece<'_>| -> kvpack::Result<()> {
+                compare(g.start + p.output, &p);
+                if let Some(t) = kept[p.output].lock().expect("lock").as_mut() {
+                    let info = &group[p.output].info;
+                    let (d, n) = (info.head_dim as usize, p.tokens as usize);
+                    let mut row = vec![0f32; n * d];
+                    for plane in 0..info.planes() {
+                        p.elems.load(plane * n * d, &mut row);
+                        let at = (plane * info.tokens as usize + p.token as usize) * d;
+                        t.as_elems_mut().store(at, &row);
                     }
                 }
+                Ok(())
+            };
+            if let Err(e) = ar.decode_pieces(group, None, &sink) {
+                problems.push(e.to_string());
+                decoded_all = false;
+                break;
+            }
+            let (Some(orig), false) = (&original, layer_queries.is_empty()) else {
+                continue;
+            };
+            let dec = |kind: Kind| {
+                let k = group.iter().position(|s| s.info.kind == kind)?;
+                let data = kept[k].lock().expect("lock").take()?;
+                Some(Tensor {
+                    info: group[k].info.clone(),
+                    data,
+                })
+            };
+            let find = |kind: Kind| {
+                orig.cache
+                    .tensors
+                    .iter()
+                    .find(|t| t.info.layer == layer && t.info.kind == kind)
+            };
+            let (Some(k), Some(v), Some(k2), Some(v2)) = (
+                find(Kind::Key),
+                find(Kind::Value),
+                dec(Kind::Key),
+                dec(Kind::Value),
+            ) else {
+                continue;
+            };
+            let (k, v) = (owned(k), owned(v));
+            let meta_scale = orig
+                .cache
+                .metadata
+                .get(safetensors::ATTN_SCALE_KEY)
+                .and_then(|s| s.parse::<f64>().ok());
+            let scale = meta_scale.unwrap_or(1.0 / f64::from(k.info.head_dim).sqrt());
+            for q in layer_queries {
+                match metrics::attention_error(q, &k, &v, &k2, &v2, scale) {
+                    Ok(e) => {
+                        if let Some(m) = a.max_attn_err
+                            && e > m
+                        {
+                            problems.push(format!(
+                                "layer {}: attention error {e:.6} above {m}",
+                                q.layer
+                            ));
+                        }
+                        attn.push((q.layer, e));
+                    }
+                    Err(e) => problems.push(e.to_string()),
+                }
+            }
+        }
+        if decoded_all && let Some(orig) = &original {
+            for (k, s) in selected.iter().enumerate() {
+                let Some(i) = pairs[k] else {
+                    if let Some(t) = orig
+                        .cache
+                        .tensors
+                        .iter()
+                        .find(|t| t.info.name == s.info.name)
+                    {
+                        problems.push(format!(
+                            "{}: original shape {:?} vs decoded {:?}",
+                            s.info.name,
+                            t.info.shape(),
+                            s.info.shape()
+                        ));
+                    }
+                    continue;
+                };
+                let m = sums[k].lock().expect("lock").finish();
+                let c = a.min_cosine;
+                if c > 0.0 && (m.cosine.is_nan() || m.cosine < c) {
+                    problems.push(format!(
+                        "{}: cosine {:.6} below {c}",
+                        orig.cache.tensors[i].info.name, m.cosine
+                    ));
+                }
+                rows.push((s.info.layer, s.info.kind, m));
+            }
+            for o in &orig.cache.tensors {
+                if !selected.iter().any(|s| s.info.name == o.info.name) {
+                    problems.push(format!(
+                        "{} is in the original but not in {}",
+                        o.info.name, a.file
+                    ));
+                }
+            }
+            if selected.len() != orig.cache.tensors.len() {
+                problems.push(format!(
+                    "{} has {} tensors, the original {}",
+                    a.file,
+                    selected.len(),
+                    orig.cache.tensors.len()
+                ));
             }
         }
     }
