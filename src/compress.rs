@@ -172,6 +172,14 @@ pub(crate) fn ordered_map<T: Sync, U: Send>(
     pending.into_iter().try_for_each(&mut sink)
 }
 
+/// Callbacks of [`write_pages`]: source bytes written so far, and a
+/// tensor's last page written.
+#[derive(Clone, Copy)]
+struct Hooks<'a> {
+    progress: &'a (dyn Fn(u64) + Sync),
+    tensor_done: &'a (dyn Fn(usize) + Sync),
+}
+
 /// Encodes `pages` of `tensors` on all threads and writes them in order.
 /// Window pages use the codec of table slot `raw_slot`, others slot 0.
 /// Returns (elements, source bytes) written.
@@ -182,8 +190,12 @@ fn write_pages<W: Write + Send>(
     codecs: &[&dyn Codec],
     raw_slot: usize,
     opts: &CompressOptions,
-    progress: &(dyn Fn(u64) + Sync),
+    hooks: Hooks<'_>,
 ) -> Result<(u64, u64)> {
+    let Hooks {
+        progress,
+        tensor_done,
+    } = hooks;
     let total: u64 = pages
         .iter()
         .map(|p| page_source_bytes(&tensors[p.tensor as usize], p))
@@ -217,6 +229,9 @@ fn write_pages<W: Write + Send>(
             source_bytes += b;
             elements += b / t.info.dtype.size() as u64;
             progress(source_bytes);
+            if p.token_start + p.tokens == t.info.tokens {
+                tensor_done(p.tensor as usize);
+            }
             Ok(())
         },
     )?;
@@ -253,6 +268,25 @@ pub fn compress_view<W: Write + Send>(
     out: W,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(W, CompressReport)> {
+    compress_view_with(cache, codec, opts, out, progress, &|_| {})
+}
+
+/// [`compress_view`] that also calls `tensor_done(t)` once the last page
+/// of `cache.tensors[t]` is written (pages are written in layer-major
+/// order): a caller reading a memory-mapped input drops that tensor's
+/// bytes from memory then, so resident memory stays at a few pages per
+/// thread, not the input's size.
+///
+/// # Errors
+/// As [`compress`].
+pub fn compress_view_with<W: Write + Send>(
+    cache: &CacheView<'_>,
+    codec: &dyn Codec,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+    tensor_done: &(dyn Fn(usize) + Sync),
+) -> Result<(W, CompressReport)> {
     let start = Instant::now();
     let file = FilePlan::new(cache, codec, opts)?;
     let codec = file.codec(codec);
@@ -269,7 +303,10 @@ pub fn compress_view<W: Write + Send>(
         &codecs,
         codecs.len() - 1,
         opts,
-        progress,
+        Hooks {
+            progress,
+            tensor_done,
+        },
     )?;
     let (out, trailer) = w.commit(&cache.token_ids)?;
     let output_bytes = trailer.header_len + trailer.commit_end;
@@ -644,7 +681,10 @@ pub fn append<W: Write + Send>(
         &refs,
         raw_slot.unwrap_or(0),
         &opts,
-        progress,
+        Hooks {
+            progress,
+            tensor_done: &|_| {},
+        },
     )?;
     let before = existing.trailer().commit_end;
     let (out, trailer) = w.commit_durable(&longer.token_ids, sync)?;

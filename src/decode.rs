@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use crate::cache::{DType, Elems, ElemsMut, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use crate::codec::{Codec, PageOut};
 use crate::error::{Error, Result};
-use crate::format::{Limits, Reader};
+use crate::format::{Limits, Reader, Release};
 use crate::view::{RawDst, Strides, TensorViewMut, plane_offset};
 
 /// Where [`Archive::decode_into`] writes one tensor.
@@ -49,6 +49,33 @@ pub struct Selection {
     pub tokens: Option<Range<u32>>,
     /// Only K, only V or only MLA latents; `None` for all.
     pub kind: Option<Kind>,
+}
+
+/// One output tensor of a selection ([`Archive::select`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Selected {
+    /// Index of the tensor in the file's tensor table.
+    pub tensor: usize,
+    /// First stored token (cache slot) of the output.
+    pub first_token: u32,
+    /// The output: the file tensor's name and shape with `tokens` the
+    /// selected count, `dtype` the output element type.
+    pub info: TensorInfo,
+}
+
+/// A decoded part of one output tensor, as [`Archive::decode_pieces`] and
+/// [`crate::stream_decode::decode_stream_pieces`] hand it to their sink.
+#[derive(Debug)]
+pub struct Piece<'a> {
+    /// Position of the output tensor in the selection.
+    pub output: usize,
+    /// First token of the piece within the output tensor.
+    pub token: u32,
+    /// Tokens in the piece.
+    pub tokens: u32,
+    /// The elements `[planes, tokens, head_dim]` (planes = batch *
+    /// kv_heads, plane-major like the output tensor), in the output dtype.
+    pub elems: Elems<'a>,
 }
 
 /// Counters of one decode, for locality checks and throughput.
@@ -105,6 +132,14 @@ impl<'a> Archive<'a> {
         self
     }
 
+    /// With private pages on, each page frame's bytes are handed to
+    /// `release` once copied ([`Reader::set_release`]): for a memory-mapped
+    /// input, resident memory then follows the pages in flight.
+    pub fn with_release(mut self, release: Option<&'a dyn Release>) -> Self {
+        self.reader.set_release(release);
+        self
+    }
+
     /// The underlying container reader.
     pub fn reader(&self) -> &Reader<'a> {
         &self.reader
@@ -150,45 +185,14 @@ impl<'a> Archive<'a> {
         stats: Option<&DecodeStats>,
     ) -> Result<KvCache> {
         let h = self.reader.header();
+        let selected = self.select(sel, dtype);
+        self.check_output(&selected)?;
         let mut tensors = Vec::new();
         let mut wanted = Vec::new();
-        let mut out_bytes = 0u64;
-        for (i, info) in self.tensors().into_iter().enumerate() {
-            if sel
-                .layers
-                .as_ref()
-                .is_some_and(|r| !r.contains(&info.layer))
-                || sel.kind.is_some_and(|k| k != info.kind)
-            {
-                continue;
-            }
-            let (lo, hi) = match &sel.tokens {
-                Some(r) => (
-                    r.start.min(info.tokens),
-                    r.end.min(info.tokens).max(r.start.min(info.tokens)),
-                ),
-                None => (0, info.tokens),
-            };
-            let out_info = TensorInfo {
-                tokens: hi - lo,
-                dtype: dtype.map_or(info.dtype, |d| d.for_source(info.dtype)),
-                ..info
-            };
-            // Checked before allocating: sizes come from header fields.
-            out_bytes = out_bytes.saturating_add(
-                out_info
-                    .elements()
-                    .saturating_mul(out_info.dtype.size() as u64),
-            );
-            self.reader
-                .limits()
-                .check_memory(out_bytes, &format!("decoding up to {}", out_info.name))?;
-            let data = TensorData::zeros(out_info.dtype, out_info.elements() as usize);
-            tensors.push(Tensor {
-                info: out_info,
-                data,
-            });
-            wanted.push((i, lo));
+        for s in selected {
+            let data = TensorData::zeros(s.info.dtype, s.info.elements() as usize);
+            tensors.push(Tensor { info: s.info, data });
+            wanted.push((s.tensor, s.first_token));
         }
         let outs = tensors
             .iter_mut()
@@ -207,6 +211,101 @@ impl<'a> Archive<'a> {
             tensors,
             metadata: h.metadata.clone(),
             token_ids: self.reader.index().token_ids.clone(),
+        })
+    }
+
+    /// The output tensors of `sel`, in file order: the file tensors of the
+    /// selected layers and kind, restricted to the selected tokens
+    /// (clamped to each tensor's count), with element type `dtype` (default:
+    /// the source dtype; an fp8 request takes its scale from the source,
+    /// [`DType::for_source`]).
+    pub fn select(&self, sel: &Selection, dtype: Option<DType>) -> Vec<Selected> {
+        self.tensors()
+            .into_iter()
+            .enumerate()
+            .filter(|(_, info)| {
+                sel.layers.as_ref().is_none_or(|r| r.contains(&info.layer))
+                    && sel.kind.is_none_or(|k| k == info.kind)
+            })
+            .map(|(tensor, info)| {
+                let (lo, hi) = match &sel.tokens {
+                    Some(r) => (
+                        r.start.min(info.tokens),
+                        r.end.min(info.tokens).max(r.start.min(info.tokens)),
+                    ),
+                    None => (0, info.tokens),
+                };
+                Selected {
+                    tensor,
+                    first_token: lo,
+                    info: TensorInfo {
+                        tokens: hi - lo,
+                        dtype: dtype.map_or(info.dtype, |d| d.for_source(info.dtype)),
+                        ..info
+                    },
+                }
+            })
+            .collect()
+    }
+
+    /// Checks the output that `outs` declare (from header fields, before
+    /// anything is allocated or written) against the reader's
+    /// [`Limits::max_memory`]; returns its size in bytes.
+    ///
+    /// # Errors
+    /// [`Error::Limits`] naming the first tensor (name, layer, kind and
+    /// shape) at which the running total exceeds the limit.
+    pub fn check_output(&self, outs: &[Selected]) -> Result<u64> {
+        check_declared(self.reader.limits(), outs.iter().map(|s| &s.info))
+    }
+
+    /// Decodes the pages of `outs` on all threads of the current rayon
+    /// pool and hands each decoded page (its overlap with the selected
+    /// tokens) to `sink`, in no particular order, from the worker threads.
+    /// At most one page per thread is held in memory (plus what `sink`
+    /// keeps), whatever the size of the outputs: a caller writes pieces to
+    /// a file at their offsets or compares them with a reference as they
+    /// come. The declared output is not checked here (see
+    /// [`Archive::check_output`]).
+    ///
+    /// # Errors
+    /// [`Error::Format`] naming the page for a corrupted page or section;
+    /// the first error of `sink`.
+    pub fn decode_pieces(
+        &self,
+        outs: &[Selected],
+        stats: Option<&DecodeStats>,
+        sink: &(dyn Fn(Piece<'_>) -> Result<()> + Sync),
+    ) -> Result<()> {
+        let jobs: Vec<(usize, usize)> = outs
+            .iter()
+            .enumerate()
+            // An empty selection decodes nothing: never walk the declared
+            // planes (a hostile header may declare 2^30 of them).
+            .filter(|(_, s)| s.info.tokens > 0)
+            .flat_map(|(o, s)| {
+                let hi = s.first_token + s.info.tokens;
+                self.reader
+                    .pages_overlapping(s.tensor, s.first_token, hi)
+                    .into_iter()
+                    .map(move |pi| (o, pi))
+            })
+            .collect();
+        jobs.into_par_iter().try_for_each(|(o, pi)| {
+            let s = &outs[o];
+            let (a, n, scratch) = self.decode_page_scratch(
+                pi,
+                &s.info,
+                s.first_token,
+                s.first_token + s.info.tokens,
+                stats,
+            )?;
+            sink(Piece {
+                output: o,
+                token: a - s.first_token,
+                tokens: n as u32,
+                elems: scratch.as_elems(),
+            })
         })
     }
 
@@ -340,25 +439,10 @@ impl<'a> Archive<'a> {
                 self.decode_page(job.page, &job.info, job.lo, job.hi, planes, stats)
             }
             PageDst::Scatter(dst, strides) => {
-                let m = self.reader.index().entries[job.page].meta;
-                let (a, b) = (
-                    m.token_start.max(job.lo),
-                    (m.token_start + m.tokens).min(job.hi),
-                );
+                let (a, n, scratch) =
+                    self.decode_page_scratch(job.page, &job.info, job.lo, job.hi, stats)?;
                 let d = job.info.head_dim as usize;
-                let n = (b - a) as usize;
                 let planes = job.info.planes();
-                let mut scratch = TensorData::zeros(job.info.dtype, planes * n * d);
-                {
-                    let mut rest = scratch.as_elems_mut();
-                    let mut sp = Vec::with_capacity(planes);
-                    for _ in 0..planes {
-                        let (x, r) = rest.split_at(n * d);
-                        sp.push(x);
-                        rest = r;
-                    }
-                    self.decode_page(job.page, &job.info, a, b, sp, stats)?;
-                }
                 let src = scratch.as_elems();
                 let heads = job.info.heads as usize;
                 let mut row = vec![0f32; d];
@@ -395,6 +479,36 @@ impl<'a> Archive<'a> {
                 Ok(())
             }
         }
+    }
+
+    /// Decodes the overlap of page `pi` with slots `[lo, hi)` into a new
+    /// buffer `[planes, overlap tokens, head_dim]` of `info.dtype`; returns
+    /// the overlap's first slot, its token count and the buffer.
+    fn decode_page_scratch(
+        &self,
+        pi: usize,
+        info: &TensorInfo,
+        lo: u32,
+        hi: u32,
+        stats: Option<&DecodeStats>,
+    ) -> Result<(u32, usize, TensorData)> {
+        let m = self.reader.index().entries[pi].meta;
+        let (a, b) = (m.token_start.max(lo), (m.token_start + m.tokens).min(hi));
+        let d = info.head_dim as usize;
+        let n = (b - a) as usize;
+        let planes = info.planes();
+        let mut scratch = TensorData::zeros(info.dtype, planes * n * d);
+        {
+            let mut rest = scratch.as_elems_mut();
+            let mut sp = Vec::with_capacity(planes);
+            for _ in 0..planes {
+                let (x, r) = rest.split_at(n * d);
+                sp.push(x);
+                rest = r;
+            }
+            self.decode_page(pi, info, a, b, sp, stats)?;
+        }
+        Ok((a, n, scratch))
     }
 
     /// Decodes page `pi` into `planes`, which hold the page's overlap with
@@ -472,9 +586,37 @@ impl<'a> Archive<'a> {
     /// # Errors
     /// The first page error found.
     pub fn verify_pages(&self) -> Result<usize> {
-        self.decode(&Selection::default(), Some(DType::F32), None)?;
+        let all = self.select(&Selection::default(), Some(DType::F32));
+        self.decode_pieces(&all, None, &|_| Ok(()))?;
         Ok(self.reader.index().entries.len())
     }
+}
+
+/// Checks the running total of the output bytes that `infos` declare
+/// (elements times the dtype's size, from header fields) against
+/// `limits.max_memory`; returns the total.
+///
+/// # Errors
+/// [`Error::Limits`] naming the first tensor (name, layer, kind, shape) at
+/// which the total exceeds the limit.
+pub fn check_declared<'i>(
+    limits: &Limits,
+    infos: impl IntoIterator<Item = &'i TensorInfo>,
+) -> Result<u64> {
+    let mut total = 0u64;
+    for t in infos {
+        total = total.saturating_add(t.elements().saturating_mul(t.dtype.size() as u64));
+        limits.check_memory(
+            total,
+            &format!(
+                "decoding up to {} ({}, shape [batch, kv_heads, tokens, head_dim] = {:?})",
+                t.name,
+                t.describe(),
+                t.shape()
+            ),
+        )?;
+    }
+    Ok(total)
 }
 
 /// Parses `a..b` (either end may be omitted: `..b`, `a..`) as a half-open

@@ -35,49 +35,105 @@ pub fn tensor_error(orig: &Tensor, dec: &Tensor) -> Result<TensorError> {
     }
     let x = orig.data.to_f32();
     let y = dec.data.to_f32();
-    let d = orig.info.head_dim as usize;
-    let (mut num, mut den, mut maxe) = (0f64, 0f64, 0f64);
-    let (mut cos_sum, mut cos_min, mut rows) = (0f64, f64::INFINITY, 0usize);
-    for (a, b) in x.chunks_exact(d).zip(y.chunks_exact(d)) {
-        let (mut xy, mut xx, mut yy) = (0f64, 0f64, 0f64);
-        for (&p, &q) in a.iter().zip(b) {
-            let (p, q) = (f64::from(p), f64::from(q));
-            num += (p - q) * (p - q);
-            den += p * p;
-            maxe = maxe.max((p - q).abs());
-            xy += p * q;
-            xx += p * p;
-            yy += q * q;
+    let mut acc = ErrorSums::default();
+    acc.add(&x, &y, orig.info.head_dim as usize);
+    Ok(acc.finish())
+}
+
+/// Running sums of [`TensorError`] over head vectors, for comparing a
+/// tensor piece by piece (pages decoded in any order): [`ErrorSums::add`]
+/// the pieces, [`ErrorSums::merge`] sums kept by different threads, then
+/// [`ErrorSums::finish`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ErrorSums {
+    /// `sum (x - y)^2`.
+    num: f64,
+    /// `sum x^2`.
+    den: f64,
+    /// `max |x - y|`.
+    max_err: f64,
+    /// Sum of per-vector cosines.
+    cos_sum: f64,
+    /// Smallest per-vector cosine.
+    cos_min: f64,
+    /// Vectors added.
+    rows: u64,
+}
+
+impl Default for ErrorSums {
+    fn default() -> Self {
+        ErrorSums {
+            num: 0.0,
+            den: 0.0,
+            max_err: 0.0,
+            cos_sum: 0.0,
+            cos_min: f64::INFINITY,
+            rows: 0,
         }
-        let c = if xx == 0.0 && yy == 0.0 {
-            1.0
-        } else {
-            xy / (xx.sqrt() * yy.sqrt()).max(f64::MIN_POSITIVE)
-        };
-        cos_sum += c;
-        cos_min = cos_min.min(c);
-        rows += 1;
     }
-    let rel = if den == 0.0 {
-        if num == 0.0 { 0.0 } else { f64::INFINITY }
-    } else {
-        num / den
-    };
-    Ok(TensorError {
-        rel_mse: rel,
-        snr_db: if rel == 0.0 {
-            f64::INFINITY
+}
+
+impl ErrorSums {
+    /// Adds the head vectors of `x` (original) and `y` (reconstruction),
+    /// `head_dim` elements each, in the same order. Extra elements of the
+    /// longer slice (and a partial last vector) are ignored.
+    pub fn add(&mut self, x: &[f32], y: &[f32], head_dim: usize) {
+        for (a, b) in x.chunks_exact(head_dim).zip(y.chunks_exact(head_dim)) {
+            let (mut xy, mut xx, mut yy) = (0f64, 0f64, 0f64);
+            for (&p, &q) in a.iter().zip(b) {
+                let (p, q) = (f64::from(p), f64::from(q));
+                self.num += (p - q) * (p - q);
+                self.den += p * p;
+                self.max_err = self.max_err.max((p - q).abs());
+                xy += p * q;
+                xx += p * p;
+                yy += q * q;
+            }
+            let c = if xx == 0.0 && yy == 0.0 {
+                1.0
+            } else {
+                xy / (xx.sqrt() * yy.sqrt()).max(f64::MIN_POSITIVE)
+            };
+            self.cos_sum += c;
+            self.cos_min = self.cos_min.min(c);
+            self.rows += 1;
+        }
+    }
+
+    /// Adds the sums of another part of the same tensor.
+    pub fn merge(&mut self, o: &ErrorSums) {
+        self.num += o.num;
+        self.den += o.den;
+        self.max_err = self.max_err.max(o.max_err);
+        self.cos_sum += o.cos_sum;
+        self.cos_min = self.cos_min.min(o.cos_min);
+        self.rows += o.rows;
+    }
+
+    /// The error of everything added (a tensor with no vectors has cosine
+    /// 1 and error 0).
+    pub fn finish(&self) -> TensorError {
+        let rel = if self.den == 0.0 {
+            if self.num == 0.0 { 0.0 } else { f64::INFINITY }
         } else {
-            -10.0 * rel.log10()
-        },
-        cosine: if rows == 0 {
-            1.0
-        } else {
-            cos_sum / rows as f64
-        },
-        min_cosine: if rows == 0 { 1.0 } else { cos_min },
-        max_abs_err: maxe,
-    })
+            self.num / self.den
+        };
+        TensorError {
+            rel_mse: rel,
+            snr_db: if rel == 0.0 {
+                f64::INFINITY
+            } else {
+                -10.0 * rel.log10()
+            },
+            cosine: if self.rows == 0 {
+                1.0
+            } else {
+                self.cos_sum / self.rows as f64
+            },
+            min_cosine: if self.rows == 0 { 1.0 } else { self.cos_min },
+            max_abs_err: self.max_err,
+        }
+    }
 }
 
 /// Attention outputs `softmax(q K^T * scale) V` for every query head and

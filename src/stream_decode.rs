@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::cache::{DType, ElemsMut, KvCache, Tensor, TensorData, TensorInfo};
 use crate::codec::{Codec, PageOut};
+use crate::decode::Piece;
 use crate::error::{Error, Location, Result};
 use crate::format::{FileHeader, Limits, PageView, StreamEvent, StreamReader};
 
@@ -129,28 +130,10 @@ pub fn decode_stream_with<R: Read>(
     on_layer: &(dyn Fn(u32, Duration) + Sync),
 ) -> Result<StreamDecoded> {
     let start = Instant::now();
-    let mut reader = StreamReader::with_limits(r, limits)?;
-    let header = reader.header().clone();
-    let codecs: Vec<Box<dyn Codec>> = header
-        .codecs
-        .iter()
-        .enumerate()
-        .map(|(i, e)| crate::codec::from_entry(i, e))
-        .collect::<Result<_>>()?;
-    let mut out_bytes = 0u64;
-    for t in &header.tensors {
-        let size = dtype.unwrap_or(t.dtype).size() as u64;
-        out_bytes = out_bytes.saturating_add(t.elements().saturating_mul(size));
-        limits.check_memory(out_bytes, &format!("receiving up to {}", t.name))?;
-    }
-    let mut tensors: Vec<Tensor> = header
-        .tensors
-        .iter()
-        .map(|t| {
-            let info = TensorInfo {
-                dtype: dtype.map_or(t.dtype, |d| d.for_source(t.dtype)),
-                ..t.clone()
-            };
+    let (reader, codecs, out_infos) = open_stream(r, dtype, &limits)?;
+    let mut tensors: Vec<Tensor> = out_infos
+        .into_iter()
+        .map(|info| {
             let data = TensorData::zeros(info.dtype, info.elements() as usize);
             Tensor { info, data }
         })
@@ -161,6 +144,159 @@ pub fn decode_stream_with<R: Read>(
             .map(|t| (t.info.clone(), data_ptr(&mut t.data)))
             .collect(),
     };
+    let header = reader.header().clone();
+    let run = run_stream(reader, &codecs, start, on_layer, &|page, codec| {
+        let m = page.header.meta;
+        let t = m.tensor as usize;
+        // SAFETY: the stream reader checked that pages of a tensor arrive in
+        // contiguous, non-overlapping token order; the bound is checked by
+        // `run_stream` against the header's token count.
+        let planes = unsafe { outputs.page_out(t, m.token_start as usize, m.tokens as usize) };
+        let mut out = PageOut {
+            tensor: &header.tensors[t],
+            tokens: m.tokens,
+            planes,
+        };
+        codec.decode(page, &mut out)
+    })?;
+    drop(outputs);
+    Ok(StreamDecoded {
+        cache: KvCache {
+            tensors,
+            metadata: run.header.metadata.clone(),
+            token_ids: run.token_ids,
+        },
+        bytes: run.bytes,
+        header: run.header,
+        pages: run.pages,
+        received: run.received,
+        decoded: run.decoded,
+        layer_done: run.layer_done,
+    })
+}
+
+/// What [`decode_stream_pieces`] received, besides the pieces.
+#[derive(Debug)]
+pub struct StreamReport {
+    /// The stream's header.
+    pub header: FileHeader,
+    /// Token ids of the cached prefix (from the commit; may be empty).
+    pub token_ids: Vec<u32>,
+    /// Pages received and decoded.
+    pub pages: usize,
+    /// Bytes received.
+    pub bytes: u64,
+    /// Time from the call until the commit (end marker) arrived.
+    pub received: Duration,
+    /// Time from the call until the last page was decoded.
+    pub decoded: Duration,
+    /// Per layer: time from the call until all its tensors were decoded.
+    pub layer_done: Vec<(u32, Duration)>,
+}
+
+/// Like [`decode_stream_with`], without holding the output: once the
+/// stream's header arrived, `on_header(header, outputs)` is called with
+/// the output tensors (the header's, at the output dtype), then every page
+/// is decoded on the rayon pool as it arrives and handed to `sink` as a
+/// [`Piece`] (`output` = the tensor's index in the header, `token` = its
+/// first token), in no particular order, from worker threads. At most
+/// `4 * threads` pages are in flight: memory stays at a few pages per
+/// thread whatever the stream's size (a receiver writes each piece at its
+/// offset in a file). The declared output must still fit
+/// `limits.max_memory` (the bound on what a stream may make a receiver
+/// write), checked before `on_header`.
+///
+/// Returns only once the stream's commit arrived and every page was
+/// decoded and accepted by `sink`.
+///
+/// # Errors
+/// As [`decode_stream_with`]; the first error of `on_header` or `sink`.
+pub fn decode_stream_pieces<R: Read>(
+    r: R,
+    dtype: Option<DType>,
+    limits: Limits,
+    on_header: impl FnOnce(&FileHeader, &[TensorInfo]) -> Result<()>,
+    on_layer: &(dyn Fn(u32, Duration) + Sync),
+    sink: &(dyn Fn(Piece<'_>) -> Result<()> + Sync),
+) -> Result<StreamReport> {
+    let start = Instant::now();
+    let (reader, codecs, out_infos) = open_stream(r, dtype, &limits)?;
+    on_header(reader.header(), &out_infos)?;
+    let header = reader.header().clone();
+    run_stream(reader, &codecs, start, on_layer, &|page, codec| {
+        let m = page.header.meta;
+        let t = m.tensor as usize;
+        let info = &out_infos[t];
+        let (n, d, planes) = (m.tokens as usize, info.head_dim as usize, info.planes());
+        let mut scratch = TensorData::zeros(info.dtype, planes * n * d);
+        {
+            let mut rest = scratch.as_elems_mut();
+            let mut sp = Vec::with_capacity(planes);
+            for _ in 0..planes {
+                let (x, r) = rest.split_at(n * d);
+                sp.push(x);
+                rest = r;
+            }
+            let mut out = PageOut {
+                tensor: &header.tensors[t],
+                tokens: m.tokens,
+                planes: sp,
+            };
+            codec.decode(page, &mut out)?;
+        }
+        sink(Piece {
+            output: t,
+            token: m.token_start,
+            tokens: m.tokens,
+            elems: scratch.as_elems(),
+        })
+    })
+}
+
+/// A stream whose header was read: the reader, the codecs of its codec
+/// table and the output tensors.
+type Opened<R> = (StreamReader<R>, Vec<Box<dyn Codec>>, Vec<TensorInfo>);
+
+/// Starts a stream decode: reads the header, builds the codecs and checks
+/// the declared output (at the output dtype) against `limits.max_memory`;
+/// returns the output tensors' infos.
+fn open_stream<R: Read>(r: R, dtype: Option<DType>, limits: &Limits) -> Result<Opened<R>> {
+    let reader = StreamReader::with_limits(r, *limits)?;
+    let header = reader.header();
+    let codecs: Vec<Box<dyn Codec>> = header
+        .codecs
+        .iter()
+        .enumerate()
+        .map(|(i, e)| crate::codec::from_entry(i, e))
+        .collect::<Result<_>>()?;
+    let infos: Vec<TensorInfo> = header
+        .tensors
+        .iter()
+        .map(|t| TensorInfo {
+            dtype: dtype.map_or(t.dtype, |d| d.for_source(t.dtype)),
+            ..t.clone()
+        })
+        .collect();
+    let mut out_bytes = 0u64;
+    for t in &infos {
+        out_bytes = out_bytes.saturating_add(t.elements().saturating_mul(t.dtype.size() as u64));
+        limits.check_memory(out_bytes, &format!("receiving up to {}", t.name))?;
+    }
+    Ok((reader, codecs, infos))
+}
+
+/// Reads the stream's events, checks each page (tokens inside the header's
+/// count, a single commit, the codec's constraints on the tensor) and
+/// decodes it on the rayon pool with `decode(page, codec)`, at most
+/// `4 * threads` pages in flight; tracks completed layers for `on_layer`.
+fn run_stream<R: Read>(
+    mut reader: StreamReader<R>,
+    codecs: &[Box<dyn Codec>],
+    start: Instant,
+    on_layer: &(dyn Fn(u32, Duration) + Sync),
+    decode: &(dyn Fn(&PageView<'static>, &dyn Codec) -> Result<()> + Sync),
+) -> Result<StreamReport> {
+    let header = reader.header().clone();
     // Per-layer tables are indexed by the layer's position among the
     // layers present (dense), never by the layer number itself.
     let mut layer_ids: Vec<u32> = header.tensors.iter().map(|t| t.layer).collect();
@@ -197,15 +333,7 @@ pub fn decode_stream_with<R: Read>(
         let m = page.header.meta;
         let t = m.tensor as usize;
         let info = &header.tensors[t];
-        // SAFETY: the stream reader checked that pages of a tensor arrive in
-        // contiguous, non-overlapping token order; the bound is checked here.
-        let planes = unsafe { outputs.page_out(t, m.token_start as usize, m.tokens as usize) };
-        let mut out = PageOut {
-            tensor: info,
-            tokens: m.tokens,
-            planes,
-        };
-        codecs[m.codec as usize].decode(&page, &mut out)?;
+        decode(&page, codecs[m.codec as usize].as_ref())?;
         let done = decoded_tokens[t].fetch_add(m.tokens, Ordering::AcqRel) + m.tokens;
         if done == info.tokens {
             let l = pos(info.layer);
@@ -248,7 +376,7 @@ pub fn decode_stream_with<R: Read>(
                         ));
                     }
                     if checked.insert((m.codec, m.tensor)) {
-                        crate::codec::check_page_fits(&codecs, &header.tensors, m)?;
+                        crate::codec::check_page_fits(codecs, &header.tensors, m)?;
                     }
                     pages += 1;
                     tok_rx.recv().expect("token");
@@ -280,15 +408,10 @@ pub fn decode_stream_with<R: Read>(
     let mut layer_done = layer_done.into_inner().expect("lock");
     layer_done.sort_by_key(|x| x.1);
     let decoded = layer_done.last().map(|x| x.1).unwrap_or(received);
-    drop(outputs);
-    Ok(StreamDecoded {
-        cache: KvCache {
-            tensors,
-            metadata: header.metadata.clone(),
-            token_ids: idx.token_ids,
-        },
+    Ok(StreamReport {
         bytes: reader.bytes_read(),
         header,
+        token_ids: idx.token_ids,
         pages,
         received,
         decoded,

@@ -165,6 +165,11 @@ impl<'a> TensorView<'a> {
         })
     }
 
+    /// All the elements the view borrows (in its strides' order).
+    pub fn elems(&self) -> Elems<'a> {
+        self.data
+    }
+
     /// The view's strides.
     pub fn strides(&self) -> Strides {
         self.strides

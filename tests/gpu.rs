@@ -1393,3 +1393,97 @@ fn keys_only_bdr_leaves_values_unrotated() {
         check_decode(&dev, &file, 3, "bdr64:k");
     }
 }
+
+/// Which kind of error: hostile input must be refused by every device
+/// path with the same kind as the CPU reader.
+fn error_class(e: &kvpack::Error) -> std::mem::Discriminant<kvpack::Error> {
+    std::mem::discriminant(e)
+}
+
+/// Every committed invalid vector (format/vectors/invalid/) is refused by
+/// every device's decode path (CPU host path, the SIMT emulator under
+/// `KVPACK_GPU_EMU=1`, CUDA when present: `decode_tensor` and the
+/// `FileDecoder`) with the same kind of error as the CPU reader
+/// (`Archive::decode`): the device paths go through the same reader checks
+/// (limits, codec vs tensor, CRCs, private page copies), and declared
+/// sizes are bounded before any host or device buffer is allocated.
+#[test]
+fn invalid_vectors_are_refused_by_every_device_like_the_cpu_reader() {
+    let dir = common::repo("format/vectors/invalid");
+    let mut names: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "kvpack"))
+        .collect();
+    names.sort();
+    assert!(names.len() >= 10, "{names:?}");
+    let devs = devices();
+    let mut decoded = 0;
+    for path in names {
+        let f = path.file_name().unwrap().to_string_lossy().to_string();
+        let bytes = std::fs::read(&path).unwrap();
+        let archive = match Archive::open(&bytes) {
+            // Refused when opened: the same `Archive::open` for every
+            // device, nothing device-specific runs.
+            Err(_) => continue,
+            Ok(a) => a.with_private_pages(true),
+        };
+        let cpu = archive
+            .decode(&Default::default(), None, None)
+            .expect_err(&format!("{f} accepted by the CPU reader"));
+        decoded += 1;
+        for dev in &devs {
+            let got = (0..archive.tensors().len())
+                .map(|t| {
+                    let info = &archive.tensors()[t];
+                    dev.decode_tensor(
+                        &archive,
+                        t,
+                        OutType::Bf16,
+                        &HostLayout::Contiguous {
+                            first_token: 0,
+                            tokens: info.tokens,
+                        },
+                    )
+                })
+                .find_map(|r| r.err())
+                .unwrap_or_else(|| panic!("{f} accepted by {}", dev.name()));
+            assert_eq!(
+                error_class(&got),
+                error_class(&cpu),
+                "{f} on {}: {got} (CPU: {cpu})",
+                dev.name()
+            );
+            println!("{f} on {}: {got}", dev.name());
+            if let Device::Cuda(gpu) = dev
+                && archive.tensors().iter().all(|i| i.elements() < 1 << 24)
+            {
+                let bufs: Vec<_> = archive
+                    .tensors()
+                    .iter()
+                    .map(|i| gpu.alloc::<u16>(i.elements() as usize).unwrap())
+                    .collect();
+                let targets: Vec<_> = archive
+                    .tensors()
+                    .iter()
+                    .enumerate()
+                    .map(|(t, i)| kvpack::gpu::Target {
+                        tensor: t as u32,
+                        dst: kvpack::gpu::Dst::Contiguous {
+                            buf: &bufs[t],
+                            first_token: 0,
+                            tokens: i.tokens,
+                        },
+                    })
+                    .collect();
+                let mut fd = kvpack::gpu::FileDecoder::new(gpu, 1 << 20).unwrap();
+                let e = fd
+                    .decode(&archive, &targets, OutType::Bf16)
+                    .expect_err(&format!("{f} accepted by the file decoder"));
+                assert_eq!(error_class(&e), error_class(&cpu), "{f}: {e} (CPU: {cpu})");
+            }
+        }
+    }
+    // Some vectors open and fail only when pages are decoded.
+    assert!(decoded >= 3, "{decoded}");
+}

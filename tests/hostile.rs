@@ -649,6 +649,29 @@ fn zstd_page_with_two_frames_or_a_skippable_frame_is_rejected() {
     assert!(e.to_string().contains("section table implies"), "{e}");
 }
 
+/// `inspect` refuses what the decoding commands refuse: declared sizes
+/// above the limits are exit 2 with a message naming the tensor and its
+/// shape, unless --max-memory raises the limit.
+#[test]
+fn inspect_refuses_declared_sizes_above_the_limits() {
+    let files = all();
+    for (name, want) in [
+        ("elements_2p48", "needs 562949953290240 bytes"),
+        ("heads_2p30", "needs 137438953472 bytes"),
+    ] {
+        let bytes = &files.iter().find(|f| f.0 == name).unwrap().1;
+        let (code, err, _, _) = run_cli(&["inspect"], bytes);
+        assert_eq!(code, 2, "{name}: {err}");
+        assert!(err.contains(want), "{name}: {err}");
+        assert!(
+            err.contains("shape [batch, kv_heads, tokens, head_dim]"),
+            "{name}: {err}"
+        );
+        let (code, err, _, _) = run_cli(&["--max-memory", "1024T", "inspect"], bytes);
+        assert_eq!(code, 0, "{name} with a raised limit: {err}");
+    }
+}
+
 /// `inspect` of a device or of stdin checks the magic before reading on.
 #[test]
 fn inspect_dev_zero_is_refused_at_once() {

@@ -27,7 +27,7 @@ pub use bytes::align_up;
 pub use header::{CodecEntry, FileHeader};
 pub use index::{Index, IndexEntry, Trailer};
 pub use page::{FLAG_ZSTD, PageFrame, PageHeader, PageMeta, PageView};
-pub use reader::Reader;
+pub use reader::{Reader, Release};
 pub use section::{ElemType, Section, SectionDesc, SectionKind};
 pub use stream::{StreamEvent, StreamReader};
 pub use writer::Writer;
@@ -65,7 +65,7 @@ pub const FRAME_HEADER_LEN: usize = 64;
 /// | `max_sections` | 64 |
 /// | `max_codecs` (codec table slots) | 256 |
 /// | `max_layer` (largest layer index) | 65535 |
-/// | `max_memory` (decoded output of one decode, bytes) | 8 GiB |
+/// | `max_memory` (declared decoded output of one decode, bytes) | 8 GiB |
 /// | `max_body_bytes_per_element` (uncompressed body, plus 1 MiB slack per page) | 16 |
 /// | `max_codebook_bytes` (codebooks cached by all codecs of the process) | 512 MiB |
 ///
@@ -90,8 +90,11 @@ pub struct Limits {
     pub max_codecs: u32,
     /// Largest accepted layer index (layer indices index per-layer tables).
     pub max_layer: u32,
-    /// Largest decoded output one decode may allocate (all selected
-    /// tensors at the output dtype), bytes.
+    /// Largest decoded output one decode may produce (all selected
+    /// tensors at the output dtype), bytes: in memory, or written to a
+    /// file by a streaming decode (which itself holds a few pages per
+    /// thread); a file declaring more is refused before anything is
+    /// allocated or written.
     pub max_memory: u64,
     /// A page's uncompressed body may hold at most this many bytes per
     /// element of the page (`planes * tokens * head_dim`), plus 1 MiB: the

@@ -25,6 +25,16 @@ pub struct Reader<'a> {
     limits: Limits,
     by_tensor: Vec<Vec<usize>>,
     private_pages: bool,
+    release: Option<&'a dyn Release>,
+}
+
+/// Drops parts of a reader's buffer from memory once they were used: for a
+/// memory-mapped file, so that resident memory follows the pages being
+/// decoded, not the file size (see [`Reader::set_release`]).
+pub trait Release: Sync + std::fmt::Debug {
+    /// Bytes `range` of the buffer are no longer needed by this reader
+    /// (they may still be read again; this is advice, never required).
+    fn release(&self, range: std::ops::Range<usize>);
 }
 
 fn frame<'b>(data: &'b [u8], off: u64, len: u64, at: &Location) -> Result<&'b [u8]> {
@@ -367,6 +377,7 @@ impl<'a> Reader<'a> {
             limits,
             by_tensor,
             private_pages: false,
+            release: None,
         })
     }
 
@@ -378,6 +389,14 @@ impl<'a> Reader<'a> {
     /// this process cannot change and needs no copy (the default, `off`).
     pub fn set_private_pages(&mut self, on: bool) {
         self.private_pages = on;
+    }
+
+    /// With private pages on ([`Reader::set_private_pages`]), `release` is
+    /// told the buffer range of each page frame once the page was copied
+    /// out of it: a memory-mapped input then stays resident only for the
+    /// pages in flight.
+    pub fn set_release(&mut self, release: Option<&'a dyn Release>) {
+        self.release = release;
     }
 
     /// The limits this reader enforces.
@@ -494,7 +513,12 @@ impl<'a> Reader<'a> {
         )?;
         let stored = &f[FRAME_HEADER_LEN..end];
         let stored = if self.private_pages {
-            Cow::Owned(stored.to_vec())
+            let copy = stored.to_vec();
+            if let Some(r) = self.release {
+                let start = (self.header_len + e.offset) as usize;
+                r.release(start..start + e.frame_len as usize);
+            }
+            Cow::Owned(copy)
         } else {
             Cow::Borrowed(stored)
         };

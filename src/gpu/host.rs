@@ -22,6 +22,24 @@ pub fn tensor_info(archive: &Archive<'_>, tensor: usize) -> Result<TensorInfo> {
         .ok_or_else(|| Error::param(format!("no tensor {tensor}")))
 }
 
+/// Checks a host output of `len` 16-bit elements for `info` against the
+/// archive's [`crate::format::Limits::max_memory`] before it is allocated,
+/// as the CPU reader checks its outputs ([`Archive::check_output`]).
+///
+/// # Errors
+/// [`Error::Limits`] naming the tensor and its declared shape.
+pub fn check_output_len(archive: &Archive<'_>, info: &TensorInfo, len: u64) -> Result<()> {
+    archive.reader().limits().check_memory(
+        len.saturating_mul(2),
+        &format!(
+            "decoding {} ({}, shape [batch, kv_heads, tokens, head_dim] = {:?}) on the device",
+            info.name,
+            info.describe(),
+            info.shape()
+        ),
+    )
+}
+
 /// Elements of a [`HostLayout`] output for `info`.
 ///
 /// # Errors
@@ -30,7 +48,16 @@ pub fn tensor_info(archive: &Archive<'_>, tensor: usize) -> Result<TensorInfo> {
 pub fn layout_len(info: &TensorInfo, layout: &HostLayout) -> Result<usize> {
     let row = info.head_dim as usize;
     match layout {
-        HostLayout::Contiguous { tokens, .. } => Ok(info.planes() * *tokens as usize * row),
+        HostLayout::Contiguous { tokens, .. } => (info.planes() as u64)
+            .checked_mul(u64::from(*tokens) * row as u64)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or_else(|| {
+                Error::Limits(format!(
+                    "{} ({}): output too large",
+                    info.name,
+                    info.describe()
+                ))
+            }),
         HostLayout::Paged { num_slots, slots } => {
             let want = info.batch as usize * info.tokens as usize;
             if slots.len() != want {
@@ -40,7 +67,16 @@ pub fn layout_len(info: &TensorInfo, layout: &HostLayout) -> Result<usize> {
                     want
                 )));
             }
-            Ok(*num_slots as usize * info.heads as usize * row)
+            (u64::from(*num_slots) * u64::from(info.heads))
+                .checked_mul(row as u64)
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or_else(|| {
+                    Error::Limits(format!(
+                        "{} ({}): output too large",
+                        info.name,
+                        info.describe()
+                    ))
+                })
         }
         HostLayout::Blocks { shape, .. } => {
             if info.batch != 1 || info.heads != shape.kv_heads || info.head_dim != shape.head_dim {

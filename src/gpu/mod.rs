@@ -355,6 +355,10 @@ impl Device {
     ) -> Result<Vec<u16>> {
         let info = host::tensor_info(archive, tensor)?;
         let len = host::layout_len(&info, layout)?;
+        // Sizes come from header fields: bounded before anything is
+        // allocated, as on the CPU path (pages then go through the same
+        // reader checks: CRC, limits, private copies, codec vs tensor).
+        host::check_output_len(archive, &info, len as u64)?;
         if !matches!(self, Device::Cpu) {
             spec::supported(&info)?;
         }

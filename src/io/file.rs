@@ -33,6 +33,54 @@ impl InputBytes {
     pub fn is_mapped(&self) -> bool {
         matches!(self, InputBytes::Mapped(..))
     }
+
+    /// Drops the mapped memory pages covering bytes `range` from this
+    /// process's resident set (`madvise(MADV_DONTNEED)` on the enclosing
+    /// whole pages): a reader that is done with a part of a mapped input
+    /// calls it so that resident memory stays at the parts in use, not the
+    /// whole file. The bytes stay readable (a later access reads them from
+    /// the page cache again). Does nothing for owned bytes, an empty or
+    /// out-of-range `range`, or where the advice is not supported.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        #[cfg(unix)]
+        if let InputBytes::Mapped(m, _) = self {
+            // Reading one byte of a mapping maps the cached pages around it
+            // too: Linux maps a whole large folio of the page cache (up to
+            // 2 MiB) or a 64 KiB "fault-around" window, so reading the
+            // header of the next frame maps the end of the previous one
+            // again. Releasing 2 MiB more on each side undoes that (a page
+            // released while another thread reads it is read again).
+            const AROUND: usize = 2 << 20;
+            let start = range.start.saturating_sub(AROUND) / AROUND * AROUND;
+            let end = range.end.saturating_add(AROUND).min(m.len());
+            if start >= end {
+                return;
+            }
+            // SAFETY: the map is a read-only shared file mapping: dropping
+            // its pages loses nothing (the next access reads the file
+            // again); no slice of it is invalidated.
+            let _ = unsafe {
+                m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            };
+        }
+        let _ = range;
+    }
+
+    /// [`InputBytes::release`] of the bytes of `part`, a slice of this
+    /// input (anything else is ignored).
+    pub fn release_slice(&self, part: &[u8]) {
+        let base = self.as_ptr() as usize;
+        let p = part.as_ptr() as usize;
+        if p >= base && p + part.len() <= base + self.len() {
+            self.release(p - base..p - base + part.len());
+        }
+    }
+}
+
+impl crate::format::Release for InputBytes {
+    fn release(&self, range: std::ops::Range<usize>) {
+        InputBytes::release(self, range);
+    }
 }
 
 /// What an input must start with, and how much of a non-mappable input
@@ -171,25 +219,44 @@ pub fn open_input_with(path: &str, rules: InputRules<'_>) -> Result<InputBytes> 
     Ok(InputBytes::Mapped(m, f))
 }
 
-/// Takes a shared advisory lock on the whole of `f` (a Linux open file
-/// description lock, `F_OFD_SETLK` with `F_RDLCK`): readers hold it while
-/// the file is mapped, and [`append_file`] only truncates a torn tail when
-/// it can take the exclusive lock. Never blocks; a file that cannot be
-/// locked (no support on this file system) is read without the lock.
+/// Takes a shared advisory lock on the whole of `f` (see [`record_lock`]):
+/// readers hold it while the file is mapped, and [`append_file`] only
+/// truncates a torn tail when it can take the exclusive lock. Never
+/// blocks; a file that cannot be locked (no support on this file system,
+/// or an appender of a platform whose lock kinds conflict) is read without
+/// the lock.
 ///
 /// # Errors
 /// Never in practice: failures to lock are ignored (advisory only).
 pub fn lock_for_reading(f: &File) -> std::io::Result<()> {
-    let _ = ofd_lock(f, false);
+    let _ = record_lock(f, false);
     Ok(())
 }
 
-/// Tries to take the OFD lock on the whole file, shared or exclusive,
-/// without blocking: `Ok(false)` when another open file holds a
-/// conflicting lock.
-#[cfg(target_os = "linux")]
-fn ofd_lock(f: &File, exclusive: bool) -> std::io::Result<bool> {
+/// Tries to take a record lock on the whole file, shared or exclusive,
+/// without blocking: `Ok(false)` when another holder has a conflicting one.
+///
+/// The concurrency contract needs two independent locks on one file:
+/// appenders exclude each other for the whole append (the whole-file lock
+/// of [`File::try_lock`], `flock` on Unix), while readers must not hold
+/// appends back, only the final cut of a torn tail. std's locks are one
+/// lock per file, so readers use this second kind: on Linux an open file
+/// description (OFD) lock, `F_OFD_SETLK`, which is independent of `flock`
+/// and owned by the descriptor (two readers in one process, or a reader
+/// and an appender, each hold their own); on other Unix systems a POSIX
+/// record lock, `F_SETLK`, owned by the process (kvpack keeps one
+/// descriptor per input, so closing another one cannot drop it). Where a
+/// system makes `flock` and record locks conflict, the outcome is an
+/// append refused while a reader holds the file, or a torn tail left in
+/// place (readers ignore it): never a cut under a reader. Elsewhere there
+/// is no such lock and this returns `Ok(true)`.
+#[cfg(unix)]
+fn record_lock(f: &File, exclusive: bool) -> std::io::Result<bool> {
     use std::os::fd::AsRawFd;
+    #[cfg(target_os = "linux")]
+    const SETLK: libc::c_int = libc::F_OFD_SETLK;
+    #[cfg(not(target_os = "linux"))]
+    const SETLK: libc::c_int = libc::F_SETLK;
     // SAFETY: `flock` is a plain C struct; zero is a valid value.
     let mut fl: libc::flock = unsafe { std::mem::zeroed() };
     fl.l_type = if exclusive {
@@ -201,7 +268,7 @@ fn ofd_lock(f: &File, exclusive: bool) -> std::io::Result<bool> {
     fl.l_start = 0;
     fl.l_len = 0;
     // SAFETY: valid fd and a pointer to an initialized flock struct.
-    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_OFD_SETLK, &fl) };
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), SETLK, &fl) };
     if r == 0 {
         return Ok(true);
     }
@@ -212,8 +279,8 @@ fn ofd_lock(f: &File, exclusive: bool) -> std::io::Result<bool> {
     }
 }
 
-#[cfg(not(target_os = "linux"))]
-fn ofd_lock(_f: &File, _exclusive: bool) -> std::io::Result<bool> {
+#[cfg(not(unix))]
+fn record_lock(_f: &File, _exclusive: bool) -> std::io::Result<bool> {
     Ok(true)
 }
 
@@ -300,6 +367,13 @@ pub fn install_cleanup_handlers() {
     }
 }
 
+/// True when `path` exists and is neither a regular file nor a
+/// directory (a FIFO, a character or block device): outputs are written
+/// into such a path directly, in order, instead of replacing it.
+pub fn is_special(path: &Path) -> bool {
+    std::fs::metadata(path).is_ok_and(|m| !m.is_file() && !m.is_dir())
+}
+
 /// Writes a file atomically: `fill` writes into a temporary file in the same
 /// directory, which is flushed, synced and renamed over `path`, and the
 /// directory is synced so that the rename itself survives a crash. Without
@@ -317,10 +391,7 @@ pub fn write_atomic(
     force: bool,
     fill: impl FnOnce(&mut (dyn Write + Send)) -> Result<()>,
 ) -> Result<()> {
-    if let Ok(m) = std::fs::metadata(path)
-        && !m.is_file()
-        && !m.is_dir()
-    {
+    if is_special(path) {
         let f = std::fs::OpenOptions::new()
             .write(true)
             .open(path)
@@ -330,6 +401,35 @@ pub fn write_atomic(
         return w
             .flush()
             .map_err(|e| Error::io(format!("writing {}", path.display()), e));
+    }
+    write_atomic_file(path, force, |f| {
+        let mut w = BufWriter::with_capacity(1 << 20, f);
+        fill(&mut w)?;
+        w.flush()
+            .map_err(|e| Error::io(format!("writing {}", path.display()), e))
+    })
+}
+
+/// Like [`write_atomic`] for a writer that needs the file itself
+/// (positional writes from several threads, [`write_all_at`], or a length
+/// set up front): `fill` gets the temporary file, which is then synced and
+/// renamed over `path` (the directory synced too). `path` must be a regular
+/// file or not exist (see [`is_special`]); the temporary file is removed on
+/// an error, SIGINT, SIGTERM or SIGHUP.
+///
+/// # Errors
+/// As [`write_atomic`]; [`Error::Parameter`] when `path` is a FIFO or
+/// device.
+pub fn write_atomic_file(
+    path: &Path,
+    force: bool,
+    fill: impl FnOnce(&File) -> Result<()>,
+) -> Result<()> {
+    if is_special(path) {
+        return Err(Error::param(format!(
+            "{} is not a regular file; this output needs one",
+            path.display()
+        )));
     }
     check_writable(path, force)?;
     let dir = parent_dir(path);
@@ -343,12 +443,7 @@ pub fn write_atomic(
         .tempfile_in(dir)
         .map_err(|e| Error::io(format!("creating a temporary file in {}", dir.display()), e))?;
     let _registered = TempRegistration::new(tmp.path());
-    {
-        let mut w = BufWriter::with_capacity(1 << 20, tmp.as_file());
-        fill(&mut w)?;
-        w.flush()
-            .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-    }
+    fill(tmp.as_file())?;
     tmp.as_file()
         .sync_all()
         .map_err(|e| Error::io(format!("syncing {}", path.display()), e))?;
@@ -364,6 +459,34 @@ pub fn write_atomic(
         )
     })?;
     sync_dir(dir)
+}
+
+/// Writes all of `buf` at byte `offset` of `f` without moving its cursor
+/// (`pwrite`), so several threads can fill one file.
+///
+/// # Errors
+/// The operating system's error (e.g. disk full).
+pub fn write_all_at(f: &File, buf: &[u8], offset: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::write_all_at(f, buf, offset)
+    }
+    #[cfg(windows)]
+    {
+        let (mut buf, mut offset) = (buf, offset);
+        while !buf.is_empty() {
+            match std::os::windows::fs::FileExt::seek_write(f, buf, offset) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    buf = &buf[n..];
+                    offset += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
 }
 
 fn parent_dir(path: &Path) -> &Path {
@@ -498,7 +621,7 @@ pub fn append_file(
         // Leftover bytes of the old torn tail after the new trailer: cut
         // them when no reader holds the file (they are harmless otherwise:
         // readers find the new trailer and report them as a torn tail).
-        if ofd_lock(&file, true).unwrap_or(false) {
+        if record_lock(&file, true).unwrap_or(false) {
             file.set_len(new_end)
                 .map_err(|e| Error::io(format!("removing the torn tail of {name}"), e))?;
             file.sync_data()

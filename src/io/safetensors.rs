@@ -420,13 +420,27 @@ pub fn write(cache: &KvCache, w: &mut dyn Write) -> Result<()> {
 /// [`write_scales`].
 ///
 /// # Errors
-/// [`Error::Io`] when writing fails.
+/// [`Error::Io`] when writing fails; [`Error::Parameter`] when a scale's
+/// name is taken by a tensor.
 pub fn write_header(
     infos: &[TensorInfo],
     metadata: &BTreeMap<String, String>,
     token_ids: &[u32],
     w: &mut dyn Write,
 ) -> Result<()> {
+    let mut hb = header_json(infos, metadata, token_ids)?;
+    hb.resize(hb.len().next_multiple_of(8), b' ');
+    let io = |e| Error::io("writing safetensors", e);
+    w.write_all(&(hb.len() as u64).to_le_bytes()).map_err(io)?;
+    w.write_all(&hb).map_err(io)
+}
+
+/// The JSON header (unpadded) for `infos`, metadata and token ids.
+fn header_json(
+    infos: &[TensorInfo],
+    metadata: &BTreeMap<String, String>,
+    token_ids: &[u32],
+) -> Result<Vec<u8>> {
     let mut header = serde_json::Map::new();
     let mut meta: serde_json::Map<String, serde_json::Value> = metadata
         .iter()
@@ -441,9 +455,9 @@ pub fn write_header(
     if !meta.is_empty() {
         header.insert("__metadata__".into(), serde_json::Value::Object(meta));
     }
-    let mut off = 0usize;
+    let mut off = 0u64;
     for t in infos {
-        let n = t.elements() as usize * t.dtype.size();
+        let n = t.elements() * t.dtype.size() as u64;
         header.insert(
             t.name.clone(),
             serde_json::json!({"dtype": st_dtype(t.dtype), "shape": t.shape(), "data_offsets": [off, off + n]}),
@@ -464,11 +478,214 @@ pub fn write_header(
         );
         off += 4;
     }
-    let mut hb = serde_json::to_vec(&header).expect("json");
-    hb.resize(hb.len().next_multiple_of(8), b' ');
-    let io = |e| Error::io("writing safetensors", e);
-    w.write_all(&(hb.len() as u64).to_le_bytes()).map_err(io)?;
-    w.write_all(&hb).map_err(io)
+    Ok(serde_json::to_vec(&header).expect("json"))
+}
+
+/// Where each tensor of a safetensors output lies in the file, known from
+/// the tensor shapes before any element is decoded: decoded pieces are
+/// written at their offsets in any order, from any thread
+/// ([`Layout::write_piece`]), into a file of [`Layout::len`] bytes, and the
+/// header and fp8 scales last ([`Layout::finish`]). The file is the same,
+/// byte for byte, as [`write`] makes, except that the header may carry
+/// trailing spaces (room reserved for token ids that arrive last, as the
+/// safetensors format allows).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Layout {
+    infos: Vec<TensorInfo>,
+    metadata: BTreeMap<String, String>,
+    /// Bytes of the header (8-byte length and JSON, padded).
+    header_len: u64,
+    /// File offset of each tensor's first element, in `infos` order.
+    offsets: Vec<u64>,
+    /// File offset of the first fp8 scale (the end of the tensor data).
+    scales_at: u64,
+}
+
+impl Layout {
+    /// The layout of `infos` (output dtypes) with `metadata` and
+    /// `token_ids`: the file [`write`] makes.
+    ///
+    /// # Errors
+    /// As [`write_header`].
+    pub fn exact(
+        infos: &[TensorInfo],
+        metadata: &BTreeMap<String, String>,
+        token_ids: &[u32],
+    ) -> Result<Layout> {
+        let json = header_json(infos, metadata, token_ids)?.len() as u64;
+        Ok(Self::build(infos, metadata, json))
+    }
+
+    /// The layout of `infos` (output dtypes) with `metadata`, with room in
+    /// the header for up to `max_token_ids` token ids, whose values are
+    /// given to [`Layout::finish`] (a stream's token ids come last).
+    ///
+    /// # Errors
+    /// As [`write_header`].
+    pub fn with_room(
+        infos: &[TensorInfo],
+        metadata: &BTreeMap<String, String>,
+        max_token_ids: usize,
+    ) -> Result<Layout> {
+        // One id of 10 digits, plus 10 digits and a comma for every other.
+        let json = if max_token_ids == 0 {
+            header_json(infos, metadata, &[])?.len() as u64
+        } else {
+            header_json(infos, metadata, &[u32::MAX])?.len() as u64 + 11 * max_token_ids as u64
+        };
+        Ok(Self::build(infos, metadata, json))
+    }
+
+    fn build(infos: &[TensorInfo], metadata: &BTreeMap<String, String>, json: u64) -> Layout {
+        let header_len = 8 + json.next_multiple_of(8);
+        let mut offsets = Vec::with_capacity(infos.len());
+        let mut at = header_len;
+        for t in infos {
+            offsets.push(at);
+            at += t.elements() * t.dtype.size() as u64;
+        }
+        Layout {
+            infos: infos.to_vec(),
+            metadata: metadata.clone(),
+            header_len,
+            offsets,
+            scales_at: at,
+        }
+    }
+
+    /// The file's length in bytes.
+    pub fn len(&self) -> u64 {
+        self.scales_at
+            + 4 * self
+                .infos
+                .iter()
+                .filter(|t| t.dtype.scale().is_some())
+                .count() as u64
+    }
+
+    /// True when the layout holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.infos.is_empty()
+    }
+
+    /// Writes a decoded piece of output tensor `output` (position in the
+    /// layout's `infos`): tokens `[token, token + tokens)` of every plane,
+    /// elements `[planes, tokens, head_dim]` in the tensor's dtype.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when the piece does not fit the tensor;
+    /// [`Error::Io`] when writing fails.
+    pub fn write_piece(
+        &self,
+        f: &std::fs::File,
+        output: usize,
+        token: u32,
+        tokens: u32,
+        elems: Elems<'_>,
+    ) -> Result<()> {
+        let bad = || {
+            Error::param(format!(
+                "piece {output} tokens {token}+{tokens} does not fit"
+            ))
+        };
+        let t = self.infos.get(output).ok_or_else(bad)?;
+        let (d, planes) = (t.head_dim as usize, t.planes());
+        let row = tokens as usize * d;
+        if u64::from(token) + u64::from(tokens) > u64::from(t.tokens)
+            || elems.len() != planes * row
+            || elems.dtype() != t.dtype
+        {
+            return Err(bad());
+        }
+        let size = t.dtype.size() as u64;
+        for p in 0..planes {
+            let part = elems.slice(p * row, row);
+            let at = self.offsets[output]
+                + ((p as u64 * u64::from(t.tokens) + u64::from(token)) * d as u64) * size;
+            let io = |e| Error::io("writing safetensors", e);
+            if cfg!(target_endian = "little") {
+                super::file::write_all_at(f, part.bytes(), at).map_err(io)?;
+            } else {
+                let mut v = TensorData::zeros(t.dtype, row);
+                let mut f32s = vec![0f32; row];
+                part.load(0, &mut f32s);
+                v.as_elems_mut().store(0, &f32s);
+                super::file::write_all_at(f, &v.to_le_bytes(), at).map_err(io)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the file's length, then writes the header (with `token_ids`)
+    /// and the fp8 scales: call it once every piece is written. When the
+    /// token ids need more header room than was reserved, the tensor data
+    /// is moved up in place (a bounded buffer) to make room.
+    ///
+    /// # Errors
+    /// [`Error::Io`] when writing fails.
+    pub fn finish(&mut self, f: &std::fs::File, token_ids: &[u32]) -> Result<()> {
+        let io = |e| Error::io("writing safetensors", e);
+        let json = header_json(&self.infos, &self.metadata, token_ids)?;
+        let need = 8 + (json.len() as u64).next_multiple_of(8);
+        if need > self.header_len {
+            let shift = need - self.header_len;
+            move_up(f, self.header_len, self.scales_at, shift).map_err(io)?;
+            for o in &mut self.offsets {
+                *o += shift;
+            }
+            self.scales_at += shift;
+            self.header_len = need;
+        }
+        let mut hb = json;
+        hb.resize(self.header_len as usize - 8, b' ');
+        let mut head = (hb.len() as u64).to_le_bytes().to_vec();
+        head.extend_from_slice(&hb);
+        super::file::write_all_at(f, &head, 0).map_err(io)?;
+        let mut scales = Vec::new();
+        for s in self.infos.iter().filter_map(|t| t.dtype.scale()) {
+            scales.extend_from_slice(&s.to_le_bytes());
+        }
+        super::file::write_all_at(f, &scales, self.scales_at).map_err(io)?;
+        f.set_len(self.len()).map_err(io)
+    }
+}
+
+/// Moves bytes `[from, to)` of `f` up by `shift` bytes, last chunk first.
+fn move_up(f: &std::fs::File, from: u64, to: u64, shift: u64) -> std::io::Result<()> {
+    const CHUNK: u64 = 1 << 20;
+    let mut buf = vec![0u8; CHUNK as usize];
+    let mut end = to;
+    while end > from {
+        let start = end.saturating_sub(CHUNK).max(from);
+        let b = &mut buf[..(end - start) as usize];
+        read_exact_at(f, b, start)?;
+        super::file::write_all_at(f, b, start + shift)?;
+        end = start;
+    }
+    Ok(())
+}
+
+fn read_exact_at(f: &std::fs::File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        std::os::unix::fs::FileExt::read_exact_at(f, buf, offset)
+    }
+    #[cfg(windows)]
+    {
+        let (mut buf, mut offset) = (buf, offset);
+        while !buf.is_empty() {
+            match std::os::windows::fs::FileExt::seek_read(f, buf, offset) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(n) => {
+                    buf = &mut buf[n..];
+                    offset += n as u64;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Writes one tensor's elements, little-endian (after [`write_header`]).

@@ -232,13 +232,15 @@ pub fn cuda_decode_paged(
         py.detach(|| ar.with(run))
     } else {
         let held;
-        let bytes: &[u8] = if let Ok(b) = data.cast::<PyBytes>() {
-            b.as_bytes()
+        // A borrowed array may be written by other Python threads while we
+        // decode: its pages are checked and decoded from private copies.
+        let (bytes, shared): (&[u8], bool) = if let Ok(b) = data.cast::<PyBytes>() {
+            (b.as_bytes(), false)
         } else {
             held = dlpack::import(data, None)?;
-            held.host_bytes("data")?
+            (held.host_bytes("data")?, true)
         };
-        py.detach(|| run(&crate::decode::Archive::open(bytes)?))
+        py.detach(|| run(&crate::decode::Archive::open(bytes)?.with_private_pages(shared)))
     }
     .py_err()?;
     Ok(CudaJob {

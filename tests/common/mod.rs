@@ -175,3 +175,35 @@ pub fn decoded_f32_bytes(c: &KvCache) -> Vec<u8> {
     }
     out
 }
+
+/// Runs `cmd` to completion; returns its exit code (128 + signal when
+/// killed) and its peak resident memory in KiB (`wait4`). The child's peak
+/// starts at this process's own before `exec`: compare with
+/// [`own_peak_kib`].
+#[cfg(unix)]
+pub fn run_peak_rss(cmd: &mut std::process::Command) -> (i32, i64) {
+    // Reaped below with wait4, which also returns the child's peak RSS.
+    #[allow(clippy::zombie_processes)]
+    let child = cmd.spawn().expect("spawn");
+    let pid = child.id() as libc::pid_t;
+    let mut status = 0;
+    // SAFETY: plain wait4 on our own child; rusage is a C struct.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
+    assert_eq!(r, pid);
+    let code = if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        128 + libc::WTERMSIG(status)
+    };
+    (code, ru.ru_maxrss)
+}
+
+/// This process's peak resident memory so far, KiB.
+#[cfg(unix)]
+pub fn own_peak_kib() -> i64 {
+    // SAFETY: getrusage fills a plain C struct.
+    let mut me: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut me) };
+    me.ru_maxrss
+}

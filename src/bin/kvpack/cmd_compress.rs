@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
-use kvpack::compress::compress_view;
+use kvpack::compress::compress_view_with;
 use kvpack::io::{file, safetensors};
 
 use crate::output;
@@ -78,21 +78,24 @@ pub fn run(a: Args) -> Result<u8> {
         .options(codec.as_ref(), a.align.trailing_zeros() as u8);
     let pb = output::progress(cache.source_bytes(), "compress", a.quiet || a.json);
     let progress = |n: u64| pb.set_position(n);
+    // A mapped input's tensor is dropped from memory once encoded.
+    let done = |t: usize| input.release_slice(cache.tensors[t].elems().bytes());
     let report = if out_name == "-" {
         let stdout = std::io::stdout();
-        let (mut w, r) = compress_view(
+        let (mut w, r) = compress_view_with(
             &cache,
             codec.as_ref(),
             &opts,
             std::io::BufWriter::new(stdout),
             &progress,
+            &done,
         )?;
         w.flush().context("writing stdout")?;
         r
     } else {
         let mut rep = None;
         file::write_atomic(&PathBuf::from(&out_name), a.force, |w| {
-            let (_, r) = compress_view(&cache, codec.as_ref(), &opts, w, &progress)?;
+            let (_, r) = compress_view_with(&cache, codec.as_ref(), &opts, w, &progress, &done)?;
             rep = Some(r);
             Ok(())
         })?;

@@ -1,13 +1,13 @@
 //! `kvpack decompress`.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
 use kvpack::cache::TensorInfo;
-use kvpack::decode::{Archive, DecodeStats, Selection, parse_range};
+use kvpack::decode::{DecodeStats, Selection, parse_range};
 use kvpack::io::{file, safetensors};
 use kvpack::{DType, Kind};
 
@@ -58,77 +58,76 @@ pub fn run(a: Args) -> Result<u8> {
     let dtype = a.dtype.as_deref().map(DType::parse).transpose()?;
     let input = output::open_kvpack(&a.input)?;
     let start = Instant::now();
-    let archive = Archive::open_with(&input, output::limits())
-        .map(|a| a.with_private_pages(input.is_mapped()))?;
+    let archive = output::open_archive(&input)?;
     let stats = DecodeStats::default();
-    // The output tensors, as Archive::decode selects them.
-    let infos: Vec<TensorInfo> = archive
-        .tensors()
-        .into_iter()
-        .filter(|t| {
-            sel.layers.as_ref().is_none_or(|r| r.contains(&t.layer))
-                && sel.kind.is_none_or(|k| k == t.kind)
-        })
-        .map(|t| {
-            let tokens = match &sel.tokens {
-                Some(r) => r.end.min(t.tokens).saturating_sub(r.start.min(t.tokens)),
-                None => t.tokens,
-            };
-            TensorInfo {
-                tokens,
-                // An fp8 output takes its scale from the source tensor.
-                dtype: dtype.map_or(t.dtype, |d| d.for_source(t.dtype)),
-                ..t
-            }
-        })
-        .collect();
-    if infos.is_empty() {
+    // The output tensors and their declared size, checked before anything
+    // is allocated or written.
+    let selected = archive.select(&sel, dtype);
+    if selected.is_empty() {
         anyhow::bail!(kvpack::Error::param("the selection matches no tensor"));
     }
+    archive.check_output(&selected)?;
+    let infos: Vec<TensorInfo> = selected.iter().map(|s| s.info.clone()).collect();
     let out_name = output::output_name(&a.input, a.output.as_deref(), "safetensors")?;
-    // Decoded and written a group of layers at a time (about GROUP_BYTES),
-    // so memory stays bounded whatever the cache size.
-    const GROUP_BYTES: u64 = 64 << 20;
-    let mut decode_s = 0.0;
     let meta = archive.reader().header().metadata.clone();
     let ids = archive.token_ids().to_vec();
-    let mut emit = |w: &mut dyn Write| -> kvpack::Result<()> {
-        safetensors::write_header(&infos, &meta, &ids, w)?;
-        let mut i = 0;
-        while i < infos.len() {
-            let first = infos[i].layer;
-            let mut j = i;
-            let mut bytes = 0u64;
-            while j < infos.len()
-                && (j == i || infos[j].layer == infos[j - 1].layer || bytes < GROUP_BYTES)
-            {
-                bytes += infos[j].elements() * infos[j].dtype.size() as u64;
-                j += 1;
+    let mut decode_s = 0.0;
+    if out_name == "-" || file::is_special(Path::new(&out_name)) {
+        // In order, for a pipe: a group of layers (about GROUP_BYTES) is
+        // decoded into memory, written, and dropped.
+        const GROUP_BYTES: u64 = 64 << 20;
+        let emit = |w: &mut dyn Write, decode_s: &mut f64| -> kvpack::Result<()> {
+            safetensors::write_header(&infos, &meta, &ids, w)?;
+            let mut i = 0;
+            while i < infos.len() {
+                let first = infos[i].layer;
+                let mut j = i;
+                let mut bytes = 0u64;
+                while j < infos.len()
+                    && (j == i || infos[j].layer == infos[j - 1].layer || bytes < GROUP_BYTES)
+                {
+                    bytes += infos[j].elements() * infos[j].dtype.size() as u64;
+                    j += 1;
+                }
+                let last = infos[j - 1].layer;
+                let t0 = Instant::now();
+                let part = archive.decode(
+                    &Selection {
+                        layers: Some(first..last + 1),
+                        ..sel.clone()
+                    },
+                    dtype,
+                    Some(&stats),
+                )?;
+                *decode_s += t0.elapsed().as_secs_f64();
+                for t in &part.tensors {
+                    safetensors::write_tensor(t, w)?;
+                }
+                i = j;
             }
-            let last = infos[j - 1].layer;
-            let t0 = Instant::now();
-            let part = archive.decode(
-                &Selection {
-                    layers: Some(first..last + 1),
-                    ..sel.clone()
-                },
-                dtype,
-                Some(&stats),
-            )?;
-            decode_s += t0.elapsed().as_secs_f64();
-            for t in &part.tensors {
-                safetensors::write_tensor(t, w)?;
-            }
-            i = j;
+            safetensors::write_scales(&infos, w)
+        };
+        if out_name == "-" {
+            let mut w = std::io::BufWriter::new(std::io::stdout().lock());
+            emit(&mut w, &mut decode_s)?;
+            w.flush().context("writing stdout")?;
+        } else {
+            file::write_atomic(Path::new(&out_name), a.force, |w| emit(w, &mut decode_s))?;
         }
-        safetensors::write_scales(&infos, w)
-    };
-    if out_name == "-" {
-        let mut w = std::io::BufWriter::new(std::io::stdout().lock());
-        emit(&mut w)?;
-        w.flush().context("writing stdout")?;
     } else {
-        file::write_atomic(&PathBuf::from(&out_name), a.force, |w| emit(w))?;
+        // To a regular file: every page is decoded on a worker thread and
+        // written at its place in the file, a page per thread in memory.
+        file::write_atomic_file(Path::new(&out_name), a.force, |f| {
+            let mut layout = safetensors::Layout::exact(&infos, &meta, &ids)?;
+            f.set_len(layout.len())
+                .map_err(|e| kvpack::Error::io(format!("sizing {out_name}"), e))?;
+            let t0 = Instant::now();
+            archive.decode_pieces(&selected, Some(&stats), &|p| {
+                layout.write_piece(f, p.output, p.token, p.tokens, p.elems)
+            })?;
+            decode_s = t0.elapsed().as_secs_f64();
+            layout.finish(f, &ids)
+        })?;
     }
     let _ = start;
     let out_bytes: u64 = infos

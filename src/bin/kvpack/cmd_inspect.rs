@@ -4,7 +4,7 @@ use anyhow::Result;
 use clap::Args as ClapArgs;
 use kvpack::cache::{DType, Kind, TensorInfo};
 use kvpack::codec::registry::FAMILIES;
-use kvpack::decode::Archive;
+use kvpack::decode::Selection;
 use kvpack::format::FLAG_ZSTD;
 use serde_json::json;
 
@@ -99,8 +99,10 @@ fn hex(b: &[u8]) -> String {
 
 pub fn run(a: Args) -> Result<u8> {
     let input = output::open_kvpack(&a.file)?;
-    let ar = Archive::open_with(&input, output::limits())
-        .map(|a| a.with_private_pages(input.is_mapped()))?;
+    let ar = output::open_archive(&input)?;
+    // A file whose declared tensors exceed the limits is refused here as by
+    // every command that decodes it (--max-memory raises the limit).
+    ar.check_output(&ar.select(&Selection::default(), None))?;
     let r = ar.reader();
     let h = r.header();
     let idx = r.index();

@@ -9,7 +9,6 @@ use anyhow::Result;
 use clap::Args as ClapArgs;
 use kvpack::DType;
 use kvpack::compress::CompressOptions;
-use kvpack::decode::Archive;
 use kvpack::format::{StreamEvent, StreamReader};
 use kvpack::io::{file, safetensors};
 use kvpack::net::{Accept, NetLimits};
@@ -292,7 +291,9 @@ pub fn recv(a: RecvArgs) -> Result<u8> {
             Ok(())
         })?;
         json!({"from": peer.to_string(), "output": a.output, "pages": pages, "bytes": bytes, "seconds": start.elapsed().as_secs_f64()})
-    } else {
+    } else if file::is_special(&out) {
+        // A FIFO or device is written in order: the decoded cache is held
+        // in memory until the commit arrives.
         let d = kvpack::stream_decode::decode_stream_with(
             reader,
             dtype,
@@ -300,6 +301,42 @@ pub fn recv(a: RecvArgs) -> Result<u8> {
             &report_layer,
         )?;
         file::write_atomic(&out, a.force, |w| safetensors::write(&d.cache, w))?;
+        json!({"from": peer.to_string(), "output": a.output, "pages": d.pages, "bytes": d.bytes,
+               "received_seconds": d.received.as_secs_f64(), "decoded_seconds": d.decoded.as_secs_f64(),
+               "first_layer_seconds": d.layer_done.first().map(|x| x.1.as_secs_f64()),
+               "seconds": start.elapsed().as_secs_f64()})
+    } else {
+        // Each page is decoded as it arrives and written at its place in
+        // the temporary output: a few pages per thread in memory. The
+        // header's room for token ids (which come with the commit) is
+        // sized from the longest tensor.
+        let mut report = None;
+        file::write_atomic_file(&out, a.force, |f| {
+            let layout = std::sync::OnceLock::<safetensors::Layout>::new();
+            let r = kvpack::stream_decode::decode_stream_pieces(
+                reader,
+                dtype,
+                output::limits(),
+                |h, infos| {
+                    let most = infos.iter().map(|t| t.tokens as usize).max().unwrap_or(0);
+                    let l = safetensors::Layout::with_room(infos, &h.metadata, most)?;
+                    f.set_len(l.len())
+                        .map_err(|e| kvpack::Error::io(format!("sizing {}", a.output), e))?;
+                    let _ = layout.set(l);
+                    Ok(())
+                },
+                &report_layer,
+                &|p| {
+                    let l = layout.get().expect("set before any page");
+                    l.write_piece(f, p.output, p.token, p.tokens, p.elems)
+                },
+            )?;
+            let mut l = layout.into_inner().expect("set by on_header");
+            l.finish(f, &r.token_ids)?;
+            report = Some(r);
+            Ok(())
+        })?;
+        let d = report.expect("set by write_atomic_file's closure");
         json!({"from": peer.to_string(), "output": a.output, "pages": d.pages, "bytes": d.bytes,
                "received_seconds": d.received.as_secs_f64(), "decoded_seconds": d.decoded.as_secs_f64(),
                "first_layer_seconds": d.layer_done.first().map(|x| x.1.as_secs_f64()),
@@ -366,8 +403,7 @@ pub fn matching(a: MatchArgs) -> Result<u8> {
         kvpack::Error::param(format!("--tokens must be a JSON list of token ids: {e}"))
     })?;
     let input = output::open_kvpack(&a.cache)?;
-    let ar = Archive::open_with(&input, output::limits())
-        .map(|a| a.with_private_pages(input.is_mapped()))?;
+    let ar = output::open_archive(&input)?;
     let m = kvpack::prompt::match_prefix(&ar, &a.model, &prompt)?;
     if a.json {
         output::print_json(

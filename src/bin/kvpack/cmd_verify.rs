@@ -1,11 +1,15 @@
 //! `kvpack verify`.
 
+use std::sync::Mutex;
+
 use anyhow::Result;
 use clap::Args as ClapArgs;
-use kvpack::DType;
-use kvpack::decode::{Archive, Selection};
+use kvpack::cache::{Tensor, TensorData};
+use kvpack::decode::{Piece, Selection};
 use kvpack::io::safetensors;
-use kvpack::metrics;
+use kvpack::metrics::{self, ErrorSums};
+use kvpack::view::{CacheView, TensorView};
+use kvpack::{DType, Kind};
 use serde_json::json;
 
 use crate::output;
@@ -38,20 +42,49 @@ pub struct Args {
     pub json: bool,
 }
 
+/// The original cache of `--against`: its K/V tensors borrowed from the
+/// mapped file when possible, and its queries.
+struct Original<'a> {
+    cache: CacheView<'a>,
+    queries: Vec<safetensors::Queries>,
+}
+
+/// An owned copy of a borrowed tensor (for the attention check, one layer
+/// at a time).
+fn owned(v: &TensorView<'_>) -> Tensor {
+    let mut data = TensorData::zeros(v.info.dtype, v.info.elements() as usize);
+    v.gather(0, v.info.tokens as usize, &mut data);
+    Tensor {
+        info: v.info.clone(),
+        data,
+    }
+}
+
 pub fn run(a: Args) -> Result<u8> {
     let input = output::open_kvpack(&a.file)?;
-    let original = match &a.against {
-        Some(p) => {
-            let bytes = output::open_any(p)?;
-            Some(safetensors::parse(&bytes, p)?)
-        }
-        None => None,
+    let orig_bytes = a.against.as_deref().map(output::open_any).transpose()?;
+    let orig_owned;
+    let original = match (&a.against, &orig_bytes) {
+        (Some(p), Some(b)) => Some(match safetensors::parse_view(b, p) {
+            Ok(v) => Original {
+                cache: v.cache,
+                queries: v.queries,
+            },
+            // Elements that cannot be borrowed (misaligned) are copied.
+            Err(kvpack::Error::Unsupported(_)) => {
+                orig_owned = safetensors::parse(b, p)?;
+                Original {
+                    cache: orig_owned.cache.view(),
+                    queries: orig_owned.queries.clone(),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }),
+        _ => None,
     };
     let mut problems: Vec<String> = Vec::new();
     let mut report = json!({"file": a.file});
-    let archive = match Archive::open_with(&input, output::limits())
-        .map(|a| a.with_private_pages(input.is_mapped()))
-    {
+    let archive = match output::open_archive(&input) {
         Ok(ar) => Some(ar),
         Err(e) if matches!(e, kvpack::Error::Io { .. }) => return Err(e.into()),
         Err(e) => {
@@ -68,71 +101,196 @@ pub fn run(a: Args) -> Result<u8> {
         report["torn_tail_bytes"] = json!(r.torn_tail());
         let elements: u64 = ar.tensors().iter().map(|t| t.elements()).sum();
         report["bits_per_element"] = json!(8.0 * r.committed_len() as f64 / elements.max(1) as f64);
-        match ar.decode(&Selection::default(), Some(DType::F32), None) {
-            Err(e) => problems.push(e.to_string()),
-            Ok(dec) => {
-                if let Some(orig) = &original {
-                    for o in &orig.cache.tensors {
-                        let Some(d) = dec.tensors.iter().find(|d| d.info.name == o.info.name)
-                        else {
-                            problems.push(format!(
-                                "{} is in the original but not in {}",
-                                o.info.name, a.file
-                            ));
-                            continue;
-                        };
-                        match metrics::tensor_error(o, d) {
-                            Ok(m) => {
-                                let c = a.min_cosine;
-                                if c > 0.0 && (m.cosine.is_nan() || m.cosine < c) {
-                                    problems.push(format!(
-                                        "{}: cosine {:.6} below {c}",
-                                        o.info.name, m.cosine
-                                    ));
-                                }
-                                rows.push((o.info.layer, o.info.kind, m));
-                            }
-                            Err(e) => problems.push(e.to_string()),
+        // Every page is decoded (f32) and, with --against, compared with
+        // the original as it comes: a page per thread in memory.
+        let selected = ar.select(&Selection::default(), Some(DType::F32));
+        ar.check_output(&selected)?;
+        let pairs: Vec<Option<usize>> = selected
+            .iter()
+            .map(|s| {
+                let o = original.as_ref()?;
+                let i = o
+                    .cache
+                    .tensors
+                    .iter()
+                    .position(|t| t.info.name == s.info.name);
+                if let Some(i) = i
+                    && o.cache.tensors[i].info.shape() != s.info.shape()
+                {
+                    return None; // reported below
+                }
+                i
+            })
+            .collect();
+        let sums: Vec<Mutex<ErrorSums>> = selected.iter().map(|_| Mutex::default()).collect();
+        let compare = |at: usize, p: &Piece<'_>| {
+            let (Some(o), Some(i)) = (&original, pairs[at]) else {
+                return;
+            };
+            let view = &o.cache.tensors[i];
+            let d = view.info.head_dim as usize;
+            let n = p.tokens as usize;
+            let (mut x, mut y) = (vec![0f32; n * d], vec![0f32; n * d]);
+            let mut local = ErrorSums::default();
+            for plane in 0..view.info.planes() {
+                let t0 = p.token as usize;
+                match view.plane_rows(plane, t0, n) {
+                    Some(rows) => {
+                        rows.load(0, &mut x);
+                        if let Some(b) = &orig_bytes {
+                            b.release_slice(rows.bytes());
                         }
                     }
-                    if dec.tensors.len() != orig.cache.tensors.len() {
-                        problems.push(format!(
-                            "{} has {} tensors, the original {}",
-                            a.file,
-                            dec.tensors.len(),
-                            orig.cache.tensors.len()
-                        ));
-                    }
-                    let meta_scale = orig
-                        .cache
-                        .metadata
-                        .get(safetensors::ATTN_SCALE_KEY)
-                        .and_then(|s| s.parse::<f64>().ok());
-                    for q in &orig.queries {
-                        let k = orig.cache.get(q.layer, kvpack::Kind::Key);
-                        let v = orig.cache.get(q.layer, kvpack::Kind::Value);
-                        let k2 = dec.get(q.layer, kvpack::Kind::Key);
-                        let v2 = dec.get(q.layer, kvpack::Kind::Value);
-                        if let (Some(k), Some(v), Some(k2), Some(v2)) = (k, v, k2, v2) {
-                            let scale =
-                                meta_scale.unwrap_or(1.0 / f64::from(k.info.head_dim).sqrt());
-                            match metrics::attention_error(q, k, v, k2, v2, scale) {
-                                Ok(e) => {
-                                    if let Some(m) = a.max_attn_err
-                                        && e > m
-                                    {
-                                        problems.push(format!(
-                                            "layer {}: attention error {e:.6} above {m}",
-                                            q.layer
-                                        ));
-                                    }
-                                    attn.push((q.layer, e));
-                                }
-                                Err(e) => problems.push(e.to_string()),
-                            }
+                    None => {
+                        for (t, row) in x.chunks_exact_mut(d).enumerate() {
+                            view.load_row(plane, t0 + t, row);
                         }
                     }
                 }
+                p.elems.load(plane * n * d, &mut y);
+                local.add(&x, &y, d);
+            }
+            sums[at].lock().expect("lock").merge(&local);
+        };
+        // The attention check needs a layer's whole K and V: where the
+        // original has queries, pages are decoded a layer at a time and
+        // that layer is kept (one layer in memory); otherwise in one pass.
+        let queries: Vec<&safetensors::Queries> =
+            original.iter().flat_map(|o| &o.queries).collect();
+        let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
+        for (k, s) in selected.iter().enumerate() {
+            match groups.last_mut() {
+                Some(g) if queries.is_empty() || selected[g.start].info.layer == s.info.layer => {
+                    g.end = k + 1;
+                }
+                _ => groups.push(k..k + 1),
+            }
+        }
+        let mut decoded_all = true;
+        for g in groups {
+            let group = &selected[g.clone()];
+            let layer = group[0].info.layer;
+            let layer_queries: Vec<_> = queries.iter().filter(|q| q.layer == layer).collect();
+            let kept: Vec<Mutex<Option<TensorData>>> = group
+                .iter()
+                .map(|s| {
+                    Mutex::new(
+                        (!layer_queries.is_empty())
+                            .then(|| TensorData::zeros(DType::F32, s.info.elements() as usize)),
+                    )
+                })
+                .collect();
+            let sink = |p: Piece<'_>| -> kvpack::Result<()> {
+                compare(g.start + p.output, &p);
+                if let Some(t) = kept[p.output].lock().expect("lock").as_mut() {
+                    let info = &group[p.output].info;
+                    let (d, n) = (info.head_dim as usize, p.tokens as usize);
+                    let mut row = vec![0f32; n * d];
+                    for plane in 0..info.planes() {
+                        p.elems.load(plane * n * d, &mut row);
+                        let at = (plane * info.tokens as usize + p.token as usize) * d;
+                        t.as_elems_mut().store(at, &row);
+                    }
+                }
+                Ok(())
+            };
+            if let Err(e) = ar.decode_pieces(group, None, &sink) {
+                problems.push(e.to_string());
+                decoded_all = false;
+                break;
+            }
+            let (Some(orig), false) = (&original, layer_queries.is_empty()) else {
+                continue;
+            };
+            let dec = |kind: Kind| {
+                let k = group.iter().position(|s| s.info.kind == kind)?;
+                let data = kept[k].lock().expect("lock").take()?;
+                Some(Tensor {
+                    info: group[k].info.clone(),
+                    data,
+                })
+            };
+            let find = |kind: Kind| {
+                orig.cache
+                    .tensors
+                    .iter()
+                    .find(|t| t.info.layer == layer && t.info.kind == kind)
+            };
+            let (Some(k), Some(v), Some(k2), Some(v2)) = (
+                find(Kind::Key),
+                find(Kind::Value),
+                dec(Kind::Key),
+                dec(Kind::Value),
+            ) else {
+                continue;
+            };
+            let (k, v) = (owned(k), owned(v));
+            let meta_scale = orig
+                .cache
+                .metadata
+                .get(safetensors::ATTN_SCALE_KEY)
+                .and_then(|s| s.parse::<f64>().ok());
+            let scale = meta_scale.unwrap_or(1.0 / f64::from(k.info.head_dim).sqrt());
+            for q in layer_queries {
+                match metrics::attention_error(q, &k, &v, &k2, &v2, scale) {
+                    Ok(e) => {
+                        if let Some(m) = a.max_attn_err
+                            && e > m
+                        {
+                            problems.push(format!(
+                                "layer {}: attention error {e:.6} above {m}",
+                                q.layer
+                            ));
+                        }
+                        attn.push((q.layer, e));
+                    }
+                    Err(e) => problems.push(e.to_string()),
+                }
+            }
+        }
+        if decoded_all && let Some(orig) = &original {
+            for (k, s) in selected.iter().enumerate() {
+                let Some(i) = pairs[k] else {
+                    if let Some(t) = orig
+                        .cache
+                        .tensors
+                        .iter()
+                        .find(|t| t.info.name == s.info.name)
+                    {
+                        problems.push(format!(
+                            "{}: original shape {:?} vs decoded {:?}",
+                            s.info.name,
+                            t.info.shape(),
+                            s.info.shape()
+                        ));
+                    }
+                    continue;
+                };
+                let m = sums[k].lock().expect("lock").finish();
+                let c = a.min_cosine;
+                if c > 0.0 && (m.cosine.is_nan() || m.cosine < c) {
+                    problems.push(format!(
+                        "{}: cosine {:.6} below {c}",
+                        orig.cache.tensors[i].info.name, m.cosine
+                    ));
+                }
+                rows.push((s.info.layer, s.info.kind, m));
+            }
+            for o in &orig.cache.tensors {
+                if !selected.iter().any(|s| s.info.name == o.info.name) {
+                    problems.push(format!(
+                        "{} is in the original but not in {}",
+                        o.info.name, a.file
+                    ));
+                }
+            }
+            if selected.len() != orig.cache.tensors.len() {
+                problems.push(format!(
+                    "{} has {} tensors, the original {}",
+                    a.file,
+                    selected.len(),
+                    orig.cache.tensors.len()
+                ));
             }
         }
     }
@@ -168,11 +326,11 @@ pub fn run(a: Args) -> Result<u8> {
                     .collect::<Vec<_>>()
             );
             report["summary"] = json!({
-                "k_rel_mse": mean(kvpack::Kind::Key, |m| m.rel_mse), "v_rel_mse": mean(kvpack::Kind::Value, |m| m.rel_mse),
-                "k_snr_db": mean(kvpack::Kind::Key, |m| m.snr_db), "v_snr_db": mean(kvpack::Kind::Value, |m| m.snr_db),
-                "k_cosine": mean(kvpack::Kind::Key, |m| m.cosine), "v_cosine": mean(kvpack::Kind::Value, |m| m.cosine),
-                "latent_rel_mse": mean(kvpack::Kind::Latent, |m| m.rel_mse), "latent_snr_db": mean(kvpack::Kind::Latent, |m| m.snr_db),
-                "latent_cosine": mean(kvpack::Kind::Latent, |m| m.cosine),
+                "k_rel_mse": mean(Kind::Key, |m| m.rel_mse), "v_rel_mse": mean(Kind::Value, |m| m.rel_mse),
+                "k_snr_db": mean(Kind::Key, |m| m.snr_db), "v_snr_db": mean(Kind::Value, |m| m.snr_db),
+                "k_cosine": mean(Kind::Key, |m| m.cosine), "v_cosine": mean(Kind::Value, |m| m.cosine),
+                "latent_rel_mse": mean(Kind::Latent, |m| m.rel_mse), "latent_snr_db": mean(Kind::Latent, |m| m.snr_db),
+                "latent_cosine": mean(Kind::Latent, |m| m.cosine),
                 "attention_rel_err": attn_mean,
             });
         }
@@ -200,7 +358,7 @@ pub fn run(a: Args) -> Result<u8> {
                 "layer", "", "rel MSE", "SNR dB", "cosine", "max |err|", "attn err"
             );
             for (l, k, m) in &rows {
-                let att = if *k == kvpack::Kind::Value {
+                let att = if *k == Kind::Value {
                     attn.iter()
                         .find(|x| x.0 == *l)
                         .map(|x| format!("{:.5}", x.1))
@@ -219,20 +377,20 @@ pub fn run(a: Args) -> Result<u8> {
                     att
                 );
             }
-            if rows.iter().any(|r| r.1 == kvpack::Kind::Latent) {
+            if rows.iter().any(|r| r.1 == Kind::Latent) {
                 println!(
                     "  mean: latent cos {:.6} SNR {:.2} dB",
-                    mean(kvpack::Kind::Latent, |m| m.cosine),
-                    mean(kvpack::Kind::Latent, |m| m.snr_db),
+                    mean(Kind::Latent, |m| m.cosine),
+                    mean(Kind::Latent, |m| m.snr_db),
                 );
             }
-            if rows.iter().any(|r| r.1 != kvpack::Kind::Latent) {
+            if rows.iter().any(|r| r.1 != Kind::Latent) {
                 println!(
                     "  mean: K cos {:.6} SNR {:.2} dB | V cos {:.6} SNR {:.2} dB | attention rel err {:.5}",
-                    mean(kvpack::Kind::Key, |m| m.cosine),
-                    mean(kvpack::Kind::Key, |m| m.snr_db),
-                    mean(kvpack::Kind::Value, |m| m.cosine),
-                    mean(kvpack::Kind::Value, |m| m.snr_db),
+                    mean(Kind::Key, |m| m.cosine),
+                    mean(Kind::Key, |m| m.snr_db),
+                    mean(Kind::Value, |m| m.cosine),
+                    mean(Kind::Value, |m| m.snr_db),
                     attn_mean
                 );
             }

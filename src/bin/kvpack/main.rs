@@ -47,9 +47,10 @@ struct Cli {
     /// Worker threads (default: all cores).
     #[arg(long, global = true, value_name = "N")]
     threads: Option<usize>,
-    /// Most memory one decode may allocate for its output, and most bytes
-    /// read from a pipe: e.g. 512M, 8G, 64G [default: 8G]. Inputs that
-    /// declare more are refused before anything is allocated.
+    /// Largest decoded output an input may declare (decompress, verify,
+    /// recv and inspect refuse more, before anything is allocated or
+    /// written; they stream, holding a few pages per thread), and most
+    /// bytes read from a pipe: e.g. 512M, 8G, 64G [default: 8G].
     #[arg(long, global = true, value_name = "BYTES", value_parser = output::parse_size)]
     max_memory: Option<u64>,
     #[command(subcommand)]

@@ -6,6 +6,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvpack::Error;
 use kvpack::codec::Codec;
 use kvpack::compress::CompressOptions;
+use kvpack::decode::Archive;
 use kvpack::format::Limits;
 use kvpack::io::file;
 use kvpack::plan::Layout;
@@ -34,6 +35,15 @@ pub fn limits() -> Limits {
 /// `--max-memory` bytes from a pipe.
 pub fn open_kvpack(path: &str) -> Result<file::InputBytes, Error> {
     file::open_input_with(path, file::InputRules::kvpack(limits().max_memory))
+}
+
+/// Opens the archive in `input` under this run's limits: pages of a
+/// mapped file are copied before they are verified (another process may
+/// rewrite the file) and dropped from memory once copied.
+pub fn open_archive(input: &file::InputBytes) -> Result<Archive<'_>, Error> {
+    Ok(Archive::open_with(input, limits())?
+        .with_private_pages(input.is_mapped())
+        .with_release(Some(input)))
 }
 
 /// Opens a safetensors input (`-` for stdin), at most `--max-memory` bytes
