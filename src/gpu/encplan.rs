@@ -16,6 +16,7 @@ use crate::kernels::radix::Groups;
 use crate::plan::PlannedPage;
 
 use super::body::{CanonicalBody, SectionSpec};
+use super::encgroup;
 use super::spec::{
     self, AffineBody, BLOCK, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions, src_suffix,
 };
@@ -38,10 +39,10 @@ pub struct EncWork {
     pub c: Option<f32>,
 }
 
-/// A planned encode. `descs[i].body` is the offset of page `i`'s body in
+/// A planned encode (empty by default). `descs[i].body` is the offset of page `i`'s body in
 /// `host`; the caller rebases it to the device address of the uploaded
 /// `host`.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct EncodeLayout {
     /// Each page's body layout and its offset in `host`.
     pub layouts: Vec<(CanonicalBody, usize)>,
@@ -58,7 +59,7 @@ pub struct EncodeLayout {
 }
 
 /// Checks that a page lies inside the tensor; returns its rows.
-fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
+pub(crate) fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
     if p.tokens == 0 || u64::from(p.token_start) + u64::from(p.tokens) > u64::from(info.tokens) {
         return Err(Error::param(format!(
             "page tokens {}..{} outside {} ({} tokens)",
@@ -73,7 +74,7 @@ fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
 }
 
 /// Appends a body template, [`BODY_ALIGN`]-aligned; returns its offset.
-fn push_body(host: &mut Vec<u8>, l: &CanonicalBody) -> usize {
+pub(crate) fn push_body(host: &mut Vec<u8>, l: &CanonicalBody) -> usize {
     host.resize(host.len().next_multiple_of(BODY_ALIGN), 0);
     let off = host.len();
     host.extend_from_slice(&l.template());
@@ -101,6 +102,15 @@ pub fn plan(
     match kc {
         KernelCodec::Affine { bits, .. } => plan_affine(src, info, kc, bits, pages, opts),
         KernelCodec::Hqmq { med: false, .. } => plan_hqmq(src, info, codec, kc, pages, place),
+        KernelCodec::Kivi { .. } | KernelCodec::InnerQ { .. }
+            if encgroup::encodes(codec, kc, info) =>
+        {
+            encgroup::plan_group(src, info, codec, kc, pages, place)
+        }
+        KernelCodec::Polar { .. } if encgroup::encodes(codec, kc, info) => {
+            encgroup::plan_polar(src, info, codec, kc, pages, place)
+        }
+        KernelCodec::Raw { .. } => encgroup::plan_raw(src, info, pages),
         _ => Err(Error::Unsupported(format!(
             "GPU encode covers int, bdr and hqmq without +med, not {}",
             codec.name()
@@ -113,21 +123,19 @@ pub fn plan(
 /// codec takes.
 pub fn gpu_encodes(codec: &dyn Codec, info: &TensorInfo) -> bool {
     codec.check(info).is_ok()
-        && matches!(
-            KernelCodec::of(codec, info),
-            Ok(KernelCodec::Affine { .. } | KernelCodec::Hqmq { med: false, .. })
-        )
+        && match KernelCodec::of(codec, info) {
+            Ok(KernelCodec::Affine { .. } | KernelCodec::Hqmq { med: false, .. }) => true,
+            Ok(kc) => encgroup::encodes(codec, kc, info) && prepared(codec, kc, info),
+            Err(_) => false,
+        }
 }
 
-fn empty() -> EncodeLayout {
-    EncodeLayout {
-        layouts: Vec::new(),
-        host: Vec::new(),
-        descs: Vec::new(),
-        works: Vec::new(),
-        read: 0,
-        written: 0,
-    }
+/// False for a normalizing InnerQ codec without factors for `info` (not
+/// prepared for the cache): the CPU path prepares it.
+fn prepared(codec: &dyn Codec, kc: KernelCodec, info: &TensorInfo) -> bool {
+    !matches!(kc, KernelCodec::InnerQ { norm: true, .. })
+        || crate::codec::innerq::InnerQ::from_params(&codec.params())
+            .is_ok_and(|c| c.factors_for(info).is_ok_and(|e| e.is_some()))
 }
 
 /// `int{b}` / `bdr{h}`: one kernel writing SCALE, ZERO and INDEX.
@@ -142,7 +150,7 @@ fn plan_affine(
     let esize = info.dtype.size() as u64;
     let kernel = spec::encode_kernel(kc, info.head_dim, info.dtype, opts)?;
     let d = info.head_dim;
-    let mut p = empty();
+    let mut p = EncodeLayout::default();
     let mut work = Vec::new();
     for (i, pg) in pages.iter().enumerate() {
         let rows = page_rows(info, pg)?;
@@ -206,7 +214,7 @@ fn plan_hqmq(
     let rb = (BLOCK / nc.max(1)).max(1);
     let groups = Groups::new(u64::from(o), u32::from(g)).expect("checked grouping");
     let side = place(&super::side::hqmq_encode_table(codec, info, s)?)?;
-    let mut p = empty();
+    let mut p = EncodeLayout::default();
     let mut chunks = 0u64;
     let mut scratch_at = Vec::new();
     for pg in pages {

@@ -94,6 +94,7 @@ pub mod body;
 #[doc(hidden)]
 pub mod codecs;
 mod decplan;
+mod encgroup;
 #[doc(hidden)]
 pub mod encplan;
 pub mod host;
@@ -641,6 +642,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
         v.push((k.source, k.name));
     }
     v.extend(codecs::vq_kernel_names());
+    v.extend(encgroup::kernel_names());
     v.sort();
     v.dedup();
     v
