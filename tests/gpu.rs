@@ -818,13 +818,26 @@ fn random_image(rng: &mut Rng, shape: &PagedShape, dtype: DType) -> Vec<u16> {
         .collect()
 }
 
-/// Encode from the three paged layouts through a shuffled block table:
-/// the GPU encoders (int, bdr, hqmq) and the host fallback (every other
-/// codec) write files byte-identical to the CPU's, which the CPU reader
+/// Encode from the three paged layouts through a shuffled block table,
+/// without and with sink/recent windows: the GPU encoders (raw, int, bdr,
+/// hqmq, kivi, innerq with its key statistics computed on the device,
+/// polar) write files byte-identical to the CPU's, which the CPU reader
 /// opens and decodes to the gathered rows (raw: exactly).
 #[test]
 fn encode_paged_layouts_match_cpu_bytes() {
-    let all = ["raw", "int4", "bdr32", "hqmq:s96r4", "kivi:2", "polar:m4n4"];
+    let all = [
+        "raw",
+        "int4",
+        "bdr32",
+        "hqmq:s96r4",
+        "kivi:2",
+        "kivi:4",
+        "polar:m4n4",
+        "polar:m4n2:adjacent:vraw",
+        "innerq:k2v2",
+        "innerq:k3v2:sym",
+        "innerq:k4v3:asym:nonorm",
+    ];
     let devs = devices();
     let mut rng = Rng(909);
     for (dtype, heads, head_dim, tokens, codecs) in [
@@ -846,12 +859,33 @@ fn encode_paged_layouts_match_cpu_bytes() {
             PagedLayout::FlashInfer,
             PagedLayout::Hnd,
         ] {
-            for &codec in codecs {
+            for (&codec, l) in codecs
+                .iter()
+                .flat_map(|c| [(c, layout(32, 0, 0)), (c, layout(16, 8, 20))])
+            {
                 let c = kvpack::codec::parse(codec).unwrap();
                 let opts = kvpack::compress::CompressOptions {
-                    layout: layout(32, 0, 0),
+                    layout: l,
                     ..Default::default()
                 };
+                // Every codec here takes the GPU path (the bytes alone
+                // would not tell it from the host fallback).
+                let infos = kvpack::gpu::paged::layer_infos(&shape, dtype, 3, tokens);
+                let pages = plan(&infos, &[0, 0], l).unwrap();
+                let ready =
+                    kvpack::gpu::paged::prepare_on_gpu(c.as_ref(), &infos, &pages, &opts, |_| {
+                        Ok(None)
+                    })
+                    .unwrap();
+                assert!(
+                    kvpack::gpu::paged::encodes_on_gpu(
+                        &infos,
+                        &pages,
+                        ready.as_deref().unwrap_or(c.as_ref()),
+                        &opts
+                    ),
+                    "{codec} {l:?} does not encode on the GPU"
+                );
                 let want = Device::Cpu
                     .encode_paged(
                         &image,
@@ -897,7 +931,7 @@ fn encode_paged_layouts_match_cpu_bytes() {
                         .unwrap_or_else(|e| panic!("{codec} {pl:?} on {}: {e}", dev.name()));
                     assert!(
                         got == want,
-                        "{codec} {pl:?} {dtype:?} on {}: file differs from the CPU's",
+                        "{codec} {pl:?} {dtype:?} {l:?} on {}: file differs from the CPU's",
                         dev.name()
                     );
                 }

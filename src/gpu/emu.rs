@@ -418,17 +418,27 @@ impl Emulator {
         ))?;
         let host = outs.map(|o| bytemuck::pod_collect_to_vec::<u8, u16>(arena.at(o, 2 * n)));
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
-        if !paged::encodes_on_gpu(&infos, &pages, codec, opts) {
-            return paged::file_from_host(infos, host, codec, opts, Vec::new());
-        }
         let tensors = infos
             .iter()
             .cloned()
-            .zip(host)
+            .zip(host.clone())
             .map(|(i, v)| paged::host_tensor(i, v))
             .collect::<Result<Vec<_>>>()?;
-        let sections = paged::sections_by_tensor(&pages, 2, |t, mine| {
-            self.encode_tensor(&tensors[t], codec, mine)
+        let prepared = paged::prepare_on_gpu(codec, &infos, &pages, opts, |body| {
+            let s = self.run_layout(&tensors[0], body, &mut |src, _| {
+                super::encgroup::plan_key_amax(src, &infos[0], body)
+            })?;
+            Ok(s.into_iter()
+                .next()
+                .and_then(|mut v| v.pop())
+                .map(|s| s.data))
+        })?;
+        let codec = prepared.as_deref().unwrap_or(codec);
+        if !paged::encodes_on_gpu(&infos, &pages, codec, opts) {
+            return paged::file_from_host(infos, host, codec, opts, Vec::new());
+        }
+        let sections = paged::sections_by_tensor(&pages, 2, codec, |t, mine, c| {
+            self.encode_tensor(&tensors[t], c, mine)
         })?;
         paged::file_from_sections(infos, codec, opts, &pages, sections, Vec::new())
     }
@@ -444,6 +454,22 @@ impl Emulator {
         codec: &dyn Codec,
         pages: &[PlannedPage],
     ) -> Result<Vec<Vec<Section>>> {
+        self.run_layout(tensor, pages, &mut |src, place| {
+            super::encplan::plan(src, &tensor.info, codec, pages, self.options, place)
+        })
+    }
+
+    /// Runs the launches `make(source address, place)` lays out over
+    /// `tensor` and returns each laid-out body's sections.
+    fn run_layout(
+        &self,
+        tensor: &Tensor,
+        pages: &[PlannedPage],
+        make: &mut dyn FnMut(
+            u64,
+            &mut dyn FnMut(&[u8]) -> Result<u64>,
+        ) -> Result<super::encplan::EncodeLayout>,
+    ) -> Result<Vec<Vec<Section>>> {
         let info = &tensor.info;
         let mut arena = Arena { bytes: Vec::new() };
         let src = match &tensor.data {
@@ -453,9 +479,7 @@ impl Emulator {
             // Refused by the plan below (`spec::supported`).
             TensorData::Fp8(_, v) => arena.place(v),
         };
-        let layout = super::encplan::plan(src, info, codec, pages, self.options, &mut |b| {
-            Ok(arena.place(b))
-        })?;
+        let layout = make(src, &mut |b| Ok(arena.place(b)))?;
         let bodies = arena.place(&layout.host);
         let mut descs = layout.descs.clone();
         for d in &mut descs {

@@ -358,6 +358,86 @@ pub(crate) fn plan_raw(src: u64, info: &TensorInfo, pages: &[PlannedPage]) -> Re
     Ok(p)
 }
 
+/// The InnerQ key statistics of `pages` (the key tensor's body pages): one
+/// body holding `heads * head_dim` u32 (f32 bits of `max |x|` per kv head
+/// and channel), filled by `innerq_key_amax_{src}`; read it back with
+/// [`norm_entry`].
+pub(crate) fn plan_key_amax(
+    src: u64,
+    info: &TensorInfo,
+    pages: &[PlannedPage],
+) -> Result<EncodeLayout> {
+    let n = u64::from(info.heads) * u64::from(info.head_dim);
+    let l = CanonicalBody::new(vec![section(
+        SectionKind::Aux,
+        ElemType::U32,
+        count(n)?,
+        4 * n,
+    )?])?;
+    let mut p = EncodeLayout::default();
+    let off = push_body(&mut p.host, &l);
+    let mut items = Vec::new();
+    for (i, pg) in pages.iter().enumerate() {
+        let rows = page_rows(info, pg)?;
+        p.read += u64::from(rows) * u64::from(info.head_dim) * info.dtype.size() as u64;
+        p.descs.push(EncDesc {
+            sec_index: l.offsets[0],
+            ..desc(src, info, pg, i, rows, off)
+        });
+        for pl in 0..rows / pg.tokens {
+            items.push([i as u32, pl * pg.tokens]);
+        }
+    }
+    p.written = 4 * n;
+    p.layouts.push((l, off));
+    let kernel = choice(
+        "group_enc",
+        format!("innerq_key_amax_{}", src_suffix(info.dtype)),
+        u32::MAX,
+    );
+    p.works.push(work(kernel, items));
+    Ok(p)
+}
+
+/// `codec` (InnerQ with key normalization) prepared with the factors of
+/// key tensor `info` from its statistics `amax` (the section of
+/// [`plan_key_amax`]; `None` when the tensor has no body pages): `n =
+/// sqrt(max |x|)`, 1 where the maximum is 0, as
+/// [`crate::codec::Codec::prepare`] computes them.
+///
+/// # Errors
+/// [`Error::Parameter`] when `codec` is not an InnerQ codec.
+pub(crate) fn norm_entry(
+    codec: &dyn Codec,
+    info: &TensorInfo,
+    amax: Option<&[u8]>,
+) -> Result<Box<dyn Codec>> {
+    let mut c = InnerQ::from_params(&codec.params())?;
+    let n = info.heads as usize * info.head_dim as usize;
+    let factors = match amax {
+        Some(b) => b
+            .chunks_exact(4)
+            .map(|w| f32::from_le_bytes(w.try_into().expect("4 bytes")))
+            .map(|m| if m > 0.0 { m.sqrt() } else { 1.0 })
+            .collect(),
+        None => vec![1.0; n],
+    };
+    c.norms = Some(std::sync::Arc::new(vec![crate::codec::innerq::NormEntry {
+        layer: info.layer,
+        heads: info.heads,
+        head_dim: info.head_dim,
+        factors,
+    }]));
+    Ok(Box::new(c))
+}
+
+/// True when a layer encode with `codec` needs the key statistics of
+/// [`plan_key_amax`] first (InnerQ with key normalization).
+pub(crate) fn needs_key_amax(codec: &dyn Codec) -> bool {
+    codec.id() == codec::innerq::ID
+        && InnerQ::from_params(&codec.params()).is_ok_and(|c| c.normalize)
+}
+
 /// Every kernel name these planners can launch, with its source.
 pub(crate) fn kernel_names() -> Vec<(&'static str, String)> {
     let mut v = Vec::new();
@@ -367,6 +447,7 @@ pub(crate) fn kernel_names() -> Vec<(&'static str, String)> {
         }
         v.push(("polar_enc", format!("encode_polar_scale_{sfx}")));
         v.push(("polar_enc", format!("encode_polar_{sfx}")));
+        v.push(("group_enc", format!("innerq_key_amax_{sfx}")));
     }
     v.push(("raw", "encode_raw_u16".into()));
     v.push(("raw", "encode_raw_u32".into()));

@@ -83,20 +83,27 @@ impl Gpu {
                 info.dtype.name()
             )));
         }
+        self.plan_layout(src, info, pages, &mut |at, place| {
+            crate::gpu::encplan::plan(at, info, codec, pages, self.options, place)
+        })
+    }
+
+    /// The plan of the launches `make(source address, place)` lays out
+    /// (`place` uploads a side buffer and returns its address).
+    pub(crate) fn plan_layout<'a, T: GpuElem>(
+        &self,
+        src: &'a GpuBuffer<T>,
+        info: &TensorInfo,
+        pages: &[PlannedPage],
+        make: &mut dyn FnMut(u64, &mut dyn FnMut(&[u8]) -> Result<u64>) -> Result<EncodeLayout>,
+    ) -> Result<EncodePlan<'a>> {
         let mut extra = Vec::new();
-        let layout = crate::gpu::encplan::plan(
-            src.device_ptr(),
-            info,
-            codec,
-            pages,
-            self.options,
-            &mut |b| {
-                let buf = self.upload(b)?;
-                let at = buf.device_ptr();
-                extra.push(buf);
-                Ok(at)
-            },
-        )?;
+        let layout = make(src.device_ptr(), &mut |b| {
+            let buf = self.upload(b)?;
+            let at = buf.device_ptr();
+            extra.push(buf);
+            Ok(at)
+        })?;
         let EncodeLayout {
             layouts,
             mut host,

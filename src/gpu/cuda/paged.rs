@@ -243,12 +243,26 @@ impl Gpu {
         gather.launch()?;
         gather.finish()?;
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
+        let prepared = crate::gpu::paged::prepare_on_gpu(codec, &infos, &pages, opts, |body| {
+            let plan = self.plan_layout(&gathered[0], &infos[0], body, &mut |at, _| {
+                crate::gpu::encgroup::plan_key_amax(at, &infos[0], body)
+            })?;
+            plan.launch()?;
+            plan.finish()?;
+            Ok(plan
+                .sections()?
+                .into_iter()
+                .next()
+                .and_then(|mut v| v.pop())
+                .map(|s| s.data))
+        })?;
+        let codec = prepared.as_deref().unwrap_or(codec);
         if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
             return crate::gpu::paged::file_from_host(infos, host, codec, opts, out);
         }
-        let sections = crate::gpu::paged::sections_by_tensor(&pages, 2, |t, mine| {
-            let plan = self.plan_encode(&gathered[t], &infos[t], codec, mine)?;
+        let sections = crate::gpu::paged::sections_by_tensor(&pages, 2, codec, |t, mine, c| {
+            let plan = self.plan_encode(&gathered[t], &infos[t], c, mine)?;
             plan.launch()?;
             plan.finish()?;
             plan.sections()

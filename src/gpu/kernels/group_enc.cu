@@ -320,3 +320,35 @@ extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_f32(GE_ARGS
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_bf16(GE_ARGS) { groups_tokens<SRC_BF16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_f16(GE_ARGS) { groups_tokens<SRC_F16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_f32(GE_ARGS) { groups_tokens<SRC_F32>(descs, work, status); }
+
+// InnerQ key normalization statistics (format/codecs/innerq.md, the
+// compressor's Codec::prepare): max |x| per (kv head, channel) over the
+// key tensor's body pages, into a u32 array [heads, head_dim] of f32 bits
+// (atomicMax: the values are non-negative). Work item (page, first row of
+// a plane); one thread per channel. sec_index = the array's offset in the
+// body; a NaN or infinity is reported as atomicMin of page << 32 | row.
+template <int SRC>
+__device__ __forceinline__ void key_amax(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
+                                         u64* status) {
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 D = d.head_dim, r0 = w.y, plane = udiv(r0, d.tokens, d.m_tokens);
+    const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride);
+    u32* amax = reinterpret_cast<u32*>(reinterpret_cast<u8*>(d.body) + d.sec_index) + (u64)(plane % d.heads) * D;
+    for (u32 c = threadIdx.x; c < D; c += blockDim.x) {
+        float m = 0.0f;
+        for (u32 t = 0; t < d.tokens; t++) {
+            float x = ge_load<SRC>(src, (u64)t * D + c);
+            if (!is_finite(x)) {
+                atomicMin(status, ((u64)d.page << 32) | (r0 + t));
+                break;
+            }
+            m = fmaxf(m, fabsf(x));
+        }
+        atomicMax(amax + c, __float_as_uint(m));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) innerq_key_amax_bf16(GE_ARGS) { key_amax<SRC_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) innerq_key_amax_f16(GE_ARGS) { key_amax<SRC_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) innerq_key_amax_f32(GE_ARGS) { key_amax<SRC_F32>(descs, work, status); }
