@@ -205,11 +205,15 @@ impl Gpu {
     ///
     /// The rows are first gathered on this handle's stream into contiguous
     /// `[kv_heads, num_tokens, head_dim]` device buffers. Codecs with a GPU
-    /// encoder (`int{b}`, `bdr{h}`, `hqmq` without `+med`; layouts without
-    /// sink/recent windows) encode there and only the page bodies come
-    /// back; every other codec takes the documented fallback: the gathered
-    /// tensors are copied to the host on the same stream and encoded by the
-    /// CPU codec ([`crate::gpu::paged::file_from_host`]).
+    /// encoder (`raw`, `int{b}`, `bdr{h}`, `hqmq` without `+med`, `kivi`,
+    /// `innerq`, `polar`; sink/recent window pages as `raw`) encode there
+    /// and only the page bodies come back; for InnerQ with key
+    /// normalization the per-channel factors (the compressor's
+    /// `Codec::prepare`) are reduced on the device first and the few
+    /// maxima downloaded. Every other codec (and `raw_fallback`) takes the
+    /// documented fallback: the gathered tensors are copied to the host on
+    /// the same stream and encoded by the CPU codec
+    /// ([`crate::gpu::paged::file_from_host`]).
     ///
     /// Returns when the file is on the host: the call waits for the work it
     /// enqueued (stream synchronizes of this handle's stream, so also for
