@@ -465,10 +465,7 @@ impl Emulator {
         &self,
         tensor: &Tensor,
         pages: &[PlannedPage],
-        make: &mut dyn FnMut(
-            u64,
-            &mut dyn FnMut(&[u8]) -> Result<u64>,
-        ) -> Result<super::encplan::EncodeLayout>,
+        make: &mut super::encplan::MakeLayout<'_>,
     ) -> Result<Vec<Vec<Section>>> {
         let info = &tensor.info;
         let mut arena = Arena { bytes: Vec::new() };

@@ -21,6 +21,14 @@ use super::spec::{
     self, AffineBody, BLOCK, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions, src_suffix,
 };
 
+/// Stores a byte buffer on the device and returns its address (the
+/// planners' callback for side tables and scratch).
+pub type Place<'a> = dyn FnMut(&[u8]) -> Result<u64> + 'a;
+
+/// Lays out the launches of an encode from the source's device address,
+/// placing side buffers through [`Place`].
+pub type MakeLayout<'a> = dyn FnMut(u64, &mut Place<'_>) -> Result<EncodeLayout> + 'a;
+
 /// Alignment of page bodies in the body buffer, bytes.
 pub const BODY_ALIGN: usize = 256;
 

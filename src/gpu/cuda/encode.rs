@@ -95,7 +95,7 @@ impl Gpu {
         src: &'a GpuBuffer<T>,
         info: &TensorInfo,
         pages: &[PlannedPage],
-        make: &mut dyn FnMut(u64, &mut dyn FnMut(&[u8]) -> Result<u64>) -> Result<EncodeLayout>,
+        make: &mut crate::gpu::encplan::MakeLayout<'_>,
     ) -> Result<EncodePlan<'a>> {
         let mut extra = Vec::new();
         let layout = make(src.device_ptr(), &mut |b| {
