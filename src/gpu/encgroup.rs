@@ -177,7 +177,9 @@ pub(crate) fn plan_group(
     };
     let d = info.head_dim;
     let g = u32::from(group);
-    let rows_per_item = if tokens { g } else { (TILE / d).max(1) };
+    // Token groups: as many per item as fill the block's threads.
+    let per_item = if tokens { (spec::BLOCK / d).max(1) } else { 1 };
+    let rows_per_item = if tokens { per_item * g } else { (TILE / d).max(1) };
     let kind = if tokens { "tok" } else { "ch" };
     let kernel = choice(
         "group_enc",
@@ -241,6 +243,7 @@ pub(crate) fn plan_group(
             side,
             p0: g,
             p1: u32::from(bits) | mode << 8 | u32::from(norm) << 16,
+            p2: per_item,
             p3: rows_per_item,
             ..desc(src, info, pg, i, rows, off)
         });

@@ -22,10 +22,10 @@
 // memory as f32 (a pad word every 32 so that one thread per group reads
 // without bank conflicts); one thread per group.
 // Groups along tokens (kivi K, innerq V): `encode_groups_tok_{src}`, work
-// item (page, first row of a token group) = the G (or fewer, at the page
-// end) tokens of one plane; one thread per channel (up to GE_CPT channels),
-// reading the group from global memory in each pass; codes are emitted
-// 32 rows at a time.
+// item (page, first row of a token group) = p2 consecutive token groups of
+// G (or fewer, at the page end) tokens of one plane; one thread per
+// (group, channel) (up to GE_CPT per thread), reading the group from global
+// memory in each pass; codes are emitted 32 rows of each group at a time.
 // Either way the b-bit codes of a run of consecutive rows are staged in
 // shared memory and packed LSB-first into the INDEX section: words the run
 // covers whole are stored, the two edge words OR-ed in with atomics (the
@@ -34,8 +34,8 @@
 // EncDesc: sec_scale = SCALE 0, sec_zero = ZERO 0, sec_index = INDEX 0,
 // sec3 = AUX 0 (innerq hybrid mode flags), side = normalization factors
 // (innerq K, else 0); p0 = G, p1 = b | mode << 8 | norm << 16 (mode 0 innerq
-// asymmetric, 1 symmetric, 2 hybrid, 3 kivi), p3 = rows per work item
-// (channel groups). Errors: atomicMin of page << 32 | the group's first row.
+// asymmetric, 1 symmetric, 2 hybrid, 3 kivi), p2 = token groups per work
+// item (token groups), p3 = rows per work item (channel groups). Errors: atomicMin of page << 32 | the group's first row.
 
 #define GE_TILE 4096
 #define GE_CPT 4
@@ -269,46 +269,60 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
     __shared__ u8 codes[GE_SUB * GE_CPT * BLOCK];
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
-    const u32 D = d.head_dim, G = d.p0, bits = d.p1 & 0xffu, mode = (d.p1 >> 8) & 0xffu;
+    const u32 D = d.head_dim, G = d.p0, K = d.p2, bits = d.p1 & 0xffu, mode = (d.p1 >> 8) & 0xffu;
     const float L = (float)((1u << bits) - 1u);
     const u32 r0 = w.y;
     const u32 plane = udiv(r0, d.tokens, d.m_tokens);
     const u32 t0 = r0 - plane * d.tokens;
-    const u32 len = min(G, d.tokens - t0);
     const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride + (u64)t0 * D);
     u8* body = reinterpret_cast<u8*>(d.body);
     const u64 g0 = ((u64)plane * ((d.tokens + G - 1u) / G) + t0 / G) * D;
+    // Slot s of the item is the token group starting at row r0 + s * G;
+    // thread lane idx = threadIdx.x + m * blockDim.x is (slot idx / D,
+    // channel idx % D).
     GeGroup gs[GE_CPT];
     bool ok[GE_CPT];
+    u32 len[GE_CPT];
 #pragma unroll
     for (u32 m = 0; m < GE_CPT; m++) {
-        const u32 c = threadIdx.x + m * blockDim.x;
+        const u32 idx = threadIdx.x + m * blockDim.x, sl = idx / D, c = idx - sl * D;
         ok[m] = false;
-        if (c >= D) continue;
-        ok[m] = ge_params([&](u32 i) { return ge_load<SRC>(src, (u64)i * D + c); }, len, mode, L, gs[m]);
+        len[m] = 0;
+        if (sl >= K || t0 + sl * G >= d.tokens) continue;
+        len[m] = min(G, d.tokens - t0 - sl * G);
+        const u8* gsrc = src + (SRC == SRC_F32 ? 4u : 2u) * ((u64)sl * G * D);
+        ok[m] = ge_params([&](u32 i) { return ge_load<SRC>(gsrc, (u64)i * D + c); }, len[m], mode, L, gs[m]);
         if (!ok[m]) {
-            atomicMin(status, ((u64)d.page << 32) | r0);
+            atomicMin(status, ((u64)d.page << 32) | (r0 + sl * G));
             continue;
         }
-        ge_store_params(body, d, g0 + c, mode, gs[m]);
+        ge_store_params(body, d, g0 + (u64)sl * D + c, mode, gs[m]);
     }
-    for (u32 sb = 0; sb < len; sb += GE_SUB) {
-        const u32 ns = min((u32)GE_SUB, len - sb);
+    const u32 len0 = min(G, d.tokens - t0);
+    for (u32 sb = 0; sb < len0; sb += GE_SUB) {
 #pragma unroll
         for (u32 m = 0; m < GE_CPT; m++) {
-            const u32 c = threadIdx.x + m * blockDim.x;
-            if (c >= D) continue;
+            const u32 idx = threadIdx.x + m * blockDim.x, sl = idx / D, c = idx - sl * D;
+            if (len[m] <= sb) continue;
+            const u32 ns = min((u32)GE_SUB, len[m] - sb);
+            const u8* gsrc = src + (SRC == SRC_F32 ? 4u : 2u) * ((u64)sl * G * D);
+            u8* out = codes + sl * GE_SUB * D;
             u32 sign = 0;
             for (u32 t = 0; t < ns; t++) {
-                float x = ge_load<SRC>(src, (u64)(sb + t) * D + c);
+                float x = ge_load<SRC>(gsrc, (u64)(sb + t) * D + c);
                 u32 q = ok[m] ? ge_code(gs[m], x, L) : 0u;
-                codes[t * D + c] = (u8)q;
+                out[t * D + c] = (u8)q;
                 if (gs[m].sym && x < 0.0f && q > 0u) sign |= 1u << t;
             }
-            if (ok[m] && gs[m].sym) reinterpret_cast<u32*>(body + d.sec_zero)[(g0 + c) * (G >> 5) + (sb >> 5)] = sign;
+            if (ok[m] && gs[m].sym)
+                reinterpret_cast<u32*>(body + d.sec_zero)[(g0 + (u64)sl * D + c) * (G >> 5) + (sb >> 5)] = sign;
         }
         __syncthreads();
-        ge_pack(codes, ns * D, ((u64)r0 + sb) * D, bits, reinterpret_cast<u32*>(body + d.sec_index));
+        for (u32 sl = 0; sl < K && t0 + sl * G + sb < d.tokens; sl++) {
+            const u32 ns = min(min((u32)GE_SUB, G - sb), d.tokens - t0 - sl * G - sb);
+            ge_pack(codes + sl * GE_SUB * D, ns * D, ((u64)r0 + sl * G + sb) * D, bits,
+                    reinterpret_cast<u32*>(body + d.sec_index));
+        }
         __syncthreads();
     }
 }
