@@ -562,7 +562,7 @@ pub fn host_tensor(info: TensorInfo, bits: Vec<u16>) -> Result<Tensor> {
 }
 
 /// True when a paged encode of `infos` planned as `pages` runs on the GPU
-/// (no `raw_fallback`, and [`super::encplan::gpu_encodes`] for every
+/// (no `raw_fallback`, and `gpu::family::gpu_encodes` for every
 /// tensor, with `codec` for the codec pages and `raw` for sink/recent
 /// window pages); otherwise it takes the host fallback
 /// ([`file_from_host`]).
@@ -575,8 +575,8 @@ pub fn encodes_on_gpu(
     let windows = pages.iter().any(|p| p.raw);
     !opts.raw_fallback
         && infos.iter().all(|i| {
-            super::encplan::gpu_encodes(codec, i)
-                && (!windows || super::encplan::gpu_encodes(&crate::codec::raw::Raw, i))
+            super::family::gpu_encodes(codec, i)
+                && (!windows || super::family::gpu_encodes(&crate::codec::raw::Raw, i))
         })
 }
 
@@ -585,7 +585,7 @@ pub fn encodes_on_gpu(
 /// compressor prepares from the key tensor's body tokens): `codec`
 /// prepared with the key factors computed from `amax(body pages of the key
 /// tensor infos[0])` (a device launch returning the statistics section of
-/// `encgroup::plan_key_amax`). `None` when `codec` needs no statistics or
+/// `gpu::family::group_enc::plan_key_amax`). `None` when `codec` needs no statistics or
 /// the layer does not encode on the GPU (the host fallback prepares it).
 ///
 /// # Errors
@@ -597,12 +597,12 @@ pub fn prepare_on_gpu(
     opts: &CompressOptions,
     amax: impl FnOnce(&[PlannedPage]) -> Result<Option<Vec<u8>>>,
 ) -> Result<Option<Box<dyn Codec>>> {
-    if !super::encgroup::needs_key_amax(codec) {
+    if !super::family::group_enc::needs_key_amax(codec) {
         return Ok(None);
     }
     // The shapes and windows decide whether the GPU encodes; the factors
     // do not.
-    let ones = super::encgroup::norm_entry(codec, &infos[0], None)?;
+    let ones = super::family::group_enc::norm_entry(codec, &infos[0], None)?;
     if !encodes_on_gpu(infos, pages, ones.as_ref(), opts) {
         return Ok(None);
     }
@@ -615,7 +615,7 @@ pub fn prepare_on_gpu(
         return Ok(Some(ones));
     }
     let stats = amax(&body)?;
-    super::encgroup::norm_entry(codec, &infos[0], stats.as_deref()).map(Some)
+    super::family::group_enc::norm_entry(codec, &infos[0], stats.as_deref()).map(Some)
 }
 
 /// The sections of every page of `pages`, in order, from

@@ -73,7 +73,7 @@ pub const HQMQ_ENC: Source = Source {
     code: include_str!("kernels/hqmq_enc.cu"),
 };
 
-/// Encode kernels of `kivi` and `innerq`.
+/// Encode kernels of `kivi` and `innerq` (and InnerQ's key statistics).
 pub const GROUP_ENC: Source = Source {
     name: "group_enc",
     code: include_str!("kernels/group_enc.cu"),

@@ -248,17 +248,9 @@ impl Gpu {
         gather.finish()?;
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
         let prepared = crate::gpu::paged::prepare_on_gpu(codec, &infos, &pages, opts, |body| {
-            let plan = self.plan_layout(&gathered[0], &infos[0], body, &mut |at, _| {
-                crate::gpu::encgroup::plan_key_amax(at, &infos[0], body)
-            })?;
-            plan.launch()?;
-            plan.finish()?;
-            Ok(plan
-                .sections()?
-                .into_iter()
-                .next()
-                .and_then(|mut v| v.pop())
-                .map(|s| s.data))
+            let mut stage = super::stage::Stage::new(self);
+            crate::gpu::backend::key_amax(&mut stage, gathered[0].device_ptr(), &infos[0], body)
+                .map(Some)
         })?;
         let codec = prepared.as_deref().unwrap_or(codec);
         if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
