@@ -1369,6 +1369,58 @@ fn encode_rejects_non_finite_rows() {
     }
 }
 
+/// kivi, innerq and polar refuse what their CPU encoders refuse: a NaN
+/// (in K and V, plane 1 token 17) and values beyond the fp16 range of
+/// their scales and zero points, with a parameter error naming the page's
+/// plane and token (the row, or the first row of its token group).
+#[test]
+fn group_and_polar_encoders_reject_what_the_cpu_rejects() {
+    let mut nan = synthetic(&[spec(1, 2, 40, 64)], DType::Bf16, 5);
+    let mut huge = synthetic(&[spec(1, 2, 40, 64)], DType::F32, 6);
+    for t in 0..2 {
+        if let TensorData::Bf16(v) = &mut nan.tensors[t].data {
+            v[(40 + 17) * 64 + 3] = bf16::NAN;
+        }
+        if let TensorData::F32(v) = &mut huge.tensors[t].data {
+            v[(40 + 17) * 64 + 3] = -1.0e6;
+        }
+    }
+    for dev in devices() {
+        for cache in [&nan, &huge] {
+            for codec in [
+                "kivi:2",
+                "innerq:k2v2:nonorm",
+                "innerq:k3v2:sym:nonorm",
+                "polar:m4n4",
+            ] {
+                let c = kvpack::codec::parse(codec).unwrap();
+                for t in &cache.tensors {
+                    let pages =
+                        plan(std::slice::from_ref(&t.info), &[0], layout(16, 0, 0)).unwrap();
+                    let cpu = kvpack::gpu::host::encode_tensor(t, c.as_ref(), &pages);
+                    let got = dev.encode_tensor(t, c.as_ref(), &pages);
+                    assert_eq!(
+                        cpu.is_err(),
+                        got.is_err(),
+                        "{} {codec} {}",
+                        dev.name(),
+                        t.info.name
+                    );
+                    if let Err(e) = got {
+                        let m = e.to_string();
+                        assert!(
+                            matches!(e, kvpack::error::Error::Parameter(_))
+                                && m.contains("plane 1 token 1"),
+                            "{} {codec}: {m}",
+                            dev.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn fp16_source_with_subnormals_and_extremes() {
     // Values near fp16 limits and subnormals exercise the conversions.

@@ -46,13 +46,6 @@
 #define GE_SYM 1u
 #define GE_HYBRID 2u
 
-template <int SRC>
-__device__ __forceinline__ float ge_load(const u8* src, u64 e) {
-    if (SRC == SRC_F32) return __ldg(reinterpret_cast<const float*>(src) + e);
-    u16 h = __ldg(reinterpret_cast<const u16*>(src) + e);
-    return SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-
 // The smallest f16 >= x (x >= 0), as bits; >= 0x7c00 when beyond the range.
 __device__ __forceinline__ u32 ge_f16_ceil(float x) {
     u32 h = f32_to_f16(x);
@@ -189,29 +182,6 @@ __device__ __forceinline__ void ge_store_params(u8* body, const EncDesc& d, u64 
     if (mode == GE_HYBRID && g.sym) atomicOr(reinterpret_cast<u32*>(body + d.sec3) + (gi >> 5), 1u << (gi & 31u));
 }
 
-// Packs codes[0..n) (code k = element e0 + k of the page) into `words` at
-// `bits` bits per code.
-template <class C>
-__device__ __forceinline__ void ge_pack(const C* codes, u32 n, u64 e0, u32 bits, u32* words) {
-    const u64 b0 = e0 * bits, b1 = (e0 + n) * bits;
-    for (u64 wd = (b0 >> 5) + threadIdx.x; wd < (b1 + 31u) >> 5; wd += blockDim.x) {
-        const u64 lo = wd * 32u, hi = lo + 32u;
-        u32 k = lo > b0 ? (u32)((lo - b0) / bits) : 0u;
-        u32 word = 0;
-        for (; k < n; k++) {
-            u64 cb = b0 + (u64)k * bits;
-            if (cb >= hi) break;
-            u32 v = codes[k];
-            word |= cb >= lo ? v << (u32)(cb - lo) : v >> (u32)(lo - cb);
-        }
-        if (lo >= b0 && hi <= b1) {
-            words[wd] = word;
-        } else if (word != 0u) {
-            atomicOr(words + wd, word);
-        }
-    }
-}
-
 // Shared-memory index of staged element i (a pad word every 32).
 __device__ __forceinline__ u32 ge_pad(u32 i) { return i + (i >> 5); }
 
@@ -248,7 +218,7 @@ __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ desc
         }
     } else {
         for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
-            float x = ge_load<SRC>(src, i);
+            float x = enc_load<SRC>(src, i);
             if (norm) x = __fdiv_rn(x, __ldg(factors + i % D));
             vals[ge_pad(i)] = x;
         }
@@ -276,7 +246,7 @@ __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ desc
         }
     }
     __syncthreads();
-    ge_pack(codes, n, (u64)r0 * D, bits, reinterpret_cast<u32*>(body + d.sec_index));
+    enc_pack(codes, n, (u64)r0 * D, bits, reinterpret_cast<u32*>(body + d.sec_index));
 }
 
 template <int SRC>
@@ -307,7 +277,7 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
         if (sl >= K || t0 + sl * G >= d.tokens) continue;
         len[m] = min(G, d.tokens - t0 - sl * G);
         const u8* gsrc = src + (SRC == SRC_F32 ? 4u : 2u) * ((u64)sl * G * D);
-        ok[m] = ge_params([&](u32 i) { return ge_load<SRC>(gsrc, (u64)i * D + c); }, len[m], mode, L, gs[m]);
+        ok[m] = ge_params([&](u32 i) { return enc_load<SRC>(gsrc, (u64)i * D + c); }, len[m], mode, L, gs[m]);
         if (!ok[m]) {
             atomicMin(status, ((u64)d.page << 32) | (r0 + sl * G));
             continue;
@@ -325,7 +295,7 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
             u8* out = codes + sl * GE_SUB * D;
             u32 sign = 0;
             for (u32 t = 0; t < ns; t++) {
-                float x = ge_load<SRC>(gsrc, (u64)(sb + t) * D + c);
+                float x = enc_load<SRC>(gsrc, (u64)(sb + t) * D + c);
                 u32 q = ok[m] ? ge_code(gs[m], x, L) : 0u;
                 out[t * D + c] = (u8)q;
                 if (gs[m].sym && x < 0.0f && q > 0u) sign |= 1u << t;
@@ -336,7 +306,7 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
         __syncthreads();
         for (u32 sl = 0; sl < K && t0 + sl * G + sb < d.tokens; sl++) {
             const u32 ns = min(min((u32)GE_SUB, G - sb), d.tokens - t0 - sl * G - sb);
-            ge_pack(codes + sl * GE_SUB * D, ns * D, ((u64)r0 + sl * G + sb) * D, bits,
+            enc_pack(codes + sl * GE_SUB * D, ns * D, ((u64)r0 + sl * G + sb) * D, bits,
                     reinterpret_cast<u32*>(body + d.sec_index));
         }
         __syncthreads();
@@ -368,7 +338,7 @@ __device__ __forceinline__ void key_amax(const EncDesc* __restrict__ descs, cons
     for (u32 c = threadIdx.x; c < D; c += blockDim.x) {
         float m = 0.0f;
         for (u32 t = 0; t < d.tokens; t++) {
-            float x = ge_load<SRC>(src, (u64)t * D + c);
+            float x = enc_load<SRC>(src, (u64)t * D + c);
             if (!is_finite(x)) {
                 atomicMin(status, ((u64)d.page << 32) | (r0 + t));
                 break;

@@ -30,13 +30,6 @@
 #define PE_TILE 4096
 #define PE_RNE 12582912.0f
 
-template <int SRC>
-__device__ __forceinline__ float pe_load(const u8* src, u64 e) {
-    if (SRC == SRC_F32) return __ldg(reinterpret_cast<const float*>(src) + e);
-    u16 h = __ldg(reinterpret_cast<const u16*>(src) + e);
-    return SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-
 // kernels::polar::radius.
 __device__ __forceinline__ float pe_radius(float x, float y) {
     double a = (double)x, b = (double)y;
@@ -132,7 +125,7 @@ __device__ __forceinline__ void polar_scale(const EncDesc* __restrict__ descs, c
     for (u32 i = threadIdx.x; i < T * pairs; i += blockDim.x) {
         u32 t = i / pairs, j = i - t * pairs, i1, i2;
         pe_pair(D, j, adjacent, i1, i2);
-        float x = pe_load<SRC>(src, (u64)t * D + i1), y = pe_load<SRC>(src, (u64)t * D + i2);
+        float x = enc_load<SRC>(src, (u64)t * D + i1), y = enc_load<SRC>(src, (u64)t * D + i2);
         if (!is_finite(x) || !is_finite(y)) {
             atomicMin(status, ((u64)d.page << 32) | (r0 + t));
             continue;
@@ -144,27 +137,6 @@ __device__ __forceinline__ void polar_scale(const EncDesc* __restrict__ descs, c
     float* scales = reinterpret_cast<float*>(reinterpret_cast<u8*>(d.body) + d.sec_scale);
     for (u32 j = threadIdx.x; j < pairs; j += blockDim.x)
         scales[(u64)plane * pairs + j] = __fdiv_rn(__uint_as_float(smax[j]), L);
-}
-
-// Packs codes[0..n) (code k = pair code e0 + k of the page) into `words`.
-__device__ __forceinline__ void pe_pack(const u16* codes, u32 n, u64 e0, u32 bits, u32* words) {
-    const u64 b0 = e0 * bits, b1 = (e0 + n) * bits;
-    for (u64 wd = (b0 >> 5) + threadIdx.x; wd < (b1 + 31u) >> 5; wd += blockDim.x) {
-        const u64 lo = wd * 32u, hi = lo + 32u;
-        u32 k = lo > b0 ? (u32)((lo - b0) / bits) : 0u;
-        u32 word = 0;
-        for (; k < n; k++) {
-            u64 cb = b0 + (u64)k * bits;
-            if (cb >= hi) break;
-            u32 v = codes[k];
-            word |= cb >= lo ? v << (u32)(cb - lo) : v >> (u32)(lo - cb);
-        }
-        if (lo >= b0 && hi <= b1) {
-            words[wd] = word;
-        } else if (word != 0u) {
-            atomicOr(words + wd, word);
-        }
-    }
 }
 
 template <int SRC>
@@ -189,7 +161,7 @@ __device__ __forceinline__ void polar_codes(const EncDesc* __restrict__ descs, c
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
         u32 t = i / pairs, j = i - t * pairs, i1, i2;
         pe_pair(D, j, adjacent, i1, i2);
-        float x = pe_load<SRC>(src, (u64)t * D + i1), y = pe_load<SRC>(src, (u64)t * D + i2);
+        float x = enc_load<SRC>(src, (u64)t * D + i1), y = enc_load<SRC>(src, (u64)t * D + i2);
         u32 rho = 0;
         float s = scales[j];
         if (s > 0.0f) {
@@ -199,7 +171,7 @@ __device__ __forceinline__ void polar_codes(const EncDesc* __restrict__ descs, c
         codes[i] = (u16)(pe_find(x, y, sdirs, ndir, uniform) | (rho << m));
     }
     __syncthreads();
-    pe_pack(codes, n, (u64)r0 * pairs, m + nb, reinterpret_cast<u32*>(body + d.sec_index));
+    enc_pack(codes, n, (u64)r0 * pairs, m + nb, reinterpret_cast<u32*>(body + d.sec_index));
 }
 
 #define PE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
