@@ -395,16 +395,16 @@ impl FilePlan {
 
 /// Writes a new kvpack file of tensors `infos` whose pages were encoded
 /// elsewhere (e.g. on the GPU): `sections(i)` returns the sections of
-/// `pages[i]` as `codec`'s encoder would. `pages` must be the plan of
-/// `infos` under `opts.layout`, without window (raw) pages; `codec` must
-/// need no [`Codec::prepare`] and `opts.raw_fallback` be off. Frames (and
-/// zstd) are built on all threads; the result is the file [`compress`]
-/// writes for the same tensors.
+/// `pages[i]` as `codec`'s encoder would (for window pages, as `raw`'s).
+/// `pages` must be the plan of `infos` under `opts.layout`; `codec` must
+/// be prepared already (it is written as given: [`Codec::prepare`] is not
+/// called) and `opts.raw_fallback` be off. Frames (and zstd) are built on
+/// all threads; the result is the file [`compress`] writes for the same
+/// tensors with the same prepared codec.
 ///
 /// # Errors
-/// [`Error::Parameter`] when `pages` is not that plan, has window pages,
-/// or `raw_fallback` is set; the error of `sections`; [`Error::Io`] when
-/// writing fails.
+/// [`Error::Parameter`] when `pages` is not that plan or `raw_fallback` is
+/// set; the error of `sections`; [`Error::Io`] when writing fails.
 #[allow(clippy::too_many_arguments)]
 pub fn write_encoded<W: Write + Send>(
     infos: Vec<TensorInfo>,
@@ -426,17 +426,21 @@ pub fn write_encoded<W: Write + Send>(
         .map(|i| i.elements() * i.dtype.size() as u64)
         .sum();
     let file = FilePlan::unprepared(infos, metadata, codec, opts)?;
-    if pages != file.pages.as_slice() || file.raw_pages > 0 || opts.raw_fallback {
+    if pages != file.pages.as_slice() || opts.raw_fallback {
         return Err(Error::param(
-            "encoded pages must be the layout's plan, without window pages or raw fallback",
+            "encoded pages must be the layout's plan, without raw fallback",
         ));
     }
+    let raw_slot = file.header.codecs.len() - 1;
     let mut w = Writer::new(out, &file.header)?;
     let index: Vec<usize> = (0..pages.len()).collect();
     ordered_map(
         &index,
         source_bytes / pages.len().max(1) as u64,
-        |&i| page_frame(&pages[i], &sections(i)?, 0, opts),
+        |&i| {
+            let slot = if pages[i].raw { raw_slot } else { 0 };
+            page_frame(&pages[i], &sections(i)?, slot, opts)
+        },
         |frame| w.write_page(&frame),
     )?;
     let (out, trailer) = w.commit(token_ids)?;
@@ -445,7 +449,7 @@ pub fn write_encoded<W: Write + Send>(
         CompressReport {
             codec: codec.name(),
             pages: pages.len(),
-            raw_pages: 0,
+            raw_pages: file.raw_pages,
             elements,
             source_bytes,
             output_bytes: trailer.header_len + trailer.commit_end,

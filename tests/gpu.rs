@@ -818,13 +818,26 @@ fn random_image(rng: &mut Rng, shape: &PagedShape, dtype: DType) -> Vec<u16> {
         .collect()
 }
 
-/// Encode from the three paged layouts through a shuffled block table:
-/// the GPU encoders (int, bdr, hqmq) and the host fallback (every other
-/// codec) write files byte-identical to the CPU's, which the CPU reader
+/// Encode from the three paged layouts through a shuffled block table,
+/// without and with sink/recent windows: the GPU encoders (raw, int, bdr,
+/// hqmq, kivi, innerq with its key statistics computed on the device,
+/// polar) write files byte-identical to the CPU's, which the CPU reader
 /// opens and decodes to the gathered rows (raw: exactly).
 #[test]
 fn encode_paged_layouts_match_cpu_bytes() {
-    let all = ["raw", "int4", "bdr32", "hqmq:s96r4", "kivi:2", "polar:m4n4"];
+    let all = [
+        "raw",
+        "int4",
+        "bdr32",
+        "hqmq:s96r4",
+        "kivi:2",
+        "kivi:4",
+        "polar:m4n4",
+        "polar:m4n2:adjacent:vraw",
+        "innerq:k2v2",
+        "innerq:k3v2:sym",
+        "innerq:k4v3:asym:nonorm",
+    ];
     let devs = devices();
     let mut rng = Rng(909);
     for (dtype, heads, head_dim, tokens, codecs) in [
@@ -846,12 +859,33 @@ fn encode_paged_layouts_match_cpu_bytes() {
             PagedLayout::FlashInfer,
             PagedLayout::Hnd,
         ] {
-            for &codec in codecs {
+            for (&codec, l) in codecs
+                .iter()
+                .flat_map(|c| [(c, layout(32, 0, 0)), (c, layout(16, 8, 20))])
+            {
                 let c = kvpack::codec::parse(codec).unwrap();
                 let opts = kvpack::compress::CompressOptions {
-                    layout: layout(32, 0, 0),
+                    layout: l,
                     ..Default::default()
                 };
+                // Every codec here takes the GPU path (the bytes alone
+                // would not tell it from the host fallback).
+                let infos = kvpack::gpu::paged::layer_infos(&shape, dtype, 3, tokens);
+                let pages = plan(&infos, &[0, 0], l).unwrap();
+                let ready =
+                    kvpack::gpu::paged::prepare_on_gpu(c.as_ref(), &infos, &pages, &opts, |_| {
+                        Ok(None)
+                    })
+                    .unwrap();
+                assert!(
+                    kvpack::gpu::paged::encodes_on_gpu(
+                        &infos,
+                        &pages,
+                        ready.as_deref().unwrap_or(c.as_ref()),
+                        &opts
+                    ),
+                    "{codec} {l:?} does not encode on the GPU"
+                );
                 let want = Device::Cpu
                     .encode_paged(
                         &image,
@@ -897,7 +931,7 @@ fn encode_paged_layouts_match_cpu_bytes() {
                         .unwrap_or_else(|e| panic!("{codec} {pl:?} on {}: {e}", dev.name()));
                     assert!(
                         got == want,
-                        "{codec} {pl:?} {dtype:?} on {}: file differs from the CPU's",
+                        "{codec} {pl:?} {dtype:?} {l:?} on {}: file differs from the CPU's",
                         dev.name()
                     );
                 }
@@ -1097,6 +1131,17 @@ fn decode_fixture_matches_cpu() {
 /// compares the sections byte for byte.
 fn check_encode(dev: &Device, cache: &KvCache, codec: &str, l: Layout) -> usize {
     let c = kvpack::codec::parse(codec).unwrap();
+    check_encode_with(dev, cache, c.as_ref(), l)
+}
+
+/// [`check_encode`] with a codec object (e.g. prepared for `cache`).
+fn check_encode_with(
+    dev: &Device,
+    cache: &KvCache,
+    c: &dyn kvpack::codec::Codec,
+    l: Layout,
+) -> usize {
+    let codec = c.name();
     let infos: Vec<_> = cache.tensors.iter().map(|t| t.info.clone()).collect();
     let pages = plan(&infos, &vec![0; infos.len()], l).unwrap();
     let mut compared = 0;
@@ -1106,9 +1151,9 @@ fn check_encode(dev: &Device, cache: &KvCache, codec: &str, l: Layout) -> usize 
             .filter(|p| p.tensor == ti as u32 && !p.raw)
             .copied()
             .collect();
-        let want = kvpack::gpu::host::encode_tensor(t, c.as_ref(), &mine).unwrap();
+        let want = kvpack::gpu::host::encode_tensor(t, c, &mine).unwrap();
         let got = dev
-            .encode_tensor(t, c.as_ref(), &mine)
+            .encode_tensor(t, c, &mine)
             .unwrap_or_else(|e| panic!("{codec} on {}: {e}", dev.name()));
         assert_eq!(got.len(), want.len());
         for (pi, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -1197,6 +1242,97 @@ fn encode_hqmq_matches_cpu_bitwise() {
     }
 }
 
+/// `codec` prepared for `cache` under layout `l` (InnerQ's key
+/// normalization factors), as the compressor prepares it.
+fn prepared(codec: &str, cache: &KvCache, l: Layout) -> Box<dyn kvpack::codec::Codec> {
+    let c = kvpack::codec::parse(codec).unwrap();
+    match c.prepare(&cache.view(), &l).unwrap() {
+        Some(p) => p,
+        None => c,
+    }
+}
+
+/// Zeros of both signs, constant runs and a column of huge values in the
+/// keys: minima that are a signed zero (the CPU's tie rule decides the
+/// stored zero point's sign), groups with a zero scale.
+fn with_zeros(mut cache: KvCache) -> KvCache {
+    for t in &mut cache.tensors {
+        let d = t.info.head_dim as usize;
+        let put = |i: usize, x: f32| -> (usize, f32) { (i, x) };
+        let edits: Vec<(usize, f32)> = (0..t.info.elements() as usize)
+            .filter_map(|i| match (i / d) % 7 {
+                0 if i % 3 == 0 => Some(put(i, 0.0)),
+                0 if i % 3 == 1 => Some(put(i, -0.0)),
+                0 => Some(put(i, (i % 5) as f32 * 0.25)),
+                3 => Some(put(i, 0.5)),
+                _ => None,
+            })
+            .collect();
+        match &mut t.data {
+            TensorData::Bf16(v) => edits.iter().for_each(|&(i, x)| v[i] = bf16::from_f32(x)),
+            TensorData::F16(v) => edits.iter().for_each(|&(i, x)| v[i] = f16::from_f32(x)),
+            TensorData::F32(v) => edits.iter().for_each(|&(i, x)| v[i] = x),
+            TensorData::Fp8(..) => unreachable!("no fp8 here"),
+        }
+    }
+    cache
+}
+
+/// kivi, innerq and polar (every registry example and further variants)
+/// encoded on the GPU: the sections equal the CPU encoder's, on edge shapes
+/// (partial token groups at page ends, batch > 1, head_dim 1024, groups of
+/// 1 and 64, signed-zero minima, constant groups, f32 sources) and on the
+/// real fixture.
+#[test]
+fn encode_group_and_polar_codecs_match_cpu_bitwise() {
+    let codecs = [
+        "kivi:2",
+        "kivi:4",
+        "kivi:3:g64",
+        "kivi:8:g1",
+        "innerq:k2v2",
+        "innerq:k3v2:sym",
+        "innerq:k4v3:asym:nonorm",
+        "innerq:k1v8:g64",
+        "innerq:k8v1:hybrid:g64:nonorm",
+        "polar:m4n4",
+        "polar:m4n2",
+        "polar:m4n2:adjacent:vraw",
+        "polar:m2n8:v2",
+        "polar:m8n3:adjacent",
+    ];
+    let shapes = [
+        (spec(1, 4, 300, 128), DType::Bf16, layout(128, 0, 0)),
+        (spec(2, 2, 77, 64), DType::F16, layout(32, 0, 0)),
+        (spec(1, 3, 45, 64), DType::F32, layout(16, 0, 0)),
+        (spec(1, 1, 40, 1024), DType::Bf16, layout(40, 0, 0)),
+    ];
+    for dev in devices() {
+        let mut bytes = 0;
+        for (i, (s, dtype, l)) in shapes.iter().enumerate() {
+            let cache = with_zeros(synthetic(&[*s], *dtype, 51 + i as u64));
+            for codec in codecs {
+                bytes += check_encode_with(&dev, &cache, prepared(codec, &cache, *l).as_ref(), *l);
+            }
+        }
+        let fixture = common::fixture().cache;
+        for codec in [
+            "kivi:2",
+            "kivi:4",
+            "innerq:k2v2",
+            "innerq:k3v2:sym",
+            "polar:m4n4",
+        ] {
+            let l = layout(256, 0, 0);
+            bytes += check_encode_with(&dev, &fixture, prepared(codec, &fixture, l).as_ref(), l);
+        }
+        println!(
+            "kivi/innerq/polar encode on {}: {bytes} section bytes identical to the CPU",
+            dev.name()
+        );
+    }
+}
+
 #[test]
 fn encode_fixture_matches_cpu_bitwise() {
     let cache = common::fixture().cache;
@@ -1229,6 +1365,58 @@ fn encode_rejects_non_finite_rows() {
                 "{} {codec}: {m}",
                 dev.name()
             );
+        }
+    }
+}
+
+/// kivi, innerq and polar refuse what their CPU encoders refuse: a NaN
+/// (in K and V, plane 1 token 17) and values beyond the fp16 range of
+/// their scales and zero points, with a parameter error naming the page's
+/// plane and token (the row, or the first row of its token group).
+#[test]
+fn group_and_polar_encoders_reject_what_the_cpu_rejects() {
+    let mut nan = synthetic(&[spec(1, 2, 40, 64)], DType::Bf16, 5);
+    let mut huge = synthetic(&[spec(1, 2, 40, 64)], DType::F32, 6);
+    for t in 0..2 {
+        if let TensorData::Bf16(v) = &mut nan.tensors[t].data {
+            v[(40 + 17) * 64 + 3] = bf16::NAN;
+        }
+        if let TensorData::F32(v) = &mut huge.tensors[t].data {
+            v[(40 + 17) * 64 + 3] = -1.0e6;
+        }
+    }
+    for dev in devices() {
+        for cache in [&nan, &huge] {
+            for codec in [
+                "kivi:2",
+                "innerq:k2v2:nonorm",
+                "innerq:k3v2:sym:nonorm",
+                "polar:m4n4",
+            ] {
+                let c = kvpack::codec::parse(codec).unwrap();
+                for t in &cache.tensors {
+                    let pages =
+                        plan(std::slice::from_ref(&t.info), &[0], layout(16, 0, 0)).unwrap();
+                    let cpu = kvpack::gpu::host::encode_tensor(t, c.as_ref(), &pages);
+                    let got = dev.encode_tensor(t, c.as_ref(), &pages);
+                    assert_eq!(
+                        cpu.is_err(),
+                        got.is_err(),
+                        "{} {codec} {}",
+                        dev.name(),
+                        t.info.name
+                    );
+                    if let Err(e) = got {
+                        let m = e.to_string();
+                        assert!(
+                            matches!(e, kvpack::error::Error::Parameter(_))
+                                && m.contains("plane 1 token 1"),
+                            "{} {codec}: {m}",
+                            dev.name()
+                        );
+                    }
+                }
+            }
         }
     }
 }

@@ -15,6 +15,7 @@ use crate::plan::PlannedPage;
 
 use super::body::CanonicalBody;
 use super::decplan::{Args, BODY_ALIGN, Staged, add_page, group_args, pack_groups};
+use super::encplan::EncodeLayout;
 use super::spec::{DstSpec, KernelChoice, KernelOptions, OutType, PageGeom};
 
 /// One kernel launch: `blocks` blocks of `kernel` over the descriptors at
@@ -186,8 +187,16 @@ pub(crate) fn place_encode(
     pages: &[PlannedPage],
     opts: KernelOptions,
 ) -> Result<PlacedEncode> {
-    let mut layout =
-        super::family::plan_encode(src, info, codec, pages, opts, &mut |x| b.place(x))?;
+    let layout = super::family::plan_encode(src, info, codec, pages, opts, &mut |x| b.place(x))?;
+    place_layout(b, layout)
+}
+
+/// Places a planned encode layout on `b` ([`place_encode`] after the
+/// planning).
+///
+/// # Errors
+/// As [`Backend::place`].
+fn place_layout(b: &mut dyn Backend, mut layout: EncodeLayout) -> Result<PlacedEncode> {
     layout.host.resize(layout.host.len().max(BODY_ALIGN), 0);
     let bodies = b.place(&layout.host)?;
     for d in &mut layout.descs {
@@ -228,6 +237,35 @@ pub(crate) fn place_encode(
         read: layout.read,
         written: layout.written,
     })
+}
+
+/// The InnerQ key statistics of the key tensor `info` (source at device
+/// address `src`) over its body pages `pages` on `b`: the section bytes of
+/// `family::group_enc::plan_key_amax` (f32 bits of `max |x|` per kv head
+/// and channel), launched, checked and read back.
+///
+/// # Errors
+/// [`Error::Parameter`] naming the row of a NaN or infinity; as
+/// [`Backend::place`], [`Backend::launch`] and [`Backend::read`].
+pub(crate) fn key_amax(
+    b: &mut dyn Backend,
+    src: u64,
+    info: &TensorInfo,
+    pages: &[PlannedPage],
+) -> Result<Vec<u8>> {
+    let layout = super::family::group_enc::plan_key_amax(src, info, pages)?;
+    let plan = place_layout(b, layout)?;
+    b.launch(&plan.launches)?;
+    let s = b.read(plan.status, 8)?;
+    check_encode_status(
+        u64::from_le_bytes(s[..8].try_into().expect("8 bytes")),
+        info,
+        pages,
+    )?;
+    let bodies = b.read(plan.bodies, plan.bodies_len)?;
+    let (l, off) = &plan.layouts[0];
+    let mut sections = l.sections(&bodies[*off..*off + l.body_len as usize]);
+    Ok(sections.pop().map(|s| s.data).unwrap_or_default())
 }
 
 /// Checks the status word of an encode of `pages` of `info`: `u64::MAX`,

@@ -390,6 +390,15 @@ impl Emulator {
         ))?;
         let host = outs.map(|o| bytemuck::pod_collect_to_vec::<u8, u16>(arena.at(o, 2 * n)));
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
+        let prepared = paged::prepare_on_gpu(codec, &infos, &pages, opts, |body| {
+            let mut run = EmuRun {
+                emu: self,
+                arena: Arena { bytes: Vec::new() },
+            };
+            let src = run.arena.place(bytemuck::cast_slice(&host[0]));
+            super::backend::key_amax(&mut run, src, &infos[0], body).map(Some)
+        })?;
+        let codec = prepared.as_deref().unwrap_or(codec);
         if !paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             return paged::file_from_host(infos, host, codec, opts, Vec::new());
         }
@@ -399,8 +408,8 @@ impl Emulator {
             .zip(host)
             .map(|(i, v)| paged::host_tensor(i, v))
             .collect::<Result<Vec<_>>>()?;
-        let sections = paged::sections_by_tensor(&pages, 2, |t, mine| {
-            self.encode_tensor(&tensors[t], codec, mine)
+        let sections = paged::sections_by_tensor(&pages, 2, codec, |t, mine, c| {
+            self.encode_tensor(&tensors[t], c, mine)
         })?;
         paged::file_from_sections(infos, codec, opts, &pages, sections, Vec::new())
     }

@@ -2,8 +2,11 @@
 //! descriptors ([`EncDesc`]) and the work lists of each kernel launch. The
 //! per-codec part is each family's `gpu::family::GpuFamily::plan_encode`
 //! (`int{b}` / `bdr{h}`: one kernel, `family/affine.rs`; `hqmq` without
-//! outlier extraction: a search and a pack kernel, `family/hqmq.rs`); this
-//! module holds the plan types, the dispatch and the shared helpers.
+//! outlier extraction: a search and a pack kernel, `family/hqmq.rs`;
+//! `kivi` / `innerq`: one kernel, `family/group_enc.rs`; `polar` keys: a
+//! scale and a code kernel, `family/polar.rs`; `raw`: a copy,
+//! `family/raw.rs`); this module holds the plan types, the dispatch and
+//! the shared helpers.
 //!
 //! The planner places the buffers it needs besides the bodies (hqmq side
 //! tables and scratch) through a callback, so the CUDA backend and the SIMT

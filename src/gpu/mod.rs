@@ -4,8 +4,8 @@
 //! fp16) KV on the GPU; on a prefill node it must be compressed on the GPU
 //! before it is sent. This module decodes every codec of the format on the
 //! GPU (`raw`, `int{b}`, `bdr{h}`, `hqmq`, `octopus`, `turbo`, `polar`,
-//! `innerq`, `kivi`) and encodes `int{b}`, `bdr{h}` and `hqmq` (without
-//! `+med`):
+//! `innerq`, `kivi`) and encodes `raw`, `int{b}`, `bdr{h}`, `hqmq`
+//! (without `+med`), `kivi`, `innerq` and `polar`:
 //!
 //! * **Decode** ([`Gpu::plan_decode`]): page bodies in device memory
 //!   ([`GpuPages`]) to bf16/fp16 in two layouts ([`Dst`]): contiguous
@@ -26,11 +26,17 @@
 //!   (`gpu::family`), so the GPU rejects what the CPU rejects, or, for hqmq's digit groups, by the kernel (a format error
 //!   from [`DecodePlan::finish`]).
 //! * **Encode** ([`Gpu::plan_encode`]): a contiguous bf16/fp16/f32 tensor
-//!   on the device to `int{b}` / `bdr{h}` / `hqmq` page bodies whose
-//!   sections are the CPU encoder's bit for bit ([`EncodePlan::sections`];
-//!   planned by `gpu::encplan` and each family's `plan_encode` in
-//!   `gpu::family`). The hqmq search is the CPU's fast exact search
-//!   (coset filter with a proven margin, exact rescoring of near-ties).
+//!   on the device to page bodies whose sections are the CPU encoder's bit
+//!   for bit ([`EncodePlan::sections`]; planned by `gpu::encplan` and each
+//!   family's `plan_encode` in `gpu::family`), with the CPU's operations
+//!   in the CPU's order (no contraction; group minima with the CPU's tie
+//!   rule for signed zeros; InnerQ's hybrid errors summed in binary64 in
+//!   element order; PolarQuant's radii in binary64 and its direction
+//!   search with the CPU's candidates). The hqmq search is the CPU's fast
+//!   exact search (coset filter with a proven margin, exact rescoring of
+//!   near-ties). [`Gpu::encode_paged`] gathers a vLLM paged cache and
+//!   encodes it so, window pages as `raw` and InnerQ's key normalization
+//!   statistics reduced on the device.
 //! * **File to GPU** ([`FileDecoder`]): pages read from an mmap'd file,
 //!   checked (CRC), staged in pinned host memory, copied to the device and
 //!   decoded there, with the CPU staging, the host-to-device copy and the
@@ -555,9 +561,11 @@ impl Device {
         r.map(|(bytes, _)| bytes)
     }
 
-    /// Encodes the planned pages of `tensor` with `codec` (`int{b}` or
-    /// `bdr{h}` on CUDA; any codec on the CPU), returning each page's
-    /// sections as the CPU encoder does.
+    /// Encodes the planned pages of `tensor` with `codec` (on CUDA and the
+    /// emulator the codecs with a GPU encoder: `raw`, `int{b}`, `bdr{h}`,
+    /// `hqmq` without `+med`, `kivi`, `innerq` (prepared), `polar`; any
+    /// codec on the CPU), returning each page's sections as the CPU encoder
+    /// does.
     ///
     /// # Errors
     /// [`Error::Parameter`] for values the codec cannot represent (NaN,

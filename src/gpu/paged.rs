@@ -562,22 +562,66 @@ pub fn host_tensor(info: TensorInfo, bits: Vec<u16>) -> Result<Tensor> {
 }
 
 /// True when a paged encode of `infos` planned as `pages` runs on the GPU
-/// (no window pages, no `raw_fallback`, and
-/// `gpu::family::gpu_encodes` for every tensor); otherwise it takes
-/// the host fallback ([`file_from_host`]).
+/// (no `raw_fallback`, and `gpu::family::gpu_encodes` for every
+/// tensor, with `codec` for the codec pages and `raw` for sink/recent
+/// window pages); otherwise it takes the host fallback
+/// ([`file_from_host`]).
 pub fn encodes_on_gpu(
     infos: &[TensorInfo],
     pages: &[PlannedPage],
     codec: &dyn Codec,
     opts: &CompressOptions,
 ) -> bool {
+    let windows = pages.iter().any(|p| p.raw);
     !opts.raw_fallback
-        && !pages.iter().any(|p| p.raw)
-        && infos.iter().all(|i| super::family::gpu_encodes(codec, i))
+        && infos.iter().all(|i| {
+            super::family::gpu_encodes(codec, i)
+                && (!windows || super::family::gpu_encodes(&crate::codec::raw::Raw, i))
+        })
+}
+
+/// The codec a layer encode on the GPU writes when `codec` needs
+/// whole-layer statistics first (InnerQ with key normalization, which the
+/// compressor prepares from the key tensor's body tokens): `codec`
+/// prepared with the key factors computed from `amax(body pages of the key
+/// tensor infos[0])` (a device launch returning the statistics section of
+/// `gpu::family::group_enc::plan_key_amax`). `None` when `codec` needs no statistics or
+/// the layer does not encode on the GPU (the host fallback prepares it).
+///
+/// # Errors
+/// The error of `amax` (a NaN or infinity in a key names its row).
+pub fn prepare_on_gpu(
+    codec: &dyn Codec,
+    infos: &[TensorInfo],
+    pages: &[PlannedPage],
+    opts: &CompressOptions,
+    amax: impl FnOnce(&[PlannedPage]) -> Result<Option<Vec<u8>>>,
+) -> Result<Option<Box<dyn Codec>>> {
+    if !super::family::group_enc::needs_key_amax(codec) {
+        return Ok(None);
+    }
+    // The shapes and windows decide whether the GPU encodes; the factors
+    // do not.
+    let ones = super::family::group_enc::norm_entry(codec, &infos[0], None)?;
+    if !encodes_on_gpu(infos, pages, ones.as_ref(), opts) {
+        return Ok(None);
+    }
+    let body: Vec<PlannedPage> = pages
+        .iter()
+        .filter(|p| p.tensor == 0 && !p.raw)
+        .copied()
+        .collect();
+    if body.is_empty() {
+        return Ok(Some(ones));
+    }
+    let stats = amax(&body)?;
+    super::family::group_enc::norm_entry(codec, &infos[0], stats.as_deref()).map(Some)
 }
 
 /// The sections of every page of `pages`, in order, from
-/// `encode(tensor, its pages in plan order)` called once per tensor.
+/// `encode(tensor, its pages in plan order, codec)` called once per tensor
+/// with `codec` for its codec pages and once with `raw` for its window
+/// pages (when it has some).
 ///
 /// # Errors
 /// The error of `encode`; [`Error::Parameter`] when it returns the wrong
@@ -585,24 +629,31 @@ pub fn encodes_on_gpu(
 pub fn sections_by_tensor(
     pages: &[PlannedPage],
     tensors: usize,
-    mut encode: impl FnMut(usize, &[PlannedPage]) -> Result<Vec<Vec<Section>>>,
+    codec: &dyn Codec,
+    mut encode: impl FnMut(usize, &[PlannedPage], &dyn Codec) -> Result<Vec<Vec<Section>>>,
 ) -> Result<Vec<Vec<Section>>> {
     let mut sections = vec![Vec::new(); pages.len()];
     for t in 0..tensors {
-        let (at, mine): (Vec<usize>, Vec<PlannedPage>) = pages
-            .iter()
-            .enumerate()
-            .filter(|(_, p)| p.tensor == t as u32)
-            .map(|(i, p)| (i, *p))
-            .unzip();
-        let got = encode(t, &mine)?;
-        if got.len() != mine.len() {
-            return Err(Error::param(
-                "internal: encoder returned the wrong page count",
-            ));
-        }
-        for (i, s) in at.into_iter().zip(got) {
-            sections[i] = s;
+        for raw in [false, true] {
+            let (at, mine): (Vec<usize>, Vec<PlannedPage>) = pages
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.tensor == t as u32 && p.raw == raw)
+                .map(|(i, p)| (i, *p))
+                .unzip();
+            if mine.is_empty() {
+                continue;
+            }
+            let c: &dyn Codec = if raw { &crate::codec::raw::Raw } else { codec };
+            let got = encode(t, &mine, c)?;
+            if got.len() != mine.len() {
+                return Err(Error::param(
+                    "internal: encoder returned the wrong page count",
+                ));
+            }
+            for (i, s) in at.into_iter().zip(got) {
+                sections[i] = s;
+            }
         }
     }
     Ok(sections)

@@ -25,7 +25,7 @@ pub const COPY: Source = Source {
     code: include_str!("kernels/copy.cu"),
 };
 
-/// Decode kernels of the `raw` codec.
+/// Decode and encode kernels of the `raw` codec.
 pub const RAW: Source = Source {
     name: "raw",
     code: include_str!("kernels/raw.cu"),
@@ -73,9 +73,21 @@ pub const HQMQ_ENC: Source = Source {
     code: include_str!("kernels/hqmq_enc.cu"),
 };
 
+/// Encode kernels of `kivi` and `innerq` (and InnerQ's key statistics).
+pub const GROUP_ENC: Source = Source {
+    name: "group_enc",
+    code: include_str!("kernels/group_enc.cu"),
+};
+
+/// Encode kernels of `polar` key pages.
+pub const POLAR_ENC: Source = Source {
+    name: "polar_enc",
+    code: include_str!("kernels/polar_enc.cu"),
+};
+
 /// Every kernel source.
-pub const ALL: [Source; 9] = [
-    COPY, RAW, AFFINE, KIVI, INNERQ, POLAR, SPHERE, HQMQ, HQMQ_ENC,
+pub const ALL: [Source; 11] = [
+    COPY, RAW, AFFINE, KIVI, INNERQ, POLAR, SPHERE, HQMQ, HQMQ_ENC, GROUP_ENC, POLAR_ENC,
 ];
 
 impl Source {

@@ -342,6 +342,16 @@ fn bench_decode(
     b.decode(shape, codec, "decode paged bf16 (bs16)", &plans);
 }
 
+/// `codec` prepared for `cache` under the default layout (InnerQ's key
+/// normalization factors), as the compressor prepares it.
+fn prepared(codec: &str, cache: &KvCache) -> Box<dyn kvpack::codec::Codec> {
+    let c = kvpack::codec::parse(codec).unwrap();
+    match c.prepare(&cache.view(), &Layout::default()).unwrap() {
+        Some(p) => p,
+        None => c,
+    }
+}
+
 /// Encode benchmark of tensors `tensors` of `cache` (all of them per timed
 /// launch), checked once against the CPU encoder.
 fn bench_encode(
@@ -352,7 +362,7 @@ fn bench_encode(
     codec: &str,
     label: &str,
 ) {
-    let c = kvpack::codec::parse(codec).unwrap();
+    let c = prepared(codec, cache);
     let mut srcs: Vec<Vec<GpuBuffer<u16>>> = (0..SETS).map(|_| Vec::new()).collect();
     let mut pages = Vec::new();
     for &t in tensors {
@@ -614,11 +624,18 @@ fn paged(b: &mut Bench, llama: &KvCache) {
         gus,
         gathers[0].bytes(),
     );
-    for codec in ["int4", "bdr128", "hqmq:s96r4"] {
+    for codec in [
+        "int4",
+        "bdr128",
+        "hqmq:s96r4",
+        "kivi:2",
+        "innerq:k2v2",
+        "polar:m4n4",
+    ] {
         if !vq_selected(codec) {
             continue;
         }
-        let c = kvpack::codec::parse(codec).unwrap();
+        let c = prepared(codec, llama);
         let infos: Vec<TensorInfo> = llama.tensors[..2].iter().map(|t| t.info.clone()).collect();
         let pages: Vec<_> = (0..2)
             .map(|t| plan(std::slice::from_ref(&infos[t]), &[0], Layout::default()).unwrap())
@@ -1049,6 +1066,24 @@ fn main() {
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s96r4", "hqmq:s96r4");
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s24r3", "hqmq:s24r3");
     }
+    // The group codecs' and polar's encoders: K+V in one launch, then K and
+    // V alone (channel-group, token-group and polar kernels differ).
+    for codec in [
+        "kivi:2",
+        "kivi:4",
+        "innerq:k2v2",
+        "innerq:k3v2:sym",
+        "innerq:k2v2:asym",
+        "polar:m4n4",
+        "polar:m4n2:adjacent",
+    ] {
+        if !vq_selected(codec) {
+            continue;
+        }
+        bench_encode(&mut b, &llama, &[0, 1], shape, codec, codec);
+        bench_encode(&mut b, &llama, &[0], shape_k, codec, codec);
+        bench_encode(&mut b, &llama, &[1], shape_v, codec, codec);
+    }
     if paged_mode != "0" && !ncu() {
         paged(&mut b, &llama);
     }
@@ -1095,7 +1130,15 @@ fn main() {
                 let s = format!("gemma3 whole cache ({} tensors)", all.len());
                 bench_decode(&mut b, &file, &all, &s, codec, true, false);
             }
-            for codec in ["int4", "bdr128", "bdr256", "hqmq:s96r4"] {
+            for codec in [
+                "int4",
+                "bdr128",
+                "bdr256",
+                "hqmq:s96r4",
+                "kivi:2",
+                "innerq:k2v2",
+                "polar:m4n4",
+            ] {
                 if !vq_selected(codec) {
                     continue;
                 }

@@ -1,7 +1,8 @@
 //! Encode launches ([`EncodePlan`]): a contiguous tensor on the device to
-//! page bodies in device memory, for `int{b}` / `bdr{h}` (one kernel) and
-//! `hqmq` without outlier extraction (a search kernel writing one symbol
-//! per chunk to a scratch buffer, then a kernel packing the code streams).
+//! page bodies in device memory, for every family with a GPU encoder
+//! (`raw`, `int{b}` / `bdr{h}`, `hqmq` without outlier extraction, `kivi`,
+//! `innerq`, `polar`; the kernels of each are described in its
+//! `gpu::family` file and `.cu` source).
 
 use std::marker::PhantomData;
 
@@ -53,8 +54,10 @@ impl Gpu {
     /// # Errors
     /// [`Error::Parameter`] when `src` does not match `info` or a page lies
     /// outside the tensor, or the codec cannot encode the tensor;
-    /// [`Error::Unsupported`] for codecs other than `int{b}`, `bdr{h}` and
-    /// `hqmq` without `+med`; [`Error::Device`] for a CUDA failure.
+    /// [`Error::Unsupported`] for codecs without a GPU encoder (other than
+    /// `raw`, `int{b}`, `bdr{h}`, `hqmq` without `+med`, `kivi`, `innerq`,
+    /// `polar`) or head_dims beyond its kernels; [`Error::Device`] for a
+    /// CUDA failure.
     pub fn plan_encode<'a, T: GpuElem>(
         &self,
         src: &'a GpuBuffer<T>,

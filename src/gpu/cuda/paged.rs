@@ -205,11 +205,15 @@ impl Gpu {
     ///
     /// The rows are first gathered on this handle's stream into contiguous
     /// `[kv_heads, num_tokens, head_dim]` device buffers. Codecs with a GPU
-    /// encoder (`int{b}`, `bdr{h}`, `hqmq` without `+med`; layouts without
-    /// sink/recent windows) encode there and only the page bodies come
-    /// back; every other codec takes the documented fallback: the gathered
-    /// tensors are copied to the host on the same stream and encoded by the
-    /// CPU codec ([`crate::gpu::paged::file_from_host`]).
+    /// encoder (`raw`, `int{b}`, `bdr{h}`, `hqmq` without `+med`, `kivi`,
+    /// `innerq`, `polar`; sink/recent window pages as `raw`) encode there
+    /// and only the page bodies come back; for InnerQ with key
+    /// normalization the per-channel factors (the compressor's
+    /// `Codec::prepare`) are reduced on the device first and the few
+    /// maxima downloaded. Every other codec (and `raw_fallback`) takes the
+    /// documented fallback: the gathered tensors are copied to the host on
+    /// the same stream and encoded by the CPU codec
+    /// ([`crate::gpu::paged::file_from_host`]).
     ///
     /// Returns when the file is on the host: the call waits for the work it
     /// enqueued (stream synchronizes of this handle's stream, so also for
@@ -243,12 +247,18 @@ impl Gpu {
         gather.launch()?;
         gather.finish()?;
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
+        let prepared = crate::gpu::paged::prepare_on_gpu(codec, &infos, &pages, opts, |body| {
+            let mut stage = super::stage::Stage::new(self);
+            crate::gpu::backend::key_amax(&mut stage, gathered[0].device_ptr(), &infos[0], body)
+                .map(Some)
+        })?;
+        let codec = prepared.as_deref().unwrap_or(codec);
         if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
             return crate::gpu::paged::file_from_host(infos, host, codec, opts, out);
         }
-        let sections = crate::gpu::paged::sections_by_tensor(&pages, 2, |t, mine| {
-            let plan = self.plan_encode(&gathered[t], &infos[t], codec, mine)?;
+        let sections = crate::gpu::paged::sections_by_tensor(&pages, 2, codec, |t, mine, c| {
+            let plan = self.plan_encode(&gathered[t], &infos[t], c, mine)?;
             plan.launch()?;
             plan.finish()?;
             plan.sections()

@@ -8,7 +8,9 @@ use crate::error::Result;
 use crate::format::{ElemType, PageView, SectionKind};
 use crate::gpu::body::SectionSpec;
 
+use super::group_enc;
 use super::{GROUP_UNITS, GpuFamily, OUTS, at, choice, chunked, group_count, section, units};
+use crate::gpu::encplan::{EncodeJob, EncodeLayout};
 use crate::gpu::spec::{
     KernelChoice, KernelCodec, KernelOptions, OutType, UNITS_PER_THREAD, magic,
 };
@@ -121,8 +123,25 @@ impl GpuFamily for Family {
         ])
     }
 
+    fn encodes(&self, _kc: KernelCodec) -> bool {
+        true
+    }
+
+    fn encodes_shape(&self, kc: KernelCodec, t: &TensorInfo) -> bool {
+        group_enc::fits(kc, t)
+    }
+
+    /// One kernel writing every section (`kernels/group_enc.cu`).
+    fn plan_encode(
+        &self,
+        job: &EncodeJob<'_>,
+        place: &mut dyn FnMut(&[u8]) -> Result<u64>,
+    ) -> Result<EncodeLayout> {
+        group_enc::plan_group(job, place)
+    }
+
     fn kernel_names(&self) -> Vec<(&'static str, String)> {
-        let mut v = Vec::new();
+        let mut v = group_enc::kernel_names();
         for out in OUTS {
             let o = out.suffix();
             for bits in 1..=8 {

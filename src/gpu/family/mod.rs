@@ -31,6 +31,7 @@
 //! accepts exactly the pages the CPU accepts.
 
 pub(crate) mod affine;
+pub(crate) mod group_enc;
 pub(crate) mod hqmq;
 pub(crate) mod innerq;
 pub(crate) mod kivi;
@@ -151,6 +152,12 @@ pub(crate) trait GpuFamily: Sync {
     /// plans them).
     fn encodes(&self, _kc: KernelCodec) -> bool {
         false
+    }
+
+    /// True when the encoder of `kc` (`GpuFamily::encodes`) also takes
+    /// tensors shaped like `t` (kernel limits on head_dim); default: all.
+    fn encodes_shape(&self, _kc: KernelCodec, _t: &TensorInfo) -> bool {
+        true
     }
 
     /// Plans a GPU encode (page body templates, descriptors, launches);
@@ -293,7 +300,7 @@ pub fn plan_encode(
     codec.check(info)?;
     let kc = KernelCodec::of(codec, info)?;
     let family = of(kc);
-    if !family.encodes(kc) {
+    if !family.encodes(kc) || !family.encodes_shape(kc, info) {
         return Err(Error::Unsupported(format!(
             "no GPU encoder for {}; encode it on the CPU",
             codec.name()
@@ -312,10 +319,13 @@ pub fn plan_encode(
 
 /// True when the GPU encodes `codec` for tensor `info` (`plan_encode` accepts
 /// it): the codec takes the tensor and its kernel family has an encoder
-/// (`GpuFamily::encodes`; today `int{b}`, `bdr{h}` and
-/// `hqmq` without `+med`).
+/// for its shape (`GpuFamily::encodes`, `GpuFamily::encodes_shape`; today
+/// `raw`, `int{b}`, `bdr{h}`, `hqmq` without `+med`, `kivi` (and the
+/// value-group V pages of `octopus` / `turbo`), `innerq` and `polar`).
 pub fn gpu_encodes(codec: &dyn Codec, info: &TensorInfo) -> bool {
-    codec.check(info).is_ok() && KernelCodec::of(codec, info).is_ok_and(|kc| of(kc).encodes(kc))
+    codec.check(info).is_ok()
+        && KernelCodec::of(codec, info)
+            .is_ok_and(|kc| of(kc).encodes(kc) && of(kc).encodes_shape(kc, info))
 }
 
 /// Every `(source, kernel name)` of every family.

@@ -8,8 +8,13 @@ use crate::error::Result;
 use crate::format::{ElemType, PageView, SectionKind};
 use crate::gpu::body::SectionSpec;
 
+use super::group_enc::{self, desc, enc_choice, plane_items, work};
 use super::{GpuFamily, OUTS, POLAR_UNITS, at, choice, chunked, section, units};
+use crate::gpu::body::CanonicalBody;
+use crate::gpu::encplan::{EncodeJob, EncodeLayout, empty, page_rows, push_body};
+use crate::gpu::spec::{EncDesc, src_suffix};
 use crate::gpu::spec::{KernelChoice, KernelCodec, KernelOptions, OutType, UNITS_PER_THREAD};
+use crate::kernels::polar::uniform_directions;
 
 /// The polar family ([`KernelCodec::Polar`]).
 pub(crate) struct Family;
@@ -135,8 +140,29 @@ impl GpuFamily for Family {
         Ok(Some(out))
     }
 
+    /// Key pages up to head_dim 1024 (`2 * PE_MAX_PAIRS`).
+    fn encodes(&self, _kc: KernelCodec) -> bool {
+        true
+    }
+
+    fn encodes_shape(&self, _kc: KernelCodec, t: &TensorInfo) -> bool {
+        t.head_dim <= MAX_ENCODE_DIM
+    }
+
+    fn plan_encode(
+        &self,
+        job: &EncodeJob<'_>,
+        place: &mut dyn FnMut(&[u8]) -> Result<u64>,
+    ) -> Result<EncodeLayout> {
+        plan_polar(job, place)
+    }
+
     fn kernel_names(&self) -> Vec<(&'static str, String)> {
         let mut v = Vec::new();
+        for sfx in ["bf16", "f16", "f32"] {
+            v.push(("polar_enc", format!("encode_polar_scale_{sfx}")));
+            v.push(("polar_enc", format!("encode_polar_{sfx}")));
+        }
         for out in OUTS {
             let o = out.suffix();
             for pairing in ["half", "adj", "halfq"] {
@@ -148,4 +174,74 @@ impl GpuFamily for Family {
         }
         v
     }
+}
+
+/// Largest head_dim of the polar encode kernels (`2 * PE_MAX_PAIRS`).
+const MAX_ENCODE_DIM: u32 = 1024;
+
+/// `polar` key pages: the radius-scale kernel (SCALE), then the code
+/// kernel (INDEX).
+fn plan_polar(
+    job: &EncodeJob<'_>,
+    place: &mut dyn FnMut(&[u8]) -> Result<u64>,
+) -> Result<EncodeLayout> {
+    let EncodeJob {
+        src,
+        info,
+        codec,
+        kc,
+        pages,
+        ..
+    } = *job;
+    let KernelCodec::Polar { m, n, adjacent } = kc else {
+        unreachable!("polar keys")
+    };
+    let c = Polar::from_params(&codec.params())?;
+    let dirs = c.directions();
+    // The CPU's NearestDirection takes its fast path exactly for the
+    // canonical uniform table of at least 8 directions.
+    let uniform = dirs.len() >= 8 && uniform_directions(u32::from(m)) == dirs;
+    let table: Vec<f32> = dirs.iter().flat_map(|u| [u[0], u[1]]).collect();
+    let side = place(bytemuck::cast_slice(&table))?;
+    let d = info.head_dim;
+    let pairs = d / 2;
+    let bits = u32::from(m) + u32::from(n);
+    let rows_per_item = (group_enc::TILE / pairs.max(1)).max(1);
+    let sfx = src_suffix(info.dtype);
+    let scale_kernel = enc_choice("polar_enc", format!("encode_polar_scale_{sfx}"), u32::MAX);
+    let code_kernel = enc_choice("polar_enc", format!("encode_polar_{sfx}"), rows_per_item);
+    let mut p = empty();
+    let (mut w1, mut w2) = (Vec::new(), Vec::new());
+    let esize = info.dtype.size() as u64;
+    for (i, pg) in pages.iter().enumerate() {
+        let rows = page_rows(info, pg)?;
+        let planes = u64::from(rows / pg.tokens);
+        let ns = planes * u64::from(pairs);
+        let nc = u64::from(rows) * u64::from(pairs);
+        let l = CanonicalBody::new(vec![
+            section(SectionKind::Scale, 0, ElemType::F32, ns)?,
+            section(SectionKind::Index, 0, ElemType::Packed(bits as u8), nc)?,
+        ])?;
+        let off = push_body(&mut p.host, &l);
+        p.read += u64::from(rows) * u64::from(d) * esize;
+        p.written += l.specs.iter().map(|s| u64::from(s.len)).sum::<u64>();
+        p.descs.push(EncDesc {
+            sec_scale: l.offsets[0],
+            sec_index: l.offsets[1],
+            side,
+            p0: u32::from(m),
+            p1: u32::from(n),
+            p2: u32::from(adjacent) | u32::from(uniform) << 1,
+            p3: rows_per_item,
+            ..desc(src, info, pg, i, rows, off)
+        });
+        for pl in 0..rows / pg.tokens {
+            w1.push([i as u32, pl * pg.tokens]);
+        }
+        plane_items(i as u32, rows, pg.tokens, rows_per_item, &mut w2);
+        p.layouts.push((l, off));
+    }
+    p.works.push(work(scale_kernel, w1));
+    p.works.push(work(code_kernel, w2));
+    Ok(p)
 }

@@ -6,7 +6,11 @@ use crate::error::Result;
 use crate::format::{ElemType, PageView, SectionKind};
 use crate::gpu::body::SectionSpec;
 
+use super::group_enc::{desc, work};
 use super::{GpuFamily, OUTS, at, section};
+use crate::gpu::body::CanonicalBody;
+use crate::gpu::encplan::{EncodeJob, EncodeLayout, empty, page_rows, push_body};
+use crate::gpu::spec::EncDesc;
 use crate::gpu::spec::{Grid, KernelChoice, KernelCodec, KernelOptions, OutType, W8, src_suffix};
 
 /// The raw family ([`KernelCodec::Raw`]).
@@ -81,8 +85,23 @@ impl GpuFamily for Family {
         )?])
     }
 
+    fn encodes(&self, _kc: KernelCodec) -> bool {
+        true
+    }
+
+    fn plan_encode(
+        &self,
+        job: &EncodeJob<'_>,
+        _place: &mut dyn FnMut(&[u8]) -> Result<u64>,
+    ) -> Result<EncodeLayout> {
+        plan_raw(job)
+    }
+
     fn kernel_names(&self) -> Vec<(&'static str, String)> {
-        let mut v = Vec::new();
+        let mut v = vec![
+            ("raw", "encode_raw_u16".to_string()),
+            ("raw", "encode_raw_u32".to_string()),
+        ];
         for out in OUTS {
             for src in [DType::Bf16, DType::F16, DType::F32] {
                 for d in [64, 6] {
@@ -95,4 +114,43 @@ impl GpuFamily for Family {
         }
         v
     }
+}
+
+/// `raw` pages (the raw codec, `polar:...:vraw` value pages): one copy
+/// kernel filling the RAW section.
+fn plan_raw(job: &EncodeJob<'_>) -> Result<EncodeLayout> {
+    let EncodeJob {
+        src, info, pages, ..
+    } = *job;
+    let esize = info.dtype.size() as u64;
+    let kernel = KernelChoice {
+        source: "raw",
+        name: format!("encode_raw_u{}", 8 * esize),
+        grid: Grid::Elements,
+        shared: 0,
+    };
+    let d = info.head_dim;
+    let mut p = empty();
+    let mut items = Vec::new();
+    for (i, pg) in pages.iter().enumerate() {
+        let rows = page_rows(info, pg)?;
+        let el = u64::from(rows) * u64::from(d);
+        let l = CanonicalBody::new(vec![section(
+            SectionKind::Raw,
+            0,
+            ElemType::from_dtype(info.dtype),
+            el,
+        )?])?;
+        let off = push_body(&mut p.host, &l);
+        p.read += el * esize;
+        p.written += el * esize;
+        p.descs.push(EncDesc {
+            sec_index: l.offsets[0],
+            ..desc(src, info, pg, i, rows, off)
+        });
+        Grid::Elements.push_items(i as u32, rows, pg.tokens, d, &mut items);
+        p.layouts.push((l, off));
+    }
+    p.works.push(work(kernel, items));
+    Ok(p)
 }

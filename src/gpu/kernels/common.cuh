@@ -678,3 +678,36 @@ __device__ __forceinline__ uint4 pack8_neg(const float x[8], u32 neg) {
     return make_uint4(pack2<OUT>(x[0], x[1]) ^ (m & s), pack2<OUT>(x[2], x[3]) ^ ((m << 2) & s),
                       pack2<OUT>(x[4], x[5]) ^ ((m << 4) & s), pack2<OUT>(x[6], x[7]) ^ ((m << 6) & s));
 }
+
+// Encode kernels: source element e (bf16 / f16 / f32) widened to f32.
+template <int SRC>
+__device__ __forceinline__ float enc_load(const u8* src, u64 e) {
+    if (SRC == SRC_F32) return __ldg(reinterpret_cast<const float*>(src) + e);
+    u16 h = __ldg(reinterpret_cast<const u16*>(src) + e);
+    return SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+// Encode kernels: packs codes[0..n) (code k = code e0 + k of the page) into
+// the section `words` at `bits` bits per code, LSB-first: words the run
+// covers whole are stored, the edge words OR-ed in with atomics (the body
+// template is zeroed, so neighbouring runs of other blocks combine).
+template <class C>
+__device__ __forceinline__ void enc_pack(const C* codes, u32 n, u64 e0, u32 bits, u32* words) {
+    const u64 b0 = e0 * bits, b1 = (e0 + n) * bits;
+    for (u64 wd = (b0 >> 5) + threadIdx.x; wd < (b1 + 31u) >> 5; wd += blockDim.x) {
+        const u64 lo = wd * 32u, hi = lo + 32u;
+        u32 k = lo > b0 ? (u32)((lo - b0) / bits) : 0u;
+        u32 word = 0;
+        for (; k < n; k++) {
+            u64 cb = b0 + (u64)k * bits;
+            if (cb >= hi) break;
+            u32 v = codes[k];
+            word |= cb >= lo ? v << (u32)(cb - lo) : v >> (u32)(lo - cb);
+        }
+        if (lo >= b0 && hi <= b1) {
+            words[wd] = word;
+        } else if (word != 0u) {
+            atomicOr(words + wd, word);
+        }
+    }
+}

@@ -162,3 +162,26 @@ extern "C" __global__ void __launch_bounds__(BLOCK)
         }
     }
 }
+
+// Encode of `raw` pages (the raw codec, `polar:...:vraw` value pages): the
+// page's elements copied into the RAW section in page order (plane-major
+// rows). `encode_raw_u16` / `encode_raw_u32` by element size; work item
+// (page, first element), UNITS_PER_THREAD elements per thread BLOCK apart.
+template <typename T>
+__device__ __forceinline__ void raw_encode(const EncDesc* __restrict__ descs, const uint2* __restrict__ work) {
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 per = d.tokens * d.head_dim, n = d.rows * d.head_dim;
+    const T* src = reinterpret_cast<const T*>(d.src);
+    T* out = reinterpret_cast<T*>(reinterpret_cast<u8*>(d.body) + d.sec_index);
+#pragma unroll
+    for (u32 k = 0; k < UNITS_PER_THREAD; k++) {
+        const u32 e = w.y + k * BLOCK + threadIdx.x;
+        if (e >= n) break;
+        const u32 p = e / per;
+        out[e] = __ldg(src + (u64)p * d.stride + (e - p * per));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_raw_u16(const EncDesc *descs, const uint2 *work, u64 *status) { raw_encode<u16>(descs, work); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_raw_u32(const EncDesc *descs, const uint2 *work, u64 *status) { raw_encode<u32>(descs, work); }

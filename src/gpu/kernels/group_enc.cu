@@ -1,0 +1,354 @@
+// Encode of the group-wise codecs `kivi` (format/codecs/kivi.md) and
+// `innerq` (format/codecs/innerq.md), producing the CPU encoder's sections
+// bit for bit (src/codec/kivi.rs, src/codec/innerq.rs, src/kernels/group.rs).
+//
+// Per group of G elements (binary32, no fused multiply-add, IEEE division):
+//     mn, mx = min, max in the CPU's order (the sign of a zero minimum is
+//              the AVX2 min_max's); a NaN or infinity, or mx - mn beyond
+//              f32, makes the page an error
+//     kivi:        Z = f16_floor(mn), S = f16_ceil((mx - Z) / L)
+//     innerq asym: Z = mn,            S = f16_ceil((mx - Z) / L)
+//     innerq sym:  S = f16_ceil(max(|mn|, |mx|) / L)
+//     q = S > 0 ? rne(clamp((x - Z) / S, 0, L)) : 0        (asymmetric)
+//     q = S > 0 ? rne(clamp(|x| / S, 0, L)) : 0, sign = x < 0 && q > 0
+//     hybrid: both; the squared errors summed in binary64 in element order
+//     (as the CPU: e += (f64(x) - f64(x^))^2); symmetric when e_sym <= e_asym.
+// An f16 scale or zero point beyond the f16 range is an error, as on the
+// CPU. InnerQ keys are divided by the layer's normalization factor n_{h,c}
+// (side table, f32 [heads, head_dim]) before anything else.
+//
+// Groups along channels (kivi V, innerq K): `encode_groups_ch_{src}`, work
+// item (page, first row) = up to p3 rows of one plane staged in shared
+// memory as f32 (a pad word every 32 so that one thread per group reads
+// without bank conflicts); one thread per group.
+// Groups along tokens (kivi K, innerq V): `encode_groups_tok_{src}`, work
+// item (page, first row of a token group) = p2 consecutive token groups of
+// G (or fewer, at the page end) tokens of one plane; one thread per
+// (group, channel) (up to GE_CPT per thread), reading the group from global
+// memory in each pass; codes are emitted 32 rows of each group at a time.
+// Either way the b-bit codes of a run of consecutive rows are staged in
+// shared memory and packed LSB-first into the INDEX section: words the run
+// covers whole are stored, the two edge words OR-ed in with atomics (the
+// body template is zeroed).
+//
+// EncDesc: sec_scale = SCALE 0, sec_zero = ZERO 0, sec_index = INDEX 0,
+// sec3 = AUX 0 (innerq hybrid mode flags), side = normalization factors
+// (innerq K, else 0); p0 = G, p1 = b | mode << 8 | norm << 16 (mode 0 innerq
+// asymmetric, 1 symmetric, 2 hybrid, 3 kivi), p2 = token groups per work
+// item (token groups), p3 = rows per work item (channel groups). Errors: atomicMin of page << 32 | the group's first row.
+
+#define GE_TILE 4096
+#define GE_CPT 4
+#define GE_SUB 32
+#define GE_RNE 12582912.0f
+#define GE_KIVI 3u
+#define GE_ASYM 0u
+#define GE_SYM 1u
+#define GE_HYBRID 2u
+
+// The smallest f16 >= x (x >= 0), as bits; >= 0x7c00 when beyond the range.
+__device__ __forceinline__ u32 ge_f16_ceil(float x) {
+    u32 h = f32_to_f16(x);
+    if (f16_to_f32((u16)h) < x) h++;
+    return h;
+}
+
+// The largest f16 <= x, as bits; (h & 0x7fff) >= 0x7c00 when beyond the range.
+__device__ __forceinline__ u32 ge_f16_floor(float x) {
+    u32 h = f32_to_f16(x);
+    if (f16_to_f32((u16)h) > x) h = h == 0u ? 0x8001u : ((h & 0x8000u) == 0u ? h - 1u : h + 1u);
+    return h;
+}
+
+__device__ __forceinline__ bool ge_f16_ok(u32 h) { return (h & 0x7fffu) < 0x7c00u; }
+
+// rne(clamp(t, 0, L)) for a finite t.
+__device__ __forceinline__ u32 ge_rne(float t, float L) {
+    t = fminf(fmaxf(t, 0.0f), L);
+    return __float_as_uint(__fadd_rn(t, GE_RNE)) - 0x4b400000u;
+}
+
+// One group's parameters: the chosen scale (f16 bits and value), the zero
+// point (asymmetric), and whether it is coded symmetrically.
+struct GeGroup {
+    u32 scale;
+    float s;
+    float z;
+    u32 zbits;  // kivi: f16 bits of Z
+    bool sym;
+};
+
+__device__ __forceinline__ u32 ge_code(const GeGroup& g, float x, float L) {
+    if (g.s <= 0.0f) return 0u;
+    if (g.sym) return ge_rne(__fdiv_rn(fabsf(x), g.s), L);
+    return ge_rne(__fdiv_rn(__fsub_rn(x, g.z), g.s), L);
+}
+
+// Squared-error contribution of x coded as q with the given parameters.
+__device__ __forceinline__ double ge_err(float x, u32 q, float s, float z, bool sym) {
+    float v;
+    if (sym) {
+        v = __fmul_rn(code_f32(q), s);
+        if (x < 0.0f && q > 0u) v = __uint_as_float(__float_as_uint(v) ^ 0x80000000u);
+    } else {
+        v = __fadd_rn(__fmul_rn(code_f32(q), s), z);
+    }
+    double e = __dadd_rn((double)x, -(double)v);
+    return __dmul_rn(e, e);
+}
+
+// Parameters of a group of `n` values read through `at(i)`; false when the
+// group cannot be coded (non-finite value, f16 overflow).
+template <class At>
+__device__ __forceinline__ bool ge_params(At at, u32 n, u32 mode, float L, GeGroup& g) {
+    // The CPU's min_max (src/kernels/x86.rs): eight lanes over whole
+    // chunks of 8 with MINPS/MAXPS tie rules (the new value wins), lanes
+    // folded in order, then the tail; the same zero sign as the CPU.
+    float lmn[8], lmx[8];
+#pragma unroll
+    for (int l = 0; l < 8; l++) {
+        lmn[l] = __int_as_float(0x7f800000);
+        lmx[l] = __int_as_float(0xff800000);
+    }
+    bool bad = false;
+    u32 i = 0;
+    for (; i + 8u <= n; i += 8u) {
+#pragma unroll
+        for (int l = 0; l < 8; l++) {
+            float x = at(i + l);
+            bad |= !is_finite(x);
+            lmn[l] = lmn[l] < x ? lmn[l] : x;
+            lmx[l] = lmx[l] > x ? lmx[l] : x;
+        }
+    }
+    float mn = __int_as_float(0x7f800000), mx = __int_as_float(0xff800000);
+#pragma unroll
+    for (int l = 0; l < 8; l++) {
+        mn = lmn[l] < mn ? lmn[l] : mn;
+        mx = lmx[l] > mx ? lmx[l] : mx;
+    }
+    for (; i < n; i++) {
+        float x = at(i);
+        bad |= !is_finite(x);
+        mn = x < mn ? x : mn;
+        mx = x > mx ? x : mx;
+    }
+    if (bad || !is_finite(__fsub_rn(mx, mn))) return false;
+    u32 ss = 0, sa = 0;
+    float zs = 0.0f;
+    if (mode == GE_SYM || mode == GE_HYBRID) {
+        ss = ge_f16_ceil(__fdiv_rn(fmaxf(fabsf(mn), fabsf(mx)), L));
+        if (!ge_f16_ok(ss)) return false;
+    }
+    if (mode != GE_SYM) {
+        if (mode == GE_KIVI) {
+            g.zbits = ge_f16_floor(mn);
+            if (!ge_f16_ok(g.zbits)) return false;
+            zs = f16_to_f32((u16)g.zbits);
+        } else {
+            zs = mn;
+        }
+        sa = ge_f16_ceil(__fdiv_rn(__fsub_rn(mx, zs), L));
+        if (!ge_f16_ok(sa)) return false;
+    }
+    g.z = zs;
+    if (mode == GE_HYBRID) {
+        float fs = f16_to_f32((u16)ss), fa = f16_to_f32((u16)sa);
+        GeGroup a = {sa, fa, zs, 0u, false}, s = {ss, fs, 0.0f, 0u, true};
+        double es = 0.0, ea = 0.0;
+        for (u32 i = 0; i < n; i++) {
+            float x = at(i);
+            es = __dadd_rn(es, ge_err(x, ge_code(s, x, L), fs, 0.0f, true));
+            ea = __dadd_rn(ea, ge_err(x, ge_code(a, x, L), fa, zs, false));
+        }
+        g.sym = es <= ea;
+    } else {
+        g.sym = mode == GE_SYM;
+    }
+    g.scale = g.sym ? ss : sa;
+    g.s = f16_to_f32((u16)g.scale);
+    return true;
+}
+
+// Writes group `gi`'s SCALE, ZERO (kivi f16 / innerq asymmetric slot word 0)
+// and mode flag; sign words are written by the caller.
+__device__ __forceinline__ void ge_store_params(u8* body, const EncDesc& d, u64 gi, u32 mode, const GeGroup& g) {
+    reinterpret_cast<u16*>(body + d.sec_scale)[gi] = (u16)g.scale;
+    if (mode == GE_KIVI) {
+        reinterpret_cast<u16*>(body + d.sec_zero)[gi] = (u16)g.zbits;
+    } else if (!g.sym) {
+        reinterpret_cast<u32*>(body + d.sec_zero)[gi * (d.p0 >> 5)] = __float_as_uint(g.z);
+    }
+    if (mode == GE_HYBRID && g.sym) atomicOr(reinterpret_cast<u32*>(body + d.sec3) + (gi >> 5), 1u << (gi & 31u));
+}
+
+// Shared-memory index of staged element i (a pad word every 32).
+__device__ __forceinline__ u32 ge_pad(u32 i) { return i + (i >> 5); }
+
+template <int SRC>
+__device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ descs,
+                                                const uint2* __restrict__ work, u64* status) {
+    __shared__ float vals[GE_TILE + GE_TILE / 32];
+    __shared__ u8 codes[GE_TILE];
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 D = d.head_dim, G = d.p0, bits = d.p1 & 0xffu, mode = (d.p1 >> 8) & 0xffu;
+    const bool norm = ((d.p1 >> 16) & 1u) != 0u;
+    const float L = (float)((1u << bits) - 1u);
+    const u32 r0 = w.y;
+    const u32 plane = udiv(r0, d.tokens, d.m_tokens);
+    const u32 t0 = r0 - plane * d.tokens;
+    const u32 nr = min(d.p3, d.tokens - t0), n = nr * D;
+    const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride + (u64)t0 * D);
+    const float* factors = reinterpret_cast<const float*>(d.side) + (u64)(plane % d.heads) * D;
+    u8* body = reinterpret_cast<u8*>(d.body);
+    if (SRC != SRC_F32 && (D & 7u) == 0u && (reinterpret_cast<u64>(src) & 15u) == 0u) {
+        // 16-byte loads: eight 16-bit elements per thread and step.
+        for (u32 v = threadIdx.x; v < n / 8u; v += blockDim.x) {
+            const uint4 q = __ldg(reinterpret_cast<const uint4*>(src) + v);
+            const u32 ws[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (u32 k = 0; k < 8u; k++) {
+                const u16 h = (u16)(ws[k >> 1] >> (16u * (k & 1u)));
+                const u32 i = 8u * v + k;
+                float x = SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+                if (norm) x = __fdiv_rn(x, __ldg(factors + i % D));
+                vals[ge_pad(i)] = x;
+            }
+        }
+    } else {
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+            float x = enc_load<SRC>(src, i);
+            if (norm) x = __fdiv_rn(x, __ldg(factors + i % D));
+            vals[ge_pad(i)] = x;
+        }
+    }
+    __syncthreads();
+    const u64 g0 = (u64)r0 * D / G;
+    for (u32 k = threadIdx.x; k < n / G; k += blockDim.x) {
+        const u32 e0 = k * G;
+        GeGroup g;
+        if (!ge_params([&](u32 i) { return vals[ge_pad(e0 + i)]; }, G, mode, L, g)) {
+            atomicMin(status, ((u64)d.page << 32) | (r0 + e0 / D));
+            continue;
+        }
+        ge_store_params(body, d, g0 + k, mode, g);
+        u32 sign = 0;
+        for (u32 i = 0; i < G; i++) {
+            float x = vals[ge_pad(e0 + i)];
+            u32 q = ge_code(g, x, L);
+            codes[e0 + i] = (u8)q;
+            if (g.sym && x < 0.0f && q > 0u) sign |= 1u << (i & 31u);
+            if (g.sym && ((i & 31u) == 31u || i + 1u == G)) {
+                reinterpret_cast<u32*>(body + d.sec_zero)[(g0 + k) * (G >> 5) + (i >> 5)] = sign;
+                sign = 0;
+            }
+        }
+    }
+    __syncthreads();
+    enc_pack(codes, n, (u64)r0 * D, bits, reinterpret_cast<u32*>(body + d.sec_index));
+}
+
+template <int SRC>
+__device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
+                                              const uint2* __restrict__ work, u64* status) {
+    __shared__ u8 codes[GE_SUB * GE_CPT * BLOCK];
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 D = d.head_dim, G = d.p0, K = d.p2, bits = d.p1 & 0xffu, mode = (d.p1 >> 8) & 0xffu;
+    const float L = (float)((1u << bits) - 1u);
+    const u32 r0 = w.y;
+    const u32 plane = udiv(r0, d.tokens, d.m_tokens);
+    const u32 t0 = r0 - plane * d.tokens;
+    const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride + (u64)t0 * D);
+    u8* body = reinterpret_cast<u8*>(d.body);
+    const u64 g0 = ((u64)plane * ((d.tokens + G - 1u) / G) + t0 / G) * D;
+    // Slot s of the item is the token group starting at row r0 + s * G;
+    // thread lane idx = threadIdx.x + m * blockDim.x is (slot idx / D,
+    // channel idx % D).
+    GeGroup gs[GE_CPT];
+    bool ok[GE_CPT];
+    u32 len[GE_CPT];
+#pragma unroll
+    for (u32 m = 0; m < GE_CPT; m++) {
+        const u32 idx = threadIdx.x + m * blockDim.x, sl = idx / D, c = idx - sl * D;
+        ok[m] = false;
+        len[m] = 0;
+        if (sl >= K || t0 + sl * G >= d.tokens) continue;
+        len[m] = min(G, d.tokens - t0 - sl * G);
+        const u8* gsrc = src + (SRC == SRC_F32 ? 4u : 2u) * ((u64)sl * G * D);
+        ok[m] = ge_params([&](u32 i) { return enc_load<SRC>(gsrc, (u64)i * D + c); }, len[m], mode, L, gs[m]);
+        if (!ok[m]) {
+            atomicMin(status, ((u64)d.page << 32) | (r0 + sl * G));
+            continue;
+        }
+        ge_store_params(body, d, g0 + (u64)sl * D + c, mode, gs[m]);
+    }
+    const u32 len0 = min(G, d.tokens - t0);
+    for (u32 sb = 0; sb < len0; sb += GE_SUB) {
+#pragma unroll
+        for (u32 m = 0; m < GE_CPT; m++) {
+            const u32 idx = threadIdx.x + m * blockDim.x, sl = idx / D, c = idx - sl * D;
+            if (len[m] <= sb) continue;
+            const u32 ns = min((u32)GE_SUB, len[m] - sb);
+            const u8* gsrc = src + (SRC == SRC_F32 ? 4u : 2u) * ((u64)sl * G * D);
+            u8* out = codes + sl * GE_SUB * D;
+            u32 sign = 0;
+            for (u32 t = 0; t < ns; t++) {
+                float x = enc_load<SRC>(gsrc, (u64)(sb + t) * D + c);
+                u32 q = ok[m] ? ge_code(gs[m], x, L) : 0u;
+                out[t * D + c] = (u8)q;
+                if (gs[m].sym && x < 0.0f && q > 0u) sign |= 1u << t;
+            }
+            if (ok[m] && gs[m].sym)
+                reinterpret_cast<u32*>(body + d.sec_zero)[(g0 + (u64)sl * D + c) * (G >> 5) + (sb >> 5)] = sign;
+        }
+        __syncthreads();
+        for (u32 sl = 0; sl < K && t0 + sl * G + sb < d.tokens; sl++) {
+            const u32 ns = min(min((u32)GE_SUB, G - sb), d.tokens - t0 - sl * G - sb);
+            enc_pack(codes + sl * GE_SUB * D, ns * D, ((u64)r0 + sl * G + sb) * D, bits,
+                    reinterpret_cast<u32*>(body + d.sec_index));
+        }
+        __syncthreads();
+    }
+}
+
+#define GE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_bf16(GE_ARGS) { groups_channels<SRC_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_f16(GE_ARGS) { groups_channels<SRC_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_f32(GE_ARGS) { groups_channels<SRC_F32>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_bf16(GE_ARGS) { groups_tokens<SRC_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_f16(GE_ARGS) { groups_tokens<SRC_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_f32(GE_ARGS) { groups_tokens<SRC_F32>(descs, work, status); }
+
+// InnerQ key normalization statistics (format/codecs/innerq.md, the
+// compressor's Codec::prepare): max |x| per (kv head, channel) over the
+// key tensor's body pages, into a u32 array [heads, head_dim] of f32 bits
+// (atomicMax: the values are non-negative). Work item (page, first row of
+// a plane); one thread per channel. sec_index = the array's offset in the
+// body; a NaN or infinity is reported as atomicMin of page << 32 | row.
+template <int SRC>
+__device__ __forceinline__ void key_amax(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
+                                         u64* status) {
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 D = d.head_dim, r0 = w.y, plane = udiv(r0, d.tokens, d.m_tokens);
+    const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride);
+    u32* amax = reinterpret_cast<u32*>(reinterpret_cast<u8*>(d.body) + d.sec_index) + (u64)(plane % d.heads) * D;
+    for (u32 c = threadIdx.x; c < D; c += blockDim.x) {
+        float m = 0.0f;
+        for (u32 t = 0; t < d.tokens; t++) {
+            float x = enc_load<SRC>(src, (u64)t * D + c);
+            if (!is_finite(x)) {
+                atomicMin(status, ((u64)d.page << 32) | (r0 + t));
+                break;
+            }
+            m = fmaxf(m, fabsf(x));
+        }
+        atomicMax(amax + c, __float_as_uint(m));
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(BLOCK) innerq_key_amax_bf16(GE_ARGS) { key_amax<SRC_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) innerq_key_amax_f16(GE_ARGS) { key_amax<SRC_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) innerq_key_amax_f32(GE_ARGS) { key_amax<SRC_F32>(descs, work, status); }
