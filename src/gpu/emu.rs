@@ -418,6 +418,8 @@ impl Emulator {
         ))?;
         let host = outs.map(|o| bytemuck::pod_collect_to_vec::<u8, u16>(arena.at(o, 2 * n)));
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
+        let prepared = super::encsphere::prepare_shapes(codec, &infos)?;
+        let codec = prepared.as_deref().unwrap_or(codec);
         if !paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             return paged::file_from_host(infos, host, codec, opts, Vec::new());
         }

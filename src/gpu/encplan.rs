@@ -2,7 +2,8 @@
 //! descriptors ([`EncDesc`]) and the work lists of each kernel launch, for
 //! `int{b}` / `bdr{h}` (one kernel) and `hqmq` without outlier extraction
 //! (`encode_hqmq_{src}` writing one symbol per chunk to a scratch buffer,
-//! then `encode_hqmq_pack` building the code streams from it).
+//! then `encode_hqmq_pack` building the code streams from it); the
+//! unit-coded pages of `octopus` / `turbo` are planned by `gpu::encsphere`.
 //!
 //! The planner places the buffers it needs besides the bodies (hqmq side
 //! tables and scratch) through a callback, so the CUDA backend and the SIMT
@@ -58,7 +59,7 @@ pub struct EncodeLayout {
 }
 
 /// Checks that a page lies inside the tensor; returns its rows.
-fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
+pub(super) fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
     if p.tokens == 0 || u64::from(p.token_start) + u64::from(p.tokens) > u64::from(info.tokens) {
         return Err(Error::param(format!(
             "page tokens {}..{} outside {} ({} tokens)",
@@ -73,7 +74,7 @@ fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
 }
 
 /// Appends a body template, [`BODY_ALIGN`]-aligned; returns its offset.
-fn push_body(host: &mut Vec<u8>, l: &CanonicalBody) -> usize {
+pub(super) fn push_body(host: &mut Vec<u8>, l: &CanonicalBody) -> usize {
     host.resize(host.len().next_multiple_of(BODY_ALIGN), 0);
     let off = host.len();
     host.extend_from_slice(&l.template());
@@ -87,7 +88,8 @@ fn push_body(host: &mut Vec<u8>, l: &CanonicalBody) -> usize {
 /// # Errors
 /// [`Error::Parameter`] for a page outside the tensor or a codec that
 /// cannot encode it; [`Error::Unsupported`] for codecs other than `int`,
-/// `bdr` and `hqmq` without `+med`; the errors of `place`.
+/// `bdr`, `hqmq` without `+med` and the unit-coded (not value-group)
+/// pages of `octopus` / `turbo` (`gpu::encsphere`); the errors of `place`.
 pub fn plan(
     src: u64,
     info: &TensorInfo,
@@ -101,25 +103,30 @@ pub fn plan(
     match kc {
         KernelCodec::Affine { bits, .. } => plan_affine(src, info, kc, bits, pages, opts),
         KernelCodec::Hqmq { med: false, .. } => plan_hqmq(src, info, codec, kc, pages, place),
+        KernelCodec::Sphere { .. } => super::encsphere::plan(src, info, codec, kc, pages, place),
         _ => Err(Error::Unsupported(format!(
-            "GPU encode covers int, bdr and hqmq without +med, not {}",
-            codec.name()
+            "GPU encode covers int, bdr, hqmq without +med and the unit-coded pages of octopus \
+             and turbo, not {} pages of {}",
+            codec.name(),
+            info.describe()
         ))),
     }
 }
 
 /// True when the GPU encodes `codec` for tensor `info` ([`plan`] accepts
-/// it): `int{b}`, `bdr{h}` and `hqmq` without `+med`, on a tensor the
-/// codec takes.
+/// it): `int{b}`, `bdr{h}`, `hqmq` without `+med` and the unit-coded
+/// pages of `octopus` / `turbo`, on a tensor the codec takes.
 pub fn gpu_encodes(codec: &dyn Codec, info: &TensorInfo) -> bool {
     codec.check(info).is_ok()
         && matches!(
             KernelCodec::of(codec, info),
-            Ok(KernelCodec::Affine { .. } | KernelCodec::Hqmq { med: false, .. })
+            Ok(KernelCodec::Affine { .. }
+                | KernelCodec::Hqmq { med: false, .. }
+                | KernelCodec::Sphere { .. })
         )
 }
 
-fn empty() -> EncodeLayout {
+pub(super) fn empty() -> EncodeLayout {
     EncodeLayout {
         layouts: Vec::new(),
         host: Vec::new(),

@@ -96,6 +96,8 @@ pub mod codecs;
 mod decplan;
 #[doc(hidden)]
 pub mod encplan;
+#[doc(hidden)]
+pub mod encsphere;
 pub mod host;
 pub mod paged;
 #[doc(hidden)]
@@ -641,6 +643,7 @@ pub fn all_kernel_names() -> Vec<(&'static str, String)> {
         v.push((k.source, k.name));
     }
     v.extend(codecs::vq_kernel_names());
+    v.extend(encsphere::kernel_names());
     v.sort();
     v.dedup();
     v

@@ -73,9 +73,15 @@ pub const HQMQ_ENC: Source = Source {
     code: include_str!("kernels/hqmq_enc.cu"),
 };
 
+/// Encode kernels of `octopus` and `turbo` unit-coded pages.
+pub const SPHERE_ENC: Source = Source {
+    name: "sphere_enc",
+    code: include_str!("kernels/sphere_enc.cu"),
+};
+
 /// Every kernel source.
-pub const ALL: [Source; 9] = [
-    COPY, RAW, AFFINE, KIVI, INNERQ, POLAR, SPHERE, HQMQ, HQMQ_ENC,
+pub const ALL: [Source; 10] = [
+    COPY, RAW, AFFINE, KIVI, INNERQ, POLAR, SPHERE, HQMQ, HQMQ_ENC, SPHERE_ENC,
 ];
 
 impl Source {

@@ -243,6 +243,8 @@ impl Gpu {
         gather.launch()?;
         gather.finish()?;
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
+        let prepared = crate::gpu::encsphere::prepare_shapes(codec, &infos)?;
+        let codec = prepared.as_deref().unwrap_or(codec);
         if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
             return crate::gpu::paged::file_from_host(infos, host, codec, opts, out);
