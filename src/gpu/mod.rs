@@ -4,8 +4,9 @@
 //! fp16) KV on the GPU; on a prefill node it must be compressed on the GPU
 //! before it is sent. This module decodes every codec of the format on the
 //! GPU (`raw`, `int{b}`, `bdr{h}`, `hqmq`, `octopus`, `turbo`, `polar`,
-//! `innerq`, `kivi`) and encodes `int{b}`, `bdr{h}` and `hqmq` (without
-//! `+med`):
+//! `innerq`, `kivi`) and encodes `int{b}`, `bdr{h}`, `hqmq` (without
+//! `+med`) and the unit-coded pages of `octopus` and `turbo` (with `+qjl`;
+//! their `:vg` value-group V pages are encoded on the CPU):
 //!
 //! * **Decode** ([`Gpu::plan_decode`]): page bodies in device memory
 //!   ([`GpuPages`]) to bf16/fp16 in two layouts ([`Dst`]): contiguous
@@ -26,10 +27,14 @@
 //!   (`gpu::codecs`), so the GPU rejects what the CPU rejects, or, for hqmq's digit groups, by the kernel (a format error
 //!   from [`DecodePlan::finish`]).
 //! * **Encode** ([`Gpu::plan_encode`]): a contiguous bf16/fp16/f32 tensor
-//!   on the device to `int{b}` / `bdr{h}` / `hqmq` page bodies whose
-//!   sections are the CPU encoder's bit for bit ([`EncodePlan::sections`];
-//!   planned by `gpu::encplan`). The hqmq search is the CPU's fast exact search
-//!   (coset filter with a proven margin, exact rescoring of near-ties).
+//!   on the device to `int{b}` / `bdr{h}` / `hqmq` / `octopus` / `turbo`
+//!   page bodies whose sections are the CPU encoder's bit for bit
+//!   ([`EncodePlan::sections`]; planned by `gpu::encplan` and
+//!   `gpu::encsphere`). The hqmq search is the CPU's fast exact search
+//!   (coset filter with a proven margin, exact rescoring of near-ties);
+//!   octopus / turbo take the norms as f64 sums in index order (one thread
+//!   per row over the block's rows staged in shared memory) and the
+//!   rotations with the normative butterflies.
 //! * **File to GPU** ([`FileDecoder`]): pages read from an mmap'd file,
 //!   checked (CRC), staged in pinned host memory, copied to the device and
 //!   decoded there, with the CPU staging, the host-to-device copy and the
@@ -546,9 +551,12 @@ impl Device {
         r.map(|(bytes, _)| bytes)
     }
 
-    /// Encodes the planned pages of `tensor` with `codec` (`int{b}` or
-    /// `bdr{h}` on CUDA; any codec on the CPU), returning each page's
-    /// sections as the CPU encoder does.
+    /// Encodes the planned pages of `tensor` with `codec` (`int{b}`,
+    /// `bdr{h}`, `hqmq` without `+med`, and the unit-coded pages of
+    /// `octopus` / `turbo` on CUDA and the emulator; any codec on the CPU),
+    /// returning each page's sections as the CPU encoder does. `codec` must
+    /// be prepared for the tensor (`Codec::prepare`: octopus / turbo need
+    /// their codebook for the head_dim).
     ///
     /// # Errors
     /// [`Error::Parameter`] for values the codec cannot represent (NaN,

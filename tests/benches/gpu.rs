@@ -353,6 +353,11 @@ fn bench_encode(
     label: &str,
 ) {
     let c = kvpack::codec::parse(codec).unwrap();
+    // octopus / turbo: codebooks for the cache's head_dims, as compress does.
+    let c = c
+        .prepare(&cache.view(), &Layout::default())
+        .unwrap()
+        .unwrap_or(c);
     let mut srcs: Vec<Vec<GpuBuffer<u16>>> = (0..SETS).map(|_| Vec::new()).collect();
     let mut pages = Vec::new();
     for &t in tensors {
@@ -614,11 +619,15 @@ fn paged(b: &mut Bench, llama: &KvCache) {
         gus,
         gathers[0].bytes(),
     );
-    for codec in ["int4", "bdr128", "hqmq:s96r4"] {
+    for codec in ["int4", "bdr128", "hqmq:s96r4", "turbo:b3", "octopus:b3"] {
         if !vq_selected(codec) {
             continue;
         }
         let c = kvpack::codec::parse(codec).unwrap();
+        let c = c
+            .prepare(&llama.view(), &Layout::default())
+            .unwrap()
+            .unwrap_or(c);
         let infos: Vec<TensorInfo> = llama.tensors[..2].iter().map(|t| t.info.clone()).collect();
         let pages: Vec<_> = (0..2)
             .map(|t| plan(std::slice::from_ref(&infos[t]), &[0], Layout::default()).unwrap())
@@ -1048,6 +1057,24 @@ fn main() {
         b.gpu = default_gpu.clone();
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s96r4", "hqmq:s96r4");
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s24r3", "hqmq:s24r3");
+    }
+    // octopus / turbo encode: K+V in one plan set; the QJL variants also K
+    // alone (only K pages carry the residual sketch).
+    for (codec, split) in [
+        ("turbo:b3", false),
+        ("turbo:b4", false),
+        ("turbo:b3+qjl", true),
+        ("octopus:b3", false),
+        ("octopus:b2", false),
+        ("octopus:b3+qjl", true),
+    ] {
+        if !vq_selected(codec) {
+            continue;
+        }
+        bench_encode(&mut b, &llama, &[0, 1], shape, codec, codec);
+        if split {
+            bench_encode(&mut b, &llama, &[0], shape_k, codec, codec);
+        }
     }
     if paged_mode != "0" && !ncu() {
         paged(&mut b, &llama);

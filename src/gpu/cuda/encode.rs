@@ -1,7 +1,9 @@
 //! Encode launches ([`EncodePlan`]): a contiguous tensor on the device to
 //! page bodies in device memory, for `int{b}` / `bdr{h}` (one kernel) and
 //! `hqmq` without outlier extraction (a search kernel writing one symbol
-//! per chunk to a scratch buffer, then a kernel packing the code streams).
+//! per chunk to a scratch buffer, then a kernel packing the code streams),
+//! and the unit-coded pages of `octopus` / `turbo` (one kernel;
+//! `gpu::encsphere`).
 
 use std::marker::PhantomData;
 
@@ -64,8 +66,11 @@ impl Gpu {
     /// # Errors
     /// [`Error::Parameter`] when `src` does not match `info` or a page lies
     /// outside the tensor, or the codec cannot encode the tensor;
-    /// [`Error::Unsupported`] for codecs other than `int{b}`, `bdr{h}` and
-    /// `hqmq` without `+med`; [`Error::Device`] for a CUDA failure.
+    /// [`Error::Unsupported`] for codecs other than `int{b}`, `bdr{h}`,
+    /// `hqmq` without `+med` and the unit-coded pages of `octopus` /
+    /// `turbo`; [`Error::Device`] for a CUDA failure. An octopus / turbo
+    /// codec must be prepared for the tensor's head_dim
+    /// (`Codec::prepare`), else [`Error::Parameter`].
     pub fn plan_encode<'a, T: GpuElem>(
         &self,
         src: &'a GpuBuffer<T>,
