@@ -1270,7 +1270,11 @@ fn encode_sphere_matches_cpu_bitwise() {
         (spec(1, 1, 4, 1024), DType::Bf16, layout(4, 0, 0)),
         (spec(1, 1, 3, 2048), DType::F16, layout(2, 0, 0)),
     ];
-    let fixture = common::fixture().cache;
+    // The fixture's first three layers (K and V): the emulator runs every
+    // shuffle as a context switch, and these rows already cover both
+    // kernels' paths at head_dim 256.
+    let mut fixture = common::fixture().cache;
+    fixture.tensors.truncate(6);
     for dev in devices() {
         let mut bytes = 0;
         for codec in &examples {
