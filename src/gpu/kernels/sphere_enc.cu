@@ -209,8 +209,10 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     // Load: 32 consecutive elements of a row per thread, also staged.
     const u32 u = w.y + threadIdx.x;
     const bool live = u < d.rows * lpr;
-    const u32 row = live ? u / lpr : row0;
-    const u32 j = u - row * lpr, rl = row - row0;
+    // Threads past the page act as lane 0 of the block's first row (their
+    // values are zero and never stored).
+    const u32 row = live ? udiv(u, lpr, d.m_upr) : row0;
+    const u32 j = live ? u - row * lpr : 0u, rl = row - row0;
     const u32 esize = SRC == SRC_F32 ? 4u : 2u;
     float v[32];
     if (live) {
