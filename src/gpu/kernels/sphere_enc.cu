@@ -248,7 +248,7 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     for (int i = 0; i < 32; i++) v[i] = f == 0.0f ? 0.0f : __fmul_rn(v[i], f);
     if (!OCT) {
         // Turbo: B-bit codes, B words per unit; the residual stays in v.
-        u32 cw[B];
+        u32 cw[B > 0 ? B : 1];
 #pragma unroll
         for (int k = 0; k < B; k++) cw[k] = 0u;
 #pragma unroll
