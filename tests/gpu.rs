@@ -1116,7 +1116,7 @@ fn check_encode(dev: &Device, cache: &KvCache, codec: &str, l: Layout) -> usize 
     let pages = plan(&infos, &vec![0; infos.len()], l).unwrap();
     let mut compared = 0;
     for (ti, t) in cache.tensors.iter().enumerate() {
-        if !matches!(dev, Device::Cpu) && !kvpack::gpu::encplan::gpu_encodes(c.as_ref(), &t.info) {
+        if !matches!(dev, Device::Cpu) && !kvpack::gpu::family::gpu_encodes(c.as_ref(), &t.info) {
             // The value-group V pages of octopus / turbo are kivi value
             // pages, which have no GPU encoder here.
             assert!(

@@ -207,7 +207,7 @@ impl Gpu {
     /// `[kv_heads, num_tokens, head_dim]` device buffers. Codecs with a GPU
     /// encoder (`int{b}`, `bdr{h}`, `hqmq` without `+med`, `octopus` and
     /// `turbo` without `:vg` value groups, whose codebooks are prepared from
-    /// the shapes (`gpu::encsphere::prepare_shapes`); layouts without
+    /// the shapes (`gpu::family::sphere::prepare_shapes`); layouts without
     /// sink/recent windows) encode there and only the page bodies come
     /// back; every other codec takes the documented fallback: the gathered
     /// tensors are copied to the host on the same stream and encoded by the
@@ -245,7 +245,7 @@ impl Gpu {
         gather.launch()?;
         gather.finish()?;
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
-        let prepared = crate::gpu::encsphere::prepare_shapes(codec, &infos)?;
+        let prepared = crate::gpu::family::sphere::prepare_shapes(codec, &infos)?;
         let codec = prepared.as_deref().unwrap_or(codec);
         if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
