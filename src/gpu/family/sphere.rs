@@ -26,9 +26,11 @@ use crate::kernels::lloyd_max;
 use super::{GpuFamily, OUTS, a64, at, choice, packed, units};
 use super::{f32_bytes, sign_bits};
 use crate::gpu::body::{CanonicalBody, SectionSpec};
-use crate::gpu::encplan::{EncWork, EncodeJob, EncodeLayout, empty, page_rows, push_body};
+use crate::gpu::encplan::{
+    EncWork, EncodeJob, EncodeLayout, empty, page_desc, page_rows, push_body,
+};
 use crate::gpu::spec::{
-    BLOCK, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions, OutType, magic, src_suffix,
+    BLOCK, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions, OutType, src_suffix,
 };
 
 /// The sphere family ([`KernelCodec::Sphere`]).
@@ -291,27 +293,17 @@ impl GpuFamily for Family {
                 (false, false) => (0, 0, 0),
             };
             p.descs.push(EncDesc {
-                src: src + u64::from(pg.token_start) * u64::from(d) * esize,
-                body: off as u64,
-                stride: u64::from(info.tokens) * u64::from(d),
-                rows,
-                tokens: pg.tokens,
-                head_dim: d,
                 sec_scale: o(0),
                 sec_zero: norms,
                 sec_index: o(1),
-                page: i as u32,
-                m_tokens: magic(pg.tokens),
-                upr,
-                m_upr: magic(upr),
                 side,
                 aux: side + bounds_at,
                 sec3: scale1,
-                heads: info.heads,
                 p0,
                 p1: sphere_sign_offset(octopus, a, b),
                 p2: crate::kernels::wht::inv_sqrt(d as usize).to_bits(),
                 p3: bits,
+                ..page_desc(info, src, pg, i, rows, off, upr)
             });
             kernel
                 .grid
