@@ -1118,7 +1118,7 @@ fn check_encode(dev: &Device, cache: &KvCache, codec: &str, l: Layout) -> usize 
     for (ti, t) in cache.tensors.iter().enumerate() {
         if !matches!(dev, Device::Cpu) && !kvpack::gpu::family::gpu_encodes(c.as_ref(), &t.info) {
             // The value-group V pages of octopus / turbo are kivi value
-            // pages, which have no GPU encoder here.
+            // pages: compared only where the kivi family encodes on the GPU.
             assert!(
                 codec.contains(":vg"),
                 "{codec}: no GPU encoder for {}",
