@@ -821,7 +821,7 @@ fn random_image(rng: &mut Rng, shape: &PagedShape, dtype: DType) -> Vec<u16> {
 /// Encode from the three paged layouts through a shuffled block table,
 /// without and with sink/recent windows: the GPU encoders (raw, int, bdr,
 /// hqmq, kivi, innerq with its key statistics computed on the device,
-/// polar) write files byte-identical to the CPU's, which the CPU reader
+/// polar, octopus, turbo) write files byte-identical to the CPU's, which the CPU reader
 /// opens and decodes to the gathered rows (raw: exactly).
 #[test]
 fn encode_paged_layouts_match_cpu_bytes() {
@@ -837,6 +837,12 @@ fn encode_paged_layouts_match_cpu_bytes() {
         "innerq:k2v2",
         "innerq:k3v2:sym",
         "innerq:k4v3:asym:nonorm",
+        "polar:m4n4",
+        "turbo:b3",
+        "turbo:b2+qjl",
+        "octopus:b3+qjl",
+        "octopus:b2",
+        "turbo:b2+qjl:vg32",
     ];
     let devs = devices();
     let mut rng = Rng(909);
@@ -1131,6 +1137,10 @@ fn decode_fixture_matches_cpu() {
 /// compares the sections byte for byte.
 fn check_encode(dev: &Device, cache: &KvCache, codec: &str, l: Layout) -> usize {
     let c = kvpack::codec::parse(codec).unwrap();
+    // Codecs with per-head_dim codebooks (octopus, turbo) or whole-cache
+    // statistics (innerq) are prepared for the cache first, as compression
+    // does.
+    let c = c.prepare(&cache.view(), &l).unwrap().unwrap_or(c);
     check_encode_with(dev, cache, c.as_ref(), l)
 }
 
@@ -1146,6 +1156,16 @@ fn check_encode_with(
     let pages = plan(&infos, &vec![0; infos.len()], l).unwrap();
     let mut compared = 0;
     for (ti, t) in cache.tensors.iter().enumerate() {
+        if !matches!(dev, Device::Cpu) && !kvpack::gpu::family::gpu_encodes(c, &t.info) {
+            // The value-group V pages of octopus / turbo are kivi value
+            // pages: compared only where the kivi family encodes on the GPU.
+            assert!(
+                codec.contains(":vg"),
+                "{codec}: no GPU encoder for {}",
+                t.info.name
+            );
+            continue;
+        }
         let mine: Vec<_> = pages
             .iter()
             .filter(|p| p.tensor == ti as u32 && !p.raw)
@@ -1347,6 +1367,74 @@ fn encode_fixture_matches_cpu_bitwise() {
     }
 }
 
+/// Every octopus / turbo variant of the registry examples, plus the other
+/// bit widths, splits and encoder searches: the unit-coded pages encoded
+/// on the GPU equal the CPU's byte for byte, on the fixture (head_dim 256,
+/// bf16) and on edge shapes (head_dim 8 to 2048, fp16 / fp32 sources,
+/// batch 2, pages of 1 and of odd token counts, zero rows).
+#[test]
+fn encode_sphere_matches_cpu_bitwise() {
+    let examples: Vec<&str> = kvpack::codec::registry::FAMILIES
+        .iter()
+        .filter(|f| f.name == "turbo" || f.name == "octopus")
+        .flat_map(|f| f.examples.iter().map(|e| e.name))
+        .collect();
+    assert!(examples.len() >= 7, "{examples:?}");
+    let mut codecs = examples.clone();
+    codecs.extend([
+        "turbo:b1",
+        "turbo:b4+qjl",
+        "turbo:b5:seed9",
+        "turbo:b6+qjl",
+        "octopus:b5+qjl",
+        "octopus:d6n6",
+        "octopus:d1n1+qjl",
+        "octopus:b3:full",
+        "octopus:b3+qjl:scalar",
+    ]);
+    let shapes = [
+        (spec(1, 2, 37, 64), DType::Bf16, layout(16, 0, 0)),
+        (spec(2, 1, 9, 32), DType::F16, layout(4, 0, 0)),
+        (spec(1, 3, 5, 128), DType::F32, layout(2, 0, 0)),
+        (spec(1, 1, 3, 8), DType::Bf16, layout(1, 0, 0)),
+        (spec(1, 2, 6, 16), DType::F16, layout(4, 0, 0)),
+        (spec(1, 1, 4, 1024), DType::Bf16, layout(4, 0, 0)),
+        (spec(1, 1, 3, 2048), DType::F16, layout(2, 0, 0)),
+    ];
+    // The fixture's first three layers (K and V): the emulator runs every
+    // shuffle as a context switch, and these rows already cover both
+    // kernels' paths at head_dim 256.
+    let mut fixture = common::fixture().cache;
+    fixture.tensors.truncate(6);
+    for dev in devices() {
+        let mut bytes = 0;
+        for codec in &examples {
+            bytes += check_encode(&dev, &fixture, codec, layout(256, 0, 0));
+        }
+        for codec in &codecs {
+            for (i, (s, dtype, l)) in shapes.iter().enumerate() {
+                if codec.ends_with(":full") && s.head_dim > 64 {
+                    continue; // every code pair per triplet: slow under the emulator
+                }
+                let mut cache = synthetic(&[*s], *dtype, 101 + i as u64);
+                // A zero row (plane 0, token 1): gamma 0, u = 0.
+                let d = s.head_dim as usize;
+                match &mut cache.tensors[0].data {
+                    TensorData::Bf16(v) => v[d..2 * d].fill(bf16::ZERO),
+                    TensorData::F16(v) => v[d..2 * d].fill(f16::ZERO),
+                    TensorData::F32(v) => v[d..2 * d].fill(0.0),
+                    TensorData::Fp8(..) => unreachable!(),
+                }
+                bytes += check_encode(&dev, &cache, codec, *l);
+            }
+        }
+        println!(
+            "octopus / turbo encode on {}: {bytes} section bytes identical to the CPU",
+            dev.name()
+        );
+    }
+}
+
 #[test]
 fn encode_rejects_non_finite_rows() {
     let mut cache = synthetic(&[spec(1, 2, 40, 64)], DType::Bf16, 5);
@@ -1356,8 +1444,12 @@ fn encode_rejects_non_finite_rows() {
     let t = &cache.tensors[1];
     let pages = plan(std::slice::from_ref(&t.info), &[0], layout(16, 0, 0)).unwrap();
     for dev in devices() {
-        for codec in ["int4", "bdr64", "hqmq:s24r3"] {
+        for codec in ["int4", "bdr64", "hqmq:s24r3", "turbo:b3+qjl", "octopus:b3"] {
             let c = kvpack::codec::parse(codec).unwrap();
+            let c = c
+                .prepare(&cache.view(), &layout(16, 0, 0))
+                .unwrap()
+                .unwrap_or(c);
             let e = dev.encode_tensor(t, c.as_ref(), &pages).unwrap_err();
             let m = e.to_string();
             assert!(

@@ -390,14 +390,17 @@ impl Emulator {
         ))?;
         let host = outs.map(|o| bytemuck::pod_collect_to_vec::<u8, u16>(arena.at(o, 2 * n)));
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
-        let prepared = paged::prepare_on_gpu(codec, &infos, &pages, opts, |body| {
-            let mut run = EmuRun {
-                emu: self,
-                arena: Arena { bytes: Vec::new() },
-            };
-            let src = run.arena.place(bytemuck::cast_slice(&host[0]));
-            super::backend::key_amax(&mut run, src, &infos[0], body).map(Some)
-        })?;
+        let prepared = match super::family::sphere::prepare_shapes(codec, &infos)? {
+            Some(c) => Some(c),
+            None => paged::prepare_on_gpu(codec, &infos, &pages, opts, |body| {
+                let mut run = EmuRun {
+                    emu: self,
+                    arena: Arena { bytes: Vec::new() },
+                };
+                let src = run.arena.place(bytemuck::cast_slice(&host[0]));
+                super::backend::key_amax(&mut run, src, &infos[0], body).map(Some)
+            })?,
+        };
         let codec = prepared.as_deref().unwrap_or(codec);
         if !paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             return paged::file_from_host(infos, host, codec, opts, Vec::new());

@@ -5,7 +5,8 @@
 //! outlier extraction: a search and a pack kernel, `family/hqmq.rs`;
 //! `kivi` / `innerq`: one kernel, `family/group_enc.rs`; `polar` keys: a
 //! scale and a code kernel, `family/polar.rs`; `raw`: a copy,
-//! `family/raw.rs`); this module holds the plan types, the dispatch and
+//! `family/raw.rs`; `octopus` / `turbo` unit-coded pages: one kernel,
+//! `family/sphere.rs`); this module holds the plan types, the dispatch and
 //! the shared helpers.
 //!
 //! The planner places the buffers it needs besides the bodies (hqmq side
@@ -18,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::plan::PlannedPage;
 
 use super::body::CanonicalBody;
-use super::spec::{EncDesc, KernelChoice, KernelCodec, KernelOptions};
+use super::spec::{EncDesc, KernelChoice, KernelCodec, KernelOptions, magic};
 
 /// Alignment of page bodies in the body buffer, bytes.
 pub const BODY_ALIGN: usize = 256;
@@ -70,6 +71,38 @@ pub(crate) fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
     }
     u32::try_from(info.planes() as u64 * u64::from(p.tokens))
         .map_err(|_| Error::param("page over 2^32 rows"))
+}
+
+/// The descriptor fields every encode kernel reads, for page `page` (`rows`
+/// rows, body template at offset `body` of the plan's host buffer) of a
+/// tensor `info` whose elements start at device address `src`, cut into
+/// `upr` units per row; the codec-specific fields (sections, side table,
+/// scratch, parameters) are zero.
+pub(crate) fn page_desc(
+    info: &TensorInfo,
+    src: u64,
+    pg: &PlannedPage,
+    page: usize,
+    rows: u32,
+    body: usize,
+    upr: u32,
+) -> EncDesc {
+    let esize = info.dtype.size() as u64;
+    let d = info.head_dim;
+    EncDesc {
+        src: src + u64::from(pg.token_start) * u64::from(d) * esize,
+        body: body as u64,
+        stride: u64::from(info.tokens) * u64::from(d),
+        rows,
+        tokens: pg.tokens,
+        head_dim: d,
+        page: page as u32,
+        m_tokens: magic(pg.tokens),
+        upr,
+        m_upr: magic(upr),
+        heads: info.heads,
+        ..bytemuck::Zeroable::zeroed()
+    }
 }
 
 /// Appends a body template, [`BODY_ALIGN`]-aligned; returns its offset.

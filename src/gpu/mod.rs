@@ -5,7 +5,9 @@
 //! before it is sent. This module decodes every codec of the format on the
 //! GPU (`raw`, `int{b}`, `bdr{h}`, `hqmq`, `octopus`, `turbo`, `polar`,
 //! `innerq`, `kivi`) and encodes `raw`, `int{b}`, `bdr{h}`, `hqmq`
-//! (without `+med`), `kivi`, `innerq` and `polar`:
+//! (without `+med`), `kivi`, `innerq`, `polar` and the unit-coded pages of
+//! `octopus` and `turbo` (with `+qjl`; their `:vg` value-group V pages are
+//! kivi value pages):
 //!
 //! * **Decode** ([`Gpu::plan_decode`]): page bodies in device memory
 //!   ([`GpuPages`]) to bf16/fp16 in two layouts ([`Dst`]): contiguous
@@ -32,11 +34,12 @@
 //!   in the CPU's order (no contraction; group minima with the CPU's tie
 //!   rule for signed zeros; InnerQ's hybrid errors summed in binary64 in
 //!   element order; PolarQuant's radii in binary64 and its direction
-//!   search with the CPU's candidates). The hqmq search is the CPU's fast
-//!   exact search (coset filter with a proven margin, exact rescoring of
-//!   near-ties). [`Gpu::encode_paged`] gathers a vLLM paged cache and
-//!   encodes it so, window pages as `raw` and InnerQ's key normalization
-//!   statistics reduced on the device.
+//!   search with the CPU's candidates; octopus / turbo norms as f64 sums in
+//!   index order and rotations with the normative butterflies). The hqmq
+//!   search is the CPU's fast exact search (coset filter with a proven
+//!   margin, exact rescoring of near-ties). [`Gpu::encode_paged`] gathers a
+//!   vLLM paged cache and encodes it so, window pages as `raw` and InnerQ's
+//!   key normalization statistics reduced on the device.
 //! * **File to GPU** ([`FileDecoder`]): pages read from an mmap'd file,
 //!   checked (CRC), staged in pinned host memory, copied to the device and
 //!   decoded there, with the CPU staging, the host-to-device copy and the
@@ -563,9 +566,11 @@ impl Device {
 
     /// Encodes the planned pages of `tensor` with `codec` (on CUDA and the
     /// emulator the codecs with a GPU encoder: `raw`, `int{b}`, `bdr{h}`,
-    /// `hqmq` without `+med`, `kivi`, `innerq` (prepared), `polar`; any
-    /// codec on the CPU), returning each page's sections as the CPU encoder
-    /// does.
+    /// `hqmq` without `+med`, `kivi`, `innerq`, `polar`, the unit-coded
+    /// pages of `octopus` / `turbo`; any codec on the CPU), returning each
+    /// page's sections as the CPU encoder does. `codec` must be prepared
+    /// for the tensor (`Codec::prepare`: innerq's key factors, octopus /
+    /// turbo codebooks for the head_dim).
     ///
     /// # Errors
     /// [`Error::Parameter`] for values the codec cannot represent (NaN,

@@ -85,9 +85,16 @@ pub const POLAR_ENC: Source = Source {
     code: include_str!("kernels/polar_enc.cu"),
 };
 
+/// Encode kernels of `octopus` and `turbo` unit-coded pages.
+pub const SPHERE_ENC: Source = Source {
+    name: "sphere_enc",
+    code: include_str!("kernels/sphere_enc.cu"),
+};
+
 /// Every kernel source.
-pub const ALL: [Source; 11] = [
+pub const ALL: [Source; 12] = [
     COPY, RAW, AFFINE, KIVI, INNERQ, POLAR, SPHERE, HQMQ, HQMQ_ENC, GROUP_ENC, POLAR_ENC,
+    SPHERE_ENC,
 ];
 
 impl Source {

@@ -631,6 +631,8 @@ fn paged(b: &mut Bench, llama: &KvCache) {
         "kivi:2",
         "innerq:k2v2",
         "polar:m4n4",
+        "turbo:b3",
+        "octopus:b3",
     ] {
         if !vq_selected(codec) {
             continue;
@@ -1083,6 +1085,24 @@ fn main() {
         bench_encode(&mut b, &llama, &[0, 1], shape, codec, codec);
         bench_encode(&mut b, &llama, &[0], shape_k, codec, codec);
         bench_encode(&mut b, &llama, &[1], shape_v, codec, codec);
+    }
+    // octopus / turbo encode: K+V in one plan set; the QJL variants also K
+    // alone (only K pages carry the residual sketch).
+    for (codec, split) in [
+        ("turbo:b3", false),
+        ("turbo:b4", false),
+        ("turbo:b3+qjl", true),
+        ("octopus:b3", false),
+        ("octopus:b2", false),
+        ("octopus:b3+qjl", true),
+    ] {
+        if !vq_selected(codec) {
+            continue;
+        }
+        bench_encode(&mut b, &llama, &[0, 1], shape, codec, codec);
+        if split {
+            bench_encode(&mut b, &llama, &[0], shape_k, codec, codec);
+        }
     }
     if paged_mode != "0" && !ncu() {
         paged(&mut b, &llama);

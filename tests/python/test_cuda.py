@@ -37,8 +37,17 @@ DECODE_CODECS = [
     "turbo:b3",
     "octopus:b3",
 ]
-# GPU encoders (int, bdr, hqmq) and host fallbacks (the rest).
-ENCODE_CODECS = ["raw", "int4", "bdr64", "hqmq:s96r4", "kivi:2", "polar:m4n4"]
+# GPU encoders (int, bdr, hqmq, octopus, turbo) and host fallbacks (the rest).
+ENCODE_CODECS = [
+    "raw",
+    "int4",
+    "bdr64",
+    "hqmq:s96r4",
+    "turbo:b3+qjl",
+    "octopus:b3",
+    "kivi:2",
+    "polar:m4n4",
+]
 
 HEADS, HEAD_DIM, TOKENS, BLOCK, NUM_BLOCKS = 2, 64, 75, 16, 9
 SENTINEL = 0x7FC1  # a NaN bit pattern no decoder writes

@@ -1,8 +1,9 @@
 //! Encode launches ([`EncodePlan`]): a contiguous tensor on the device to
 //! page bodies in device memory, for every family with a GPU encoder
 //! (`raw`, `int{b}` / `bdr{h}`, `hqmq` without outlier extraction, `kivi`,
-//! `innerq`, `polar`; the kernels of each are described in its
-//! `gpu::family` file and `.cu` source).
+//! `innerq`, `polar`, and the unit-coded pages of `octopus` / `turbo`; the
+//! kernels of each are described in its `gpu::family` file and `.cu`
+//! source).
 
 use std::marker::PhantomData;
 
@@ -56,8 +57,10 @@ impl Gpu {
     /// outside the tensor, or the codec cannot encode the tensor;
     /// [`Error::Unsupported`] for codecs without a GPU encoder (other than
     /// `raw`, `int{b}`, `bdr{h}`, `hqmq` without `+med`, `kivi`, `innerq`,
-    /// `polar`) or head_dims beyond its kernels; [`Error::Device`] for a
-    /// CUDA failure.
+    /// `polar`, the unit-coded pages of `octopus` / `turbo`) or head_dims
+    /// beyond its kernels; [`Error::Device`] for a CUDA failure. An
+    /// octopus / turbo codec must be prepared for the tensor's head_dim
+    /// (`Codec::prepare`), else [`Error::Parameter`].
     pub fn plan_encode<'a, T: GpuElem>(
         &self,
         src: &'a GpuBuffer<T>,

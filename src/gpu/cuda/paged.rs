@@ -206,8 +206,10 @@ impl Gpu {
     /// The rows are first gathered on this handle's stream into contiguous
     /// `[kv_heads, num_tokens, head_dim]` device buffers. Codecs with a GPU
     /// encoder (`raw`, `int{b}`, `bdr{h}`, `hqmq` without `+med`, `kivi`,
-    /// `innerq`, `polar`; sink/recent window pages as `raw`) encode there
-    /// and only the page bodies come back; for InnerQ with key
+    /// `innerq`, `polar`, `octopus` and `turbo`; sink/recent window pages
+    /// as `raw`) encode there and only the page bodies come back; octopus
+    /// and turbo codebooks are prepared from the shapes
+    /// (`gpu::family::sphere::prepare_shapes`); for InnerQ with key
     /// normalization the per-channel factors (the compressor's
     /// `Codec::prepare`) are reduced on the device first and the few
     /// maxima downloaded. Every other codec (and `raw_fallback`) takes the
@@ -247,11 +249,14 @@ impl Gpu {
         gather.launch()?;
         gather.finish()?;
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
-        let prepared = crate::gpu::paged::prepare_on_gpu(codec, &infos, &pages, opts, |body| {
-            let mut stage = super::stage::Stage::new(self);
-            crate::gpu::backend::key_amax(&mut stage, gathered[0].device_ptr(), &infos[0], body)
-                .map(Some)
-        })?;
+        let prepared = match crate::gpu::family::sphere::prepare_shapes(codec, &infos)? {
+            Some(c) => Some(c),
+            None => crate::gpu::paged::prepare_on_gpu(codec, &infos, &pages, opts, |body| {
+                let mut stage = super::stage::Stage::new(self);
+                crate::gpu::backend::key_amax(&mut stage, gathered[0].device_ptr(), &infos[0], body)
+                    .map(Some)
+            })?,
+        };
         let codec = prepared.as_deref().unwrap_or(codec);
         if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];

@@ -9,7 +9,9 @@ use crate::format::{ElemType, PageView, SectionKind};
 
 use super::{GpuFamily, OUTS, at, section};
 use crate::gpu::body::{CanonicalBody, SectionSpec};
-use crate::gpu::encplan::{EncWork, EncodeJob, EncodeLayout, empty, page_rows, push_body};
+use crate::gpu::encplan::{
+    EncWork, EncodeJob, EncodeLayout, empty, page_desc, page_rows, push_body,
+};
 use crate::gpu::spec::{
     self, DEC_UNITS_W32, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions,
     MAX_SHUFFLE_BLOCK, OutType, SEG_MAX, W8,
@@ -192,22 +194,12 @@ impl GpuFamily for Family {
             let off = push_body(&mut p.host, &cl);
             p.read += u64::from(rows) * u64::from(d) * esize;
             p.written += cl.specs.iter().map(|s| u64::from(s.len)).sum::<u64>();
+            let upr = d.checked_div(kernel.grid.unit()).unwrap_or(0);
             p.descs.push(EncDesc {
-                src: src + u64::from(pg.token_start) * u64::from(d) * esize,
-                body: off as u64,
-                stride: u64::from(info.tokens) * u64::from(d),
-                rows,
-                tokens: pg.tokens,
-                head_dim: d,
                 sec_scale: cl.offsets[0],
                 sec_zero: cl.offsets[1],
                 sec_index: cl.offsets[2],
-                page: i as u32,
-                m_tokens: spec::magic(pg.tokens),
-                upr: d.checked_div(kernel.grid.unit()).unwrap_or(0),
-                m_upr: spec::magic(d.checked_div(kernel.grid.unit()).unwrap_or(0)),
-                heads: info.heads,
-                ..bytemuck::Zeroable::zeroed()
+                ..page_desc(info, src, pg, i, rows, off, upr)
             });
             kernel
                 .grid

@@ -321,7 +321,8 @@ pub fn plan_encode(
 /// it): the codec takes the tensor and its kernel family has an encoder
 /// for its shape (`GpuFamily::encodes`, `GpuFamily::encodes_shape`; today
 /// `raw`, `int{b}`, `bdr{h}`, `hqmq` without `+med`, `kivi` (and the
-/// value-group V pages of `octopus` / `turbo`), `innerq` and `polar`).
+/// value-group V pages of `octopus` / `turbo`), `innerq`, `polar` and the
+/// unit-coded pages of `octopus` / `turbo`).
 pub fn gpu_encodes(codec: &dyn Codec, info: &TensorInfo) -> bool {
     codec.check(info).is_ok()
         && KernelCodec::of(codec, info)

@@ -355,42 +355,6 @@ extern "C" __global__ void __launch_bounds__(SEG_BLOCK) decode_affine_any_f16(
 
 // ---------------------------------------------------------------- encode
 
-template <int SRC>
-__device__ __forceinline__ float load_src1(const u8* base, u64 i) {
-    if (SRC == SRC_F32) return reinterpret_cast<const float*>(base)[i];
-    u16 h = reinterpret_cast<const u16*>(base)[i];
-    return SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-}
-
-
-// W source elements (16-byte aligned) widened to f32.
-template <int SRC, int W>
-__device__ __forceinline__ void load_src(const u8* p, float v[W]) {
-    if (SRC == SRC_F32) {
-#pragma unroll
-        for (int i = 0; i < W / 4; i++) {
-            float4 a = __ldg(reinterpret_cast<const float4*>(p) + i);
-            v[4 * i] = a.x; v[4 * i + 1] = a.y; v[4 * i + 2] = a.z; v[4 * i + 3] = a.w;
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < W / 8; i++) {
-            uint4 a = __ldg(reinterpret_cast<const uint4*>(p) + i);
-            u32 x[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                if (SRC == SRC_BF16) {
-                    v[8 * i + 2 * k] = __uint_as_float(x[k] << 16);
-                    v[8 * i + 2 * k + 1] = __uint_as_float(x[k] & 0xffff0000u);
-                } else {
-                    v[8 * i + 2 * k] = f16_to_f32((u16)(x[k] & 0xffffu));
-                    v[8 * i + 2 * k + 1] = f16_to_f32((u16)(x[k] >> 16));
-                }
-            }
-        }
-    }
-}
-
 // min / max propagating NaN (PTX .NaN): a row holding NaN ends with a NaN
 // bound, one holding inf with an infinite one, so one finiteness check of
 // the bounds finds every row the CPU rejects.

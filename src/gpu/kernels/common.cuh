@@ -428,6 +428,47 @@ __device__ __forceinline__ void wht_interleaved(float v[4][8], u32 h, u32 lpr) {
     if (16u * lpr < h) wht_across_chunks(v, 2);
 }
 
+// v with its sign bit flipped when bit is 1: v * (+-1), exactly.
+__device__ __forceinline__ float flip_if(float v, u32 bit) {
+    return __uint_as_float(__float_as_uint(v) ^ (bit << 31));
+}
+
+// Source element i (bf16, f16 or f32) widened to f32.
+template <int SRC>
+__device__ __forceinline__ float load_src1(const u8* base, u64 i) {
+    if (SRC == SRC_F32) return reinterpret_cast<const float*>(base)[i];
+    u16 h = reinterpret_cast<const u16*>(base)[i];
+    return SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+// W source elements (16-byte aligned) widened to f32.
+template <int SRC, int W>
+__device__ __forceinline__ void load_src(const u8* p, float v[W]) {
+    if (SRC == SRC_F32) {
+#pragma unroll
+        for (int i = 0; i < W / 4; i++) {
+            float4 a = __ldg(reinterpret_cast<const float4*>(p) + i);
+            v[4 * i] = a.x; v[4 * i + 1] = a.y; v[4 * i + 2] = a.z; v[4 * i + 3] = a.w;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < W / 8; i++) {
+            uint4 a = __ldg(reinterpret_cast<const uint4*>(p) + i);
+            u32 x[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                if (SRC == SRC_BF16) {
+                    v[8 * i + 2 * k] = __uint_as_float(x[k] << 16);
+                    v[8 * i + 2 * k + 1] = __uint_as_float(x[k] & 0xffff0000u);
+                } else {
+                    v[8 * i + 2 * k] = f16_to_f32((u16)(x[k] & 0xffffu));
+                    v[8 * i + 2 * k + 1] = f16_to_f32((u16)(x[k] >> 16));
+                }
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Helpers of the kernels added with the VQ and group codecs (hqmq, octopus,
 // turbo, polar, innerq, kivi).

@@ -43,10 +43,6 @@
 // 8 * (j + lpr * m)) of a D-bit vector starting at `bits`.
 __device__ __forceinline__ u32 sphere_bits8(const u8* bits, u32 n0) { return __ldg(bits + (n0 >> 3)); }
 
-__device__ __forceinline__ float flip_if(float v, u32 bit) {
-    return __uint_as_float(__float_as_uint(v) ^ (bit << 31));
-}
-
 // Byte offset of the octopus product table in the side table: after the
 // sign bits of every kv head, 16-aligned (codecs::sphere_product_offset).
 __device__ __forceinline__ u32 sphere_product_offset(const PageDesc& d, bool qjl) {

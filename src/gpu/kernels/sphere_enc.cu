@@ -1,0 +1,482 @@
+// `octopus` and `turbo` unit-coded pages, encode (format/codecs/octopus.md
+// and format/codecs/turbo.md "Encoding"; src/codec/sphere.rs `encode_row`),
+// producing the CPU encoder's sections bit for bit. Per row x (one head
+// vector of D values, plane of kv head h), binary32 unless stated, no fused
+// multiply-add except the exact sign-times-value butterflies across lanes:
+//     gamma = f32(sqrt(sum_i f64(x_i)^2))            (f64 sum in index order)
+//     u = H (s ⊙ x)                                   (normative butterfly order)
+//     f = c_D / gamma; u = 0 when gamma == 0 or f is not finite, else u_i * f
+//     turbo:   c_i = #{k : B_k < u_i}  (B: midpoints of the coordinate codebook)
+//     octopus: triplet t_i = u[3i .. 3i+2] (zero-padded): (xi, eta) = the
+//              octahedral map (l = (|t0| + |t1|) + |t2|, three divisions,
+//              fold when p_z < 0, (0, 0) for l == 0); jx, jy = search of the
+//              direction bounds; (a, b) = the first maximum of
+//              (t0*n0 + t1*n1) + t2*n2 over the candidates in ascending
+//              order (3x3 around (jx, jy) clamped; every code with :full;
+//              (jx, jy) alone with :scalar); jn = search of the norm bounds
+//              for clamp(best, 0, 1)
+//     qjl (K pages): u^ = C[c] / n(a, b)_k * C_rho[jn]; r = u - u^;
+//              gamma' = f16(f32(sqrt(sum_i f64(r_i)^2))); w = H (s' ⊙ r);
+//              sign bit i = w_i < 0
+// A row whose gamma is not finite (NaN, inf, or a norm beyond f32) cannot
+// be encoded: the first such (page, row) is reported through `status`
+// (atomicMin of page << 32 | row).
+//
+// Side table: the decode table of the tensor (sphere.cu: octopus float4
+// n(a, b) at [a * 2^b_dir + b] and the 2^b_norm norm centroids, or the 2^b
+// turbo centroids; at byte p1 per kv head the D rotation sign bits, then
+// with QJL the D bits of s'), and at `aux` (device address) the encoder's
+// bounds (kernels::lloyd_max::boundaries, +inf padded): octopus the 2^b_dir
+// direction bounds then the 2^b_norm norm bounds; turbo the 2^b coordinate
+// bounds.
+//
+// EncDesc: sec_scale = SCALE 0 (gamma, f32), sec_index = INDEX 0 (turbo
+// codes or octopus direction code pairs), sec_zero = INDEX 1 (octopus norm
+// codes), sec3 = SCALE 1 (gamma', f16), p3 = the INDEX of the QJL sign bits;
+// p0 = a | b << 8 | rounding << 16 | octopus << 24 | qjl << 25 (a = turbo b
+// or b_dir, b = b_norm; rounding 0 local, 1 full, 2 scalar), p1 = offset of
+// the sign bits in the side table, p2 = bits of c_D.
+//
+// Fast `encode_sphere_turbo[_qjl]_b{B}_{src}` / `encode_sphere_oct[_qjl]_{src}`
+// (D = 32 * lpr, lpr a power of two <= 32; Grid::Units w = 32): a thread
+// holds 32 consecutive elements of a row (the row's lpr lanes consecutive),
+// butterflies in registers and xor shuffles; the block's rows are staged in
+// shared memory, where one thread per row takes the norms in index order.
+// Turbo writes each unit's B code words directly; octopus codes one triplet
+// per thread and step from shared memory, OR-ing the codes into per-block
+// word buffers (atomics in shared memory), then writes the words (atomicOr
+// for the two words the block may share with its neighbours). Fallback
+// `encode_sphere_any_{src}` (any D; Grid::Rows): one row per block of
+// SEG_BLOCK threads, everything in shared memory, codes OR-ed into the
+// (zeroed) sections with global atomics.
+
+#define SPHERE_ENC_MAX_D 4096
+#define SE_LOCAL 0
+#define SE_FULL 1
+#define SE_SCALAR 2
+
+// Shared-memory row layout of the fast kernels: unit j of a row (32
+// elements) at 36 j floats, rows RS floats apart with RS / 4 odd, so that
+// 16-byte reads of a unit by consecutive lanes, and of a row by one thread
+// per row, are free of bank conflicts.
+__device__ __forceinline__ u32 se_row_stride(u32 lpr) { return lpr == 1u ? 36u : 36u * lpr + 4u; }
+__device__ __forceinline__ u32 se_at(u32 i) { return (i >> 5) * 36u + (i & 31u); }
+
+// Number of bounds below x among 2^bits non-decreasing bounds whose last is
+// +inf (kernels::lloyd_max::search), by bisection.
+__device__ __forceinline__ u32 se_search(const float* b, u32 bits, float x) {
+    u32 idx = 0;
+    for (u32 s = 1u << (bits - 1u); s > 0u; s >>= 1) {
+        if (b[idx + s - 1u] < x) idx += s;
+    }
+    return idx;
+}
+
+// sqrt(sum_i f64(v_i)^2) as f32, the squares summed in index order
+// (kernels::l2_norm): row of the fast layout.
+__device__ __forceinline__ float se_norm_fast(const float* row, u32 D) {
+    double acc = 0.0;
+    for (u32 i = 0; i < D; i += 4u) {
+        float4 q = *reinterpret_cast<const float4*>(row + se_at(i));
+        acc = __dadd_rn(acc, __dmul_rn((double)q.x, (double)q.x));
+        acc = __dadd_rn(acc, __dmul_rn((double)q.y, (double)q.y));
+        acc = __dadd_rn(acc, __dmul_rn((double)q.z, (double)q.z));
+        acc = __dadd_rn(acc, __dmul_rn((double)q.w, (double)q.w));
+    }
+    return (float)sqrt(acc);
+}
+
+// The same for D consecutive floats.
+__device__ __forceinline__ float se_norm_flat(const float* row, u32 D) {
+    double acc = 0.0;
+    for (u32 i = 0; i < D; i++) acc = __dadd_rn(acc, __dmul_rn((double)row[i], (double)row[i]));
+    return (float)sqrt(acc);
+}
+
+// The factor f of a row: c_D / gamma, or 0 when u is zeroed (gamma == 0 or
+// f not finite; f is never 0 otherwise). Reports a non-finite gamma.
+__device__ __forceinline__ float se_factor(float gamma, float cd, const EncDesc& d, u32 row, u64* status) {
+    if (!is_finite(gamma)) {
+        atomicMin(status, ((u64)d.page << 32) | row);
+        return 0.0f;
+    }
+    float f = __fdiv_rn(cd, gamma);
+    return (gamma == 0.0f || !is_finite(f)) ? 0.0f : f;
+}
+
+// Octahedral coordinates (xi, eta) of the direction of t
+// (kernels::octahedral::encode).
+__device__ __forceinline__ void se_octahedral(const float t[3], float& xi, float& eta) {
+    float l = __fadd_rn(__fadd_rn(fabsf(t[0]), fabsf(t[1])), fabsf(t[2]));
+    float px = __fdiv_rn(t[0], l), py = __fdiv_rn(t[1], l), pz = __fdiv_rn(t[2], l);
+    float fx = __fmul_rn(px < 0.0f ? -1.0f : 1.0f, __fsub_rn(1.0f, fabsf(py)));
+    float fy = __fmul_rn(py < 0.0f ? -1.0f : 1.0f, __fsub_rn(1.0f, fabsf(px)));
+    bool up = pz >= 0.0f;
+    xi = up ? px : fx;
+    eta = up ? py : fy;
+    if (l == 0.0f) xi = eta = 0.0f;
+}
+
+// The codes (a, b, jn) of triplet t (TripletQuantizer::quantize_triplet);
+// `dirs` holds n(a, b) at a << bd | b, `db` / `nb` the direction / norm
+// bounds. Returns the maximum score's direction in n.
+__device__ __forceinline__ void se_triplet(const float t[3], const float4* dirs, const float* db, const float* nb,
+                                           u32 bd, u32 bn, u32 rounding, u32& a_out, u32& b_out, u32& jn, float4& n) {
+    float xi, eta;
+    se_octahedral(t, xi, eta);
+    const u32 jx = se_search(db, bd, xi), jy = se_search(db, bd, eta);
+    const u32 top = (1u << bd) - 1u;
+    u32 a0 = jx, a1 = jx, b0 = jy, b1 = jy;
+    if (rounding == SE_LOCAL) {
+        a0 = jx > 0u ? jx - 1u : 0u;
+        a1 = min(jx + 1u, top);
+        b0 = jy > 0u ? jy - 1u : 0u;
+        b1 = min(jy + 1u, top);
+    } else if (rounding == SE_FULL) {
+        a0 = 0u;
+        a1 = top;
+        b0 = 0u;
+        b1 = top;
+    }
+    float best = __int_as_float(0xff800000);
+    u32 ba = jx, bb = jy;
+    for (u32 a = a0; a <= a1; a++) {
+        for (u32 b = b0; b <= b1; b++) {
+            float4 c = dirs[(a << bd) | b];
+            float s = __fadd_rn(__fadd_rn(__fmul_rn(t[0], c.x), __fmul_rn(t[1], c.y)), __fmul_rn(t[2], c.z));
+            if (s > best) {
+                best = s;
+                ba = a;
+                bb = b;
+            }
+        }
+    }
+    float p = best;
+    if (p < 0.0f) p = 0.0f;
+    if (p > 1.0f) p = 1.0f;
+    jn = se_search(nb, bn, p);
+    a_out = ba;
+    b_out = bb;
+    n = dirs[(ba << bd) | bb];
+}
+
+// ORs the n-bit value v (n <= 32) into a packed stream at bit `bit` (u32
+// words; global or shared memory).
+__device__ __forceinline__ void se_or_bits(u32* words, u64 bit, u32 v, u32 n) {
+    u32 sh = (u32)bit & 31u;
+    u32* w = words + (bit >> 5);
+    atomicOr(w, v << sh);
+    if (sh + n > 32u) atomicOr(w + 1, v >> (32u - sh));
+}
+
+// Rotation (and with QJL projection) sign bits of the kv head of `row`.
+__device__ __forceinline__ const u8* se_signs(const EncDesc& d, u32 row, bool qjl) {
+    u32 p = udiv(row, d.tokens, d.m_tokens);
+    u32 head = p % d.heads;
+    return reinterpret_cast<const u8*>(d.side) + d.p1 + (u64)head * (qjl ? 2u : 1u) * (d.head_dim >> 3);
+}
+
+// ------------------------------------------------------------------ fast
+
+template <int SRC, bool OCT, bool QJL, int B>
+__device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
+                                                   u64* status) {
+    DYN_SHARED(float, xs);
+    __shared__ float sf[BLOCK];
+    __shared__ float sb[128];
+    __shared__ float slut[64];
+    __shared__ __align__(16) float4 sdir[256];
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 D = d.head_dim, lpr = d.upr;
+    const u32 bd = d.p0 & 0xffu, bn = (d.p0 >> 8) & 0xffu, rounding = (d.p0 >> 16) & 0xffu;
+    const u32 RS = se_row_stride(lpr);
+    const u32 row0 = w.y / lpr, nrows = min((u32)BLOCK / lpr, d.rows - row0);
+    const u8* side = reinterpret_cast<const u8*>(d.side);
+    const float* bounds = reinterpret_cast<const float*>(d.aux);
+    u8* body = reinterpret_cast<u8*>(d.body);
+    // Bounds (and centroids for the QJL reconstruction) into shared memory.
+    const u32 nb0 = OCT ? 1u << bd : 0u, nbt = nb0 + (1u << (OCT ? bn : (u32)B));
+    for (u32 i = threadIdx.x; i < nbt; i += BLOCK) sb[i] = bounds[i];
+    if (QJL) {
+        const float* lut = reinterpret_cast<const float*>(side + (OCT ? 16u << (2u * bd) : 0u));
+        for (u32 i = threadIdx.x; i < (1u << (OCT ? bn : (u32)B)); i += BLOCK) slut[i] = lut[i];
+    }
+    const bool dir_smem = OCT && bd <= 4u;
+    if (dir_smem) {
+        for (u32 i = threadIdx.x; i < (1u << (2u * bd)); i += BLOCK) sdir[i] = reinterpret_cast<const float4*>(side)[i];
+    }
+    // Load: 32 consecutive elements of a row per thread, also staged.
+    const u32 u = w.y + threadIdx.x;
+    const bool live = u < d.rows * lpr;
+    // Threads past the page act as lane 0 of the block's first row (their
+    // values are zero and never stored).
+    const u32 row = live ? udiv(u, lpr, d.m_upr) : row0;
+    const u32 j = live ? u - row * lpr : 0u, rl = row - row0;
+    const u32 esize = SRC == SRC_F32 ? 4u : 2u;
+    float v[32];
+    if (live) {
+        u32 p = udiv(row, d.tokens, d.m_tokens);
+        u32 t = row - p * d.tokens;
+        u64 e = (u64)p * d.stride + (u64)t * D + 32u * j;
+        load_src<SRC, 32>(reinterpret_cast<const u8*>(d.src) + e * esize, v);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = 0.0f;
+    }
+    float* mine = xs + rl * RS + 36u * j;
+    if (live) {
+#pragma unroll
+        for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+    }
+    __syncthreads();
+    if (threadIdx.x < nrows) {
+        const u32 r = row0 + threadIdx.x;
+        float gamma = se_norm_fast(xs + threadIdx.x * RS, D);
+        reinterpret_cast<float*>(body + d.sec_scale)[r] = gamma;
+        sf[threadIdx.x] = se_factor(gamma, __uint_as_float(d.p2), d, r, status);
+    }
+    __syncthreads();
+    // Rotate and scale: u = H (s ⊙ x) * f.
+    const u8* signs = se_signs(d, row, QJL);
+    const u32 rot = *reinterpret_cast<const u32*>(signs + 4u * j);
+#pragma unroll
+    for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
+    wht<32>(v, D);
+    const float f = sf[rl];
+#pragma unroll
+    for (int i = 0; i < 32; i++) v[i] = f == 0.0f ? 0.0f : __fmul_rn(v[i], f);
+    if (!OCT) {
+        // Turbo: B-bit codes, B words per unit; the residual stays in v.
+        u32 cw[B > 0 ? B : 1];
+#pragma unroll
+        for (int k = 0; k < B; k++) cw[k] = 0u;
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            u32 c = se_search(sb, (u32)B, v[i]);
+            const int bit = i * B;
+            cw[bit >> 5] |= c << (bit & 31);
+            if ((bit & 31) + B > 32) cw[(bit >> 5) + 1] |= c >> (32 - (bit & 31));
+            if (QJL) v[i] = __fsub_rn(v[i], slut[c]);
+        }
+        if (live) {
+            u32* out = reinterpret_cast<u32*>(body + d.sec_index) + (u64)u * B;
+#pragma unroll
+            for (int k = 0; k < B; k++) out[k] = cw[k];
+        }
+        if (QJL && live) {
+#pragma unroll
+            for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+        }
+    } else {
+        // Octopus: the rotated rows into shared memory, one triplet per
+        // thread and step, the codes OR-ed into the block's word buffers.
+        if (live) {
+#pragma unroll
+            for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+        }
+        const u32 T = (D + 2u) / 3u;
+        const u32 mT = (u32)((0x100000000ull + T - 1u) / T);
+        const u64 bd0 = (u64)row0 * T * 2u * bd, bn0 = (u64)row0 * T * bn;
+        const u32 rows_blk = (u32)BLOCK / lpr;
+        const u32 nwd = (rows_blk * T * 2u * bd + 31u) / 32u + 1u;
+        u32* wd = reinterpret_cast<u32*>(xs + rows_blk * RS);
+        u32* wn = wd + nwd;
+        const u32 nwn = (rows_blk * T * bn + 31u) / 32u + 1u;
+        for (u32 i = threadIdx.x; i < nwd + nwn; i += BLOCK) wd[i] = 0u;
+        __syncthreads();
+        const float4* dirs = dir_smem ? sdir : reinterpret_cast<const float4*>(side);
+        for (u32 i = threadIdx.x; i < nrows * T; i += BLOCK) {
+            const u32 r = udiv(i, T, mT), ti = i - r * T;
+            float* rp = xs + r * RS;
+            float t[3];
+#pragma unroll
+            for (u32 k = 0; k < 3u; k++) t[k] = 3u * ti + k < D ? rp[se_at(3u * ti + k)] : 0.0f;
+            u32 a, b, jn;
+            float4 n;
+            se_triplet(t, dirs, sb, sb + nb0, bd, bn, rounding, a, b, jn, n);
+            const u32 c = r * T + ti;
+            se_or_bits(wd, (bd0 & 31u) + (u64)c * 2u * bd, a | (b << bd), 2u * bd);
+            se_or_bits(wn, (bn0 & 31u) + (u64)c * bn, jn, bn);
+            if (QJL) {
+                const float rho = slut[jn];
+                const float nn[3] = {n.x, n.y, n.z};
+#pragma unroll
+                for (u32 k = 0; k < 3u; k++) {
+                    if (3u * ti + k < D) rp[se_at(3u * ti + k)] = __fsub_rn(t[k], __fmul_rn(nn[k], rho));
+                }
+            }
+        }
+        __syncthreads();
+        // The word buffers out: words shared with a neighbouring block
+        // (partly outside the block's bits) with atomics.
+        const u64 bd1 = bd0 + (u64)nrows * T * 2u * bd, bn1 = bn0 + (u64)nrows * T * bn;
+        for (u32 s = 0; s < 2u; s++) {
+            const u64 lo = s == 0u ? bd0 : bn0, hi = s == 0u ? bd1 : bn1;
+            const u32* src = s == 0u ? wd : wn;
+            u32* dst = reinterpret_cast<u32*>(body + (s == 0u ? d.sec_index : d.sec_zero)) + (lo >> 5);
+            const u32 nw = (u32)(((hi + 31u) >> 5) - (lo >> 5));
+            for (u32 k = threadIdx.x; k < nw; k += BLOCK) {
+                const bool partial = (k == 0u && (lo & 31u)) || (k == nw - 1u && (hi & 31u));
+                if (partial) {
+                    atomicOr(dst + k, src[k]);
+                } else {
+                    dst[k] = src[k];
+                }
+            }
+        }
+        if (QJL && live) {
+#pragma unroll
+            for (int i = 0; i < 32; i += 4) {
+                float4 q = *reinterpret_cast<const float4*>(mine + i);
+                v[i] = q.x;
+                v[i + 1] = q.y;
+                v[i + 2] = q.z;
+                v[i + 3] = q.w;
+            }
+        }
+    }
+    if (QJL) {
+        // gamma' of the residuals (staged above), then the sign bits of
+        // w = H (s' ⊙ r).
+        __syncthreads();
+        if (threadIdx.x < nrows) {
+            const float g = se_norm_fast(xs + threadIdx.x * RS, D);
+            reinterpret_cast<u16*>(body + d.sec3)[row0 + threadIdx.x] = f32_to_f16(g);
+        }
+        const u32 qs = *reinterpret_cast<const u32*>(signs + (D >> 3) + 4u * j);
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (qs >> i) & 1u);
+        wht<32>(v, D);
+        u32 bits = 0;
+#pragma unroll
+        for (int i = 0; i < 32; i++) bits |= (v[i] < 0.0f ? 1u : 0u) << i;
+        if (live) reinterpret_cast<u32*>(body + d.p3)[u] = bits;
+    }
+}
+
+#define SE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, true, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, true, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, true, 0>(descs, work, status); }
+
+// -------------------------------------------------------------- fallback
+
+// One row per block of SEG_BLOCK threads (Grid::Rows), any D <= 4096.
+template <int SRC>
+__device__ __forceinline__ void sphere_encode_any(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
+                                                  u64* status) {
+    __shared__ float xs[SPHERE_ENC_MAX_D];
+    __shared__ float sfac;
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 D = d.head_dim, row = w.y;
+    const u32 ba = d.p0 & 0xffu, bn = (d.p0 >> 8) & 0xffu, rounding = (d.p0 >> 16) & 0xffu;
+    const bool oct = (d.p0 >> 24) & 1u, qjl = (d.p0 >> 25) & 1u;
+    const u8* side = reinterpret_cast<const u8*>(d.side);
+    const float* bounds = reinterpret_cast<const float*>(d.aux);
+    u8* body = reinterpret_cast<u8*>(d.body);
+    const u32 p = udiv(row, d.tokens, d.m_tokens);
+    const u64 e0 = (u64)p * d.stride + (u64)(row - p * d.tokens) * D;
+    const u8* src = reinterpret_cast<const u8*>(d.src);
+    for (u32 i = threadIdx.x; i < D; i += blockDim.x) xs[i] = load_src1<SRC>(src, e0 + i);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float gamma = se_norm_flat(xs, D);
+        reinterpret_cast<float*>(body + d.sec_scale)[row] = gamma;
+        sfac = se_factor(gamma, __uint_as_float(d.p2), d, row, status);
+    }
+    const u8* signs = se_signs(d, row, qjl);
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < D; i += blockDim.x) xs[i] = flip_if(xs[i], (signs[i >> 3] >> (i & 7u)) & 1u);
+    __syncthreads();
+    wht_shared(xs, D, D);
+    const float f = sfac;
+    for (u32 i = threadIdx.x; i < D; i += blockDim.x) xs[i] = f == 0.0f ? 0.0f : __fmul_rn(xs[i], f);
+    __syncthreads();
+    if (!oct) {
+        const float* lut = reinterpret_cast<const float*>(side);
+        u32* index = reinterpret_cast<u32*>(body + d.sec_index);
+        for (u32 i = threadIdx.x; i < D; i += blockDim.x) {
+            u32 c = se_search(bounds, ba, xs[i]);
+            se_or_bits(index, ((u64)row * D + i) * ba, c, ba);
+            if (qjl) xs[i] = __fsub_rn(xs[i], lut[c]);
+        }
+    } else {
+        const u32 T = (D + 2u) / 3u;
+        const float4* dirs = reinterpret_cast<const float4*>(side);
+        const float* lut = reinterpret_cast<const float*>(side + (16u << (2u * ba)));
+        for (u32 ti = threadIdx.x; ti < T; ti += blockDim.x) {
+            float t[3];
+            for (u32 k = 0; k < 3u; k++) t[k] = 3u * ti + k < D ? xs[3u * ti + k] : 0.0f;
+            u32 a, b, jn;
+            float4 n;
+            se_triplet(t, dirs, bounds, bounds + (1u << ba), ba, bn, rounding, a, b, jn, n);
+            const u64 c = (u64)row * T + ti;
+            se_or_bits(reinterpret_cast<u32*>(body + d.sec_index), c * 2u * ba, a | (b << ba), 2u * ba);
+            se_or_bits(reinterpret_cast<u32*>(body + d.sec_zero), c * bn, jn, bn);
+            if (qjl) {
+                const float rho = lut[jn];
+                const float nn[3] = {n.x, n.y, n.z};
+                for (u32 k = 0; k < 3u; k++) {
+                    if (3u * ti + k < D) xs[3u * ti + k] = __fsub_rn(t[k], __fmul_rn(nn[k], rho));
+                }
+            }
+        }
+    }
+    if (!qjl) return;
+    __syncthreads();
+    if (threadIdx.x == 0) reinterpret_cast<u16*>(body + d.sec3)[row] = f32_to_f16(se_norm_flat(xs, D));
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < D; i += blockDim.x)
+        xs[i] = flip_if(xs[i], (signs[(D >> 3) + (i >> 3)] >> (i & 7u)) & 1u);
+    __syncthreads();
+    wht_shared(xs, D, D);
+    u32* bits = reinterpret_cast<u32*>(body + d.p3);
+    for (u32 i = threadIdx.x; i < D; i += blockDim.x) {
+        if (xs[i] < 0.0f) se_or_bits(bits, (u64)row * D + i, 1u, 1u);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SEG_BLOCK) encode_sphere_any_bf16(SE_ARGS) { sphere_encode_any<SRC_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(SEG_BLOCK) encode_sphere_any_f16(SE_ARGS) { sphere_encode_any<SRC_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(SEG_BLOCK) encode_sphere_any_f32(SE_ARGS) { sphere_encode_any<SRC_F32>(descs, work, status); }
