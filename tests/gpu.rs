@@ -824,7 +824,15 @@ fn random_image(rng: &mut Rng, shape: &PagedShape, dtype: DType) -> Vec<u16> {
 /// opens and decodes to the gathered rows (raw: exactly).
 #[test]
 fn encode_paged_layouts_match_cpu_bytes() {
-    let all = ["raw", "int4", "bdr32", "hqmq:s96r4", "kivi:2", "polar:m4n4"];
+    let all = [
+        "raw",
+        "int4",
+        "bdr32",
+        "hqmq:s96r4",
+        "kivi:2",
+        "polar:m4n4",
+        "hqmq:s24r3+med3",
+    ];
     let devs = devices();
     let mut rng = Rng(909);
     for (dtype, heads, head_dim, tokens, codecs) in [
@@ -1181,6 +1189,32 @@ fn encode_hqmq_matches_cpu_bitwise() {
             DType::Bf16,
             layout(16, 0, 0),
         ),
+        // Outlier extraction: position lists (+med3) and bitmaps (+med1,
+        // about half the chunks), one-token pages, a 4-wide head.
+        (
+            "hqmq:s96r4+med3",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 0, 0),
+        ),
+        (
+            "hqmq:s24r3+med1",
+            spec(2, 2, 77, 64),
+            DType::F16,
+            layout(32, 0, 0),
+        ),
+        (
+            "hqmq:s5r2+med2:seed9",
+            spec(1, 3, 70, 12),
+            DType::F32,
+            layout(1, 0, 0),
+        ),
+        (
+            "hqmq:s32r2+med1.5:g7",
+            spec(1, 1, 9, 4),
+            DType::Bf16,
+            layout(4, 0, 0),
+        ),
     ];
     for dev in devices() {
         let mut bytes = 0;
@@ -1190,6 +1224,10 @@ fn encode_hqmq_matches_cpu_bitwise() {
         }
         let fixture = common::fixture().cache;
         bytes += check_encode(&dev, &fixture, "hqmq:s96r4", layout(256, 0, 0));
+        // Every registered hqmq example on the real fixture.
+        for ex in kvpack::codec::hqmq::FAMILY.examples {
+            bytes += check_encode(&dev, &fixture, ex.name, layout(256, 0, 0));
+        }
         println!(
             "hqmq encode on {}: {bytes} section bytes identical to the CPU",
             dev.name()

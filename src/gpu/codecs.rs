@@ -676,7 +676,9 @@ pub(crate) fn vq_kernel_names() -> Vec<(&'static str, String)> {
         }
     }
     for s in ["bf16", "f16", "f32"] {
-        v.push(("hqmq_enc", format!("encode_hqmq_{s}")));
+        for k in ["", "med_", "compact_"] {
+            v.push(("hqmq_enc", format!("encode_hqmq_{k}{s}")));
+        }
     }
     v.push(("hqmq_enc", "encode_hqmq_pack".to_string()));
     let _ = BLOCK;

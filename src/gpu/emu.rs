@@ -493,10 +493,13 @@ impl Emulator {
                 p.token_start + row % p.tokens
             )));
         }
-        Ok(layout
+        layout
             .layouts
             .iter()
-            .map(|(l, off)| l.sections(arena.at(bodies + *off as u64, l.body_len as usize)))
-            .collect())
+            .enumerate()
+            .map(|(i, (l, off))| {
+                layout.sections(i, arena.at(bodies + *off as u64, l.body_len as usize))
+            })
+            .collect()
     }
 }

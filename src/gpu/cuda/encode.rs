@@ -1,7 +1,8 @@
 //! Encode launches ([`EncodePlan`]): a contiguous tensor on the device to
 //! page bodies in device memory, for `int{b}` / `bdr{h}` (one kernel) and
-//! `hqmq` without outlier extraction (a search kernel writing one symbol
-//! per chunk to a scratch buffer, then a kernel packing the code streams).
+//! `hqmq` (a search kernel writing one symbol per chunk to a scratch
+//! buffer, then a kernel packing the code streams; with `+med{C}` also a
+//! median kernel before and an outlier-table kernel between them).
 
 use std::marker::PhantomData;
 
@@ -10,7 +11,6 @@ use crate::cache::TensorInfo;
 use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::format::Section;
-use crate::gpu::body::CanonicalBody;
 use crate::gpu::encplan::{BODY_ALIGN, EncodeLayout};
 use crate::gpu::spec::KernelChoice;
 use crate::plan::PlannedPage;
@@ -35,14 +35,12 @@ pub struct EncodePlan<'a> {
     gpu: Gpu,
     info: TensorInfo,
     pages: Vec<PlannedPage>,
-    layouts: Vec<(CanonicalBody, usize)>,
+    layout: EncodeLayout,
     bodies: GpuBuffer<u8>,
     table: GpuBuffer<u8>,
     _extra: Vec<GpuBuffer<u8>>,
     status: GpuBuffer<u64>,
     launches: Vec<EncLaunch>,
-    read: u64,
-    written: u64,
     _borrow: PhantomData<&'a ()>,
 }
 
@@ -65,7 +63,7 @@ impl Gpu {
     /// [`Error::Parameter`] when `src` does not match `info` or a page lies
     /// outside the tensor, or the codec cannot encode the tensor;
     /// [`Error::Unsupported`] for codecs other than `int{b}`, `bdr{h}` and
-    /// `hqmq` without `+med`; [`Error::Device`] for a CUDA failure.
+    /// `hqmq`; [`Error::Device`] for a CUDA failure.
     pub fn plan_encode<'a, T: GpuElem>(
         &self,
         src: &'a GpuBuffer<T>,
@@ -84,7 +82,7 @@ impl Gpu {
             )));
         }
         let mut extra = Vec::new();
-        let layout = crate::gpu::encplan::plan(
+        let mut layout = crate::gpu::encplan::plan(
             src.device_ptr(),
             info,
             codec,
@@ -97,22 +95,17 @@ impl Gpu {
                 Ok(at)
             },
         )?;
-        let EncodeLayout {
-            layouts,
-            mut host,
-            mut descs,
-            works,
-            read,
-            written,
-        } = layout;
+        let mut host = std::mem::take(&mut layout.host);
         host.resize(host.len().max(BODY_ALIGN), 0);
         let bodies = self.upload(&host)?;
+        drop(host);
+        let mut descs = std::mem::take(&mut layout.descs);
         for dsc in &mut descs {
             dsc.body += bodies.device_ptr();
         }
         let mut table: Vec<u8> = bytemuck::cast_slice(&descs).to_vec();
         let mut launches = Vec::new();
-        for w in works {
+        for w in std::mem::take(&mut layout.works) {
             table.resize(table.len().next_multiple_of(BODY_ALIGN).max(BODY_ALIGN), 0);
             launches.push(EncLaunch {
                 kernel: w.kernel,
@@ -129,14 +122,12 @@ impl Gpu {
             gpu: self.clone(),
             info: info.clone(),
             pages: pages.to_vec(),
-            layouts,
+            layout,
             bodies,
             table,
             _extra: extra,
             status: self.upload(&[u64::MAX])?,
             launches,
-            read,
-            written,
             _borrow: PhantomData,
         })
     }
@@ -194,15 +185,15 @@ impl EncodePlan<'_> {
     /// [`Error::Device`] for a CUDA failure.
     pub fn sections(&self) -> Result<Vec<Vec<Section>>> {
         let bytes = self.bodies.to_vec()?;
-        Ok(self
-            .layouts
-            .iter()
-            .map(|(l, off)| l.sections(&bytes[*off..*off + l.body_len as usize]))
-            .collect())
+        (0..self.layout.layouts.len())
+            .map(|i| self.layout.sections(i, &bytes[self.body_range(i)]))
+            .collect()
     }
 
     /// The device buffer holding the encoded page bodies (each a canonical
-    /// body, format/SPEC.md 6.2, at [`EncodePlan::body_range`]).
+    /// body, format/SPEC.md 6.2, at [`EncodePlan::body_range`]; for
+    /// `hqmq+med` a body in the worst-case layout, whose sections
+    /// [`EncodePlan::sections`] cuts to their lengths).
     pub fn bodies(&self) -> &GpuBuffer<u8> {
         &self.bodies
     }
@@ -212,7 +203,7 @@ impl EncodePlan<'_> {
     /// # Panics
     /// If `i` is out of range.
     pub fn body_range(&self, i: usize) -> std::ops::Range<usize> {
-        let (l, off) = &self.layouts[i];
+        let (l, off) = &self.layout.layouts[i];
         *off..*off + l.body_len as usize
     }
 
@@ -228,6 +219,6 @@ impl EncodePlan<'_> {
     /// Bytes the kernels read (source elements) and write (the sections)
     /// per launch of the plan.
     pub fn bytes(&self) -> (u64, u64) {
-        (self.read, self.written)
+        (self.layout.read, self.layout.written)
     }
 }
