@@ -681,6 +681,7 @@ pub(crate) fn vq_kernel_names() -> Vec<(&'static str, String)> {
         }
     }
     v.push(("hqmq_enc", "encode_hqmq_pack".to_string()));
+    v.push(("hqmq_enc", "encode_hqmq_cells".to_string()));
     let _ = BLOCK;
     v
 }

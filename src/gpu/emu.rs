@@ -464,7 +464,7 @@ impl Emulator {
         let status = arena.place(&[0xff; 8]);
         let dt = arena.place(bytemuck::cast_slice(&descs));
         let mut launches = Vec::new();
-        for w in &layout.works {
+        for w in layout.setup.iter().chain(&layout.works) {
             let at = arena.place(bytemuck::cast_slice(&w.items));
             launches.push(Launch {
                 kernel: w.kernel.clone(),

@@ -52,6 +52,9 @@ pub struct EncodeLayout {
     pub host: Vec<u8>,
     /// One descriptor per page.
     pub descs: Vec<EncDesc>,
+    /// Launches to run once, before the first launch of `works` (they
+    /// build tables the encode reads: the hqmq cell index).
+    pub setup: Vec<EncWork>,
     /// The launches, in order.
     pub works: Vec<EncWork>,
     /// Bytes the kernels read (source elements).
@@ -206,6 +209,7 @@ fn empty() -> EncodeLayout {
         layouts: Vec::new(),
         host: Vec::new(),
         descs: Vec::new(),
+        setup: Vec::new(),
         works: Vec::new(),
         read: 0,
         written: 0,
@@ -299,8 +303,35 @@ fn plan_hqmq(
     let rb = (BLOCK / nc.max(1)).max(1);
     let groups = Groups::new(u64::from(o), u32::from(g)).expect("checked grouping");
     let c = crate::codec::hqmq::Hqmq::from_params(&codec.params())?.outlier_multiplier;
-    let side = place(&super::side::hqmq_encode_table(codec, info, s)?)?;
+    let mut table = super::side::hqmq_encode_table(codec, info, s)?;
+    let cells = super::hqmq_cells::grid(s).filter(|_| !pages.is_empty());
+    if let Some(g) = cells {
+        table.extend_from_slice(&super::hqmq_cells::region(g, info.heads));
+    }
+    let side = place(&table)?;
+    drop(table);
     let mut p = empty();
+    if let Some(g) = cells {
+        let boxes = u64::from(info.heads) * u64::from(g).pow(3);
+        p.setup.push(EncWork {
+            kernel: KernelChoice {
+                source: "hqmq_enc",
+                name: "encode_hqmq_cells".into(),
+                grid: Grid::Units {
+                    w: 1,
+                    per_thread: 1,
+                },
+                shared: 0,
+            },
+            items: (0..boxes)
+                .step_by(BLOCK as usize)
+                .map(|b| [0, b as u32])
+                .collect(),
+            bits: None,
+            h: None,
+            c: None,
+        });
+    }
     // Per page: u32 symbols, then with +med the header (u32 n_out, f32 C,
     // f32 tau per plane).
     let mut scratch_host = Vec::new();
@@ -396,7 +427,7 @@ fn plan_hqmq(
             sec3: l.offsets[2],
             heads: info.heads,
             p0: s,
-            p1: rb,
+            p1: rb | u32::from(cells.is_some()) << 31,
             p2: u32::from(b) | u32::from(e) << 8 | u32::from(g) << 16 | u32::from(w) << 24,
             p3: o | u32::from(med) << 31,
         });

@@ -97,6 +97,7 @@ mod decplan;
 #[doc(hidden)]
 pub mod encplan;
 pub mod host;
+mod hqmq_cells;
 pub mod paged;
 #[doc(hidden)]
 pub mod side;

@@ -105,7 +105,9 @@ impl Gpu {
         }
         let mut table: Vec<u8> = bytemuck::cast_slice(&descs).to_vec();
         let mut launches = Vec::new();
-        for w in std::mem::take(&mut layout.works) {
+        let setup = std::mem::take(&mut layout.setup);
+        let n_setup = setup.len();
+        for w in setup.into_iter().chain(std::mem::take(&mut layout.works)) {
             table.resize(table.len().next_multiple_of(BODY_ALIGN).max(BODY_ALIGN), 0);
             launches.push(EncLaunch {
                 kernel: w.kernel,
@@ -118,6 +120,21 @@ impl Gpu {
             table.extend_from_slice(bytemuck::cast_slice(&w.items));
         }
         let table = self.upload(&table)?;
+        let status = self.upload(&[u64::MAX])?;
+        // The setup launches run once, now (stream-ordered before any
+        // launch of the plan).
+        let (setup, launches) = launches.split_at(n_setup);
+        for l in setup {
+            let args = Args {
+                bits: l.bits,
+                h: l.h,
+                c: l.c,
+                status: status.device_ptr(),
+            };
+            let base = table.device_ptr();
+            self.launch_items(&l.kernel, base, base + l.work as u64, l.blocks, &args)?;
+        }
+        let launches = launches.to_vec();
         Ok(EncodePlan {
             gpu: self.clone(),
             info: info.clone(),
@@ -126,7 +143,7 @@ impl Gpu {
             bodies,
             table,
             _extra: extra,
-            status: self.upload(&[u64::MAX])?,
+            status,
             launches,
             _borrow: PhantomData,
         })

@@ -14,7 +14,10 @@
 //     q = step == 0 ? 0 : rne(min(rho / step, L))
 //     j = the smallest index among the largest binary32 scores
 //         ((x0*C0 + x1*C1) + x2*C2) + x3*C3 over the 24 S joint codewords,
-//         found by the fast exact search of src/codec/hqmq/search.rs: the
+//         found through the cell index when the plan has one (p1 bit 31:
+//         hqe_search_cells, a few candidates per chunk, gpu::hqmq_cells),
+//         else (and for its fallbacks) by the fast exact search of
+//         src/codec/hqmq/search.rs: the
 //         best coset max(2 max|w_i|, sum |w_i|) of w = x conj(Q_s) over all
 //         secondaries (shared memory, broadcast reads), the winner's best
 //         and second-best unit, accepted when it leads by more than 2 eps,
@@ -33,12 +36,15 @@
 // high digits h = v >> E), written whole (no atomics, padding bits zero);
 // n_in = n - n_out symbols with +med.
 //
-// Side table: per kv head, S secondaries then 24 S joint codewords (float4).
+// `encode_hqmq_cells` (plan time, once): the cell index's candidate lists.
+//
+// Side table: per kv head, S secondaries then 24 S joint codewords (float4);
+// with p1 bit 31 then the cell region (gpu::hqmq_cells::region).
 // EncDesc: sec_scale = SCALE, sec_index = INDEX 0, sec3 = INDEX 1,
 // sec_zero = OUTLIERS (+med), aux = the page's scratch: u32 per chunk
 // (n = rows * n_c), then with +med the page header at aux + 4 n: u32 n_out,
 // f32 C, f32 tau per plane; side = the tensor's codebooks; p0 = S, p1 =
-// rows per work item (RB), p2 = b | E << 8 | G << 16 | W << 24, p3 = O |
+// rows per work item (RB) | cells << 31, p2 = b | E << 8 | G << 16 | W << 24, p3 = O |
 // med << 31. With +med the body is the worst-case layout (INDEX streams for
 // n chunks, OUTLIERS for n_cap = planes * floor(N / 2) outliers, the most
 // a lower median with C >= 1 allows); the host cuts the sections to n_out
@@ -163,6 +169,145 @@ __device__ __forceinline__ u32 hqe_search(float4 x, const float4* sec, const flo
     return arg;
 }
 
+// ---- Cell index (gpu::hqmq_cells; must match its constants) ----------------
+#define HQC_CAP 32
+#define HQC_OVERFLOW 0xffffu
+#define HQC_BOX_SLACK 2e-4
+#define HQC_SCORE_SLACK 1e-5
+
+// Byte offsets in the cell region: u32 g, u32 cells, 8 bytes, u8 unit
+// products [24][24], u32 columns [g * g] (padded to 16 bytes), u16 lists.
+#define HQC_MUL 16u
+#define HQC_COLS 592u
+__device__ __forceinline__ u32 hqc_lists_at(u32 g) { return (HQC_COLS + 4u * g * g + 15u) & ~15u; }
+
+// The direction index through the cell index (gpu::hqmq_cells docs): the
+// nearest unit P of x, y = conj(P) x, the cell of t = y_{1,2,3} / y_0,
+// and the normative score over the cell's candidates P * P_p' * Q_s.
+// Falls back to hqe_search for tiny chunks, t off the grid and overfull
+// cells. `mul` is the unit product table (shared memory).
+__device__ __forceinline__ u32 hqe_search_cells(float4 x, const float4* sec, const float4* joint, u32 S,
+                                                const u32* cols, const u16* lists, const u8* mul, u32 g) {
+    float a0 = fabsf(x.x), a1 = fabsf(x.y), a2 = fabsf(x.z), a3 = fabsf(x.w);
+    float xm = fmaxf(fmaxf(a0, a1), fmaxf(a2, a3));
+    // 2^-100: no underflow in the scores of a larger chunk matters.
+    if (!(xm >= 7.888609e-31f)) return hqe_search(x, sec, joint, S);
+    float h1 = __fmul_rn(__fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3)), 0.5f);
+    u32 i1 = a1 > a0 ? 1u : 0u;
+    float m1 = fmaxf(a0, a1);
+    if (a2 > m1) { i1 = 2u; m1 = a2; }
+    if (a3 > m1) { i1 = 3u; m1 = a3; }
+    float4 P;
+    u32 ps;
+    if (m1 >= h1) {
+        float xv = i1 == 0u ? x.x : i1 == 1u ? x.y : i1 == 2u ? x.z : x.w;
+        float sg = xv < 0.0f ? -1.0f : 1.0f;
+        P = make_float4(i1 == 0u ? sg : 0.0f, i1 == 1u ? sg : 0.0f, i1 == 2u ? sg : 0.0f, i1 == 3u ? sg : 0.0f);
+        ps = 2u * i1 + (xv < 0.0f ? 1u : 0u);
+    } else {
+        P = make_float4(x.x < 0.0f ? -0.5f : 0.5f, x.y < 0.0f ? -0.5f : 0.5f, x.z < 0.0f ? -0.5f : 0.5f,
+                        x.w < 0.0f ? -0.5f : 0.5f);
+        ps = 8u + (x.x < 0.0f ? 1u : 0u) + (x.y < 0.0f ? 2u : 0u) + (x.z < 0.0f ? 4u : 0u) + (x.w < 0.0f ? 8u : 0u);
+    }
+    // y = conj(P) x (Hamilton product; rounding is covered by the slacks).
+    float y0 = P.x * x.x + P.y * x.y + P.z * x.z + P.w * x.w;
+    float y1 = P.x * x.y - P.y * x.x - P.z * x.w + P.w * x.z;
+    float y2 = P.x * x.z + P.y * x.w - P.z * x.x - P.w * x.y;
+    float y3 = P.x * x.w - P.y * x.z + P.z * x.y - P.w * x.x;
+    float inv = 1.0f / y0;
+    float t1 = y1 * inv, t2 = y2 * inv, t3 = y3 * inv;
+    if (!(fabsf(t1) <= 1.0001f && fabsf(t2) <= 1.0001f && fabsf(t3) <= 1.0001f)) return hqe_search(x, sec, joint, S);
+    float half = 0.5f * (float)g;
+    u32 k1 = min(g - 1u, (u32)fmaxf(0.0f, (t1 + 1.0f) * half));
+    u32 k2 = min(g - 1u, (u32)fmaxf(0.0f, (t2 + 1.0f) * half));
+    u32 k3 = min(g - 1u, (u32)fmaxf(0.0f, (t3 + 1.0f) * half));
+    u32 col = __ldg(cols + k1 * g + k2);
+    u32 lo = (col >> 20) & 63u, hi = col >> 26;
+    if (k3 < lo || k3 > hi) return hqe_search(x, sec, joint, S);
+    const u16* L = lists + (u64)((col & 0xfffffu) + k3 - lo) * HQC_CAP;
+    u32 cnt = __ldg(L);
+    if (cnt >= HQC_CAP) return hqe_search(x, sec, joint, S);
+    float best = __int_as_float(0xff800000);
+    u32 arg = 0xffffffffu;
+    const u8* mrow = mul + 24u * ps;
+    for (u32 i = 1; i <= cnt; i++) {
+        u32 e = __ldg(L + i);
+        u32 jj = (u32)mrow[e >> 11] * S + (e & 2047u);
+        float sc = hqe_dot(x, __ldg(joint + jj));
+        if (sc > best || (sc == best && jj < arg)) {
+            best = sc;
+            arg = jj;
+        }
+    }
+    return arg;
+}
+
+// Builds the candidate lists (gpu::hqmq_cells docs): work item (0, first
+// grid box over all kv heads), one box (k1, k2, k3) of one head per thread.
+__device__ __forceinline__ void hqmq_cells(const EncDesc* __restrict__ descs, const uint2* __restrict__ work) {
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 S = d.p0;
+    const u8* reg = reinterpret_cast<const u8*>(d.side) + (u64)d.heads * 25u * S * 16u;
+    const u32 g = reinterpret_cast<const u32*>(reg)[0];
+    const u32* cols = reinterpret_cast<const u32*>(reg + HQC_COLS);
+    u16* lists = reinterpret_cast<u16*>(const_cast<u8*>(reg) + hqc_lists_at(g));
+    const u32 cells = reinterpret_cast<const u32*>(reg)[1];
+    const u32 gc = w.y + threadIdx.x, g3 = g * g * g;
+    if (gc >= d.heads * g3) return;
+    const u32 head = gc / g3, b = gc - head * g3;
+    const u32 k1 = b / (g * g), k2 = (b / g) % g, k3 = b % g;
+    const u32 col = cols[k1 * g + k2];
+    const u32 lo = (col >> 20) & 63u, hi = col >> 26;
+    if (k3 < lo || k3 > hi) return;
+    u16* L = lists + ((u64)head * cells + (col & 0xfffffu) + k3 - lo) * HQC_CAP;
+    const float4* joint = reinterpret_cast<const float4*>(d.side) + (u64)head * 25u * S + S;
+    double blo[3], bhi[3], c[4];
+    const u32 ks[3] = {k1, k2, k3};
+    for (int i = 0; i < 3; i++) {
+        blo[i] = -1.0 + 2.0 * (double)ks[i] / (double)g - HQC_BOX_SLACK;
+        bhi[i] = -1.0 + 2.0 * (double)(ks[i] + 1u) / (double)g + HQC_BOX_SLACK;
+    }
+    c[0] = 1.0;
+    for (int i = 0; i < 3; i++) c[i + 1] = 0.5 * (blo[i] + bhi[i]);
+    double cn = sqrt(c[0] * c[0] + c[1] * c[1] + c[2] * c[2] + c[3] * c[3]);
+    for (int i = 0; i < 4; i++) c[i] /= cn;
+    double r = 0.0;
+    for (u32 m = 0; m < 8u; m++) {
+        double v[4] = {1.0, (m & 1u) ? bhi[0] : blo[0], (m & 2u) ? bhi[1] : blo[1], (m & 4u) ? bhi[2] : blo[2]};
+        double vn = sqrt(v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3]);
+        double dc = (c[0] * v[0] + c[1] * v[1] + c[2] * v[2] + c[3] * v[3]) / vn;
+        r = fmax(r, acos(fmin(1.0, dc)));
+    }
+    r += 1e-9;
+    const u32 n = 24u * S;
+    double d0 = -2.0;
+    for (u32 k = 0; k < n; k++) {
+        float4 q = joint[k];
+        double qn = sqrt((double)q.x * q.x + (double)q.y * q.y + (double)q.z * q.z + (double)q.w * q.w);
+        double dk = (c[0] * q.x + c[1] * q.y + c[2] * q.z + c[3] * q.w) / qn;
+        d0 = fmax(d0, dk);
+    }
+    const double pi = 3.141592653589793;
+    double A = cos(fmin(pi, acos(fmin(1.0, d0)) + r)) - HQC_SCORE_SLACK;
+    if (A <= -1.0) {
+        L[0] = (u16)HQC_OVERFLOW;
+        return;
+    }
+    double T = cos(fmin(pi, acos(A) + r));
+    u32 cnt = 0;
+    for (u32 k = 0; k < n; k++) {
+        float4 q = joint[k];
+        double qn = sqrt((double)q.x * q.x + (double)q.y * q.y + (double)q.z * q.z + (double)q.w * q.w);
+        double dk = (c[0] * q.x + c[1] * q.y + c[2] * q.z + c[3] * q.w) / qn;
+        if (dk >= T) {
+            if (cnt + 1u < HQC_CAP) L[1u + cnt] = (u16)((k / S) << 11 | (k % S));
+            cnt++;
+        }
+    }
+    L[0] = (u16)(cnt + 1u < HQC_CAP ? cnt : HQC_OVERFLOW);
+}
+
 // The smallest f16 >= v (v >= 0 finite), as bits; >= 0x7c00 when above the range.
 __device__ __forceinline__ u32 hqe_f16_ceil(float v) {
     u32 h = f32_to_f16(v);
@@ -177,11 +322,12 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
     __shared__ u32 rmax[BLOCK];
     __shared__ float rstep[BLOCK];
     __shared__ u32 nout;
+    __shared__ u8 smul[576];
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
     const u32 tid = threadIdx.x;
-    const u32 S = d.p0, RB = d.p1, b = d.p2 & 0xffu;
-    const bool med = (d.p3 >> 31) != 0;
+    const u32 S = d.p0, RB = d.p1 & 0xffffu, b = d.p2 & 0xffu;
+    const bool med = (d.p3 >> 31) != 0, cells = (d.p1 >> 31) != 0;
     const u32 D = d.head_dim, nc = D >> 2;
     // The item: rows [r0, r0 + nr) of one plane (the host cuts items at
     // plane ends), so one kv head and one codebook.
@@ -201,6 +347,15 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
     const bool smem = S <= HQE_MAX_SMEM_S;
     if (smem) {
         for (u32 i = tid; i < S; i += BLOCK) ssec[i] = __ldg(gsec + i);
+    }
+    // The cell index after every head's codebooks (gpu::hqmq_cells).
+    const u8* reg = reinterpret_cast<const u8*>(d.side) + (u64)d.heads * 25u * S * 16u;
+    const u32 g = cells ? reinterpret_cast<const u32*>(reg)[0] : 0u;
+    const u32* cols = reinterpret_cast<const u32*>(reg + HQC_COLS);
+    const u16* lists = reinterpret_cast<const u16*>(reg + hqc_lists_at(g)) +
+                       (cells ? (u64)(plane % d.heads) * reinterpret_cast<const u32*>(reg)[1] * HQC_CAP : 0u);
+    if (cells) {
+        for (u32 i = tid; i < 576u; i += BLOCK) smul[i] = reg[HQC_MUL + i];
     }
     for (u32 i = tid; i < nr; i += BLOCK) rmax[i] = 0;
     if (tid == 0) nout = 0;
@@ -241,7 +396,7 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
             float tq = fminf(__fdiv_rn(rho, step), L);
             q = __float_as_uint(__fadd_rn(tq, RNE_MAGIC_F)) - 0x4b400000u;
         }
-        u32 j = hqe_search(x, sec, joint, S);
+        u32 j = cells ? hqe_search_cells(x, sec, joint, S, cols, lists, smul, g) : hqe_search(x, sec, joint, S);
         scratch[(u64)r0 * nc + i] = (j << b) | q;
     }
     if (med) {
@@ -394,6 +549,7 @@ __device__ __forceinline__ void hqmq_compact(const EncDesc* __restrict__ descs, 
     }
 }
 
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_cells(HQE_ARGS) { (void)status; hqmq_cells(descs, work); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_med_bf16(HQE_ARGS) { (void)status; hqmq_median<SRC_BF16>(descs, work); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_med_f16(HQE_ARGS) { (void)status; hqmq_median<SRC_F16>(descs, work); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_med_f32(HQE_ARGS) { (void)status; hqmq_median<SRC_F32>(descs, work); }
