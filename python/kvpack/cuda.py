@@ -174,7 +174,8 @@ def encode_paged(
 
     The rows are gathered on the GPU into contiguous ``[kv_heads,
     num_tokens, head_dim]`` buffers; ``int{b}``, ``bdr{h}`` and ``hqmq``
-    (without ``+med``) then encode on the GPU and only the pages come back.
+    (with or without ``+med``) then encode on the GPU and only the pages
+    come back.
     Every other codec (and layouts with sink/recent windows, or
     ``raw_fallback``) copies the gathered rows to the host on the same
     stream and encodes them with the CPU codec. Either way the bytes equal

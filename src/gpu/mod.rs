@@ -4,8 +4,8 @@
 //! fp16) KV on the GPU; on a prefill node it must be compressed on the GPU
 //! before it is sent. This module decodes every codec of the format on the
 //! GPU (`raw`, `int{b}`, `bdr{h}`, `hqmq`, `octopus`, `turbo`, `polar`,
-//! `innerq`, `kivi`) and encodes `int{b}`, `bdr{h}` and `hqmq` (without
-//! `+med`):
+//! `innerq`, `kivi`) and encodes `int{b}`, `bdr{h}` and `hqmq` (with and
+//! without `+med` outliers):
 //!
 //! * **Decode** ([`Gpu::plan_decode`]): page bodies in device memory
 //!   ([`GpuPages`]) to bf16/fp16 in two layouts ([`Dst`]): contiguous
@@ -28,8 +28,14 @@
 //! * **Encode** ([`Gpu::plan_encode`]): a contiguous bf16/fp16/f32 tensor
 //!   on the device to `int{b}` / `bdr{h}` / `hqmq` page bodies whose
 //!   sections are the CPU encoder's bit for bit ([`EncodePlan::sections`];
-//!   planned by `gpu::encplan`). The hqmq search is the CPU's fast exact search
-//!   (coset filter with a proven margin, exact rescoring of near-ties).
+//!   planned by `gpu::encplan`). The hqmq direction search scores each
+//!   chunk against the few candidates of its cell in a per-codebook cell
+//!   index built on the device at plan time (`gpu::hqmq_cells`, with a
+//!   proven margin), falling back to the CPU's fast exact search (coset
+//!   filter, exact rescoring of near-ties). With `+med{C}` the per-page,
+//!   per-plane outlier threshold (`C` times the lower median of the chunk
+//!   radii) is computed on the device too (a radix select), so the host
+//!   only cuts the sections to the outlier count the device wrote.
 //! * **File to GPU** ([`FileDecoder`]): pages read from an mmap'd file,
 //!   checked (CRC), staged in pinned host memory, copied to the device and
 //!   decoded there, with the CPU staging, the host-to-device copy and the

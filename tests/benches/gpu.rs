@@ -614,7 +614,7 @@ fn paged(b: &mut Bench, llama: &KvCache) {
         gus,
         gathers[0].bytes(),
     );
-    for codec in ["int4", "bdr128", "hqmq:s96r4"] {
+    for codec in ["int4", "bdr128", "hqmq:s96r4", "hqmq:s96r4+med3"] {
         if !vq_selected(codec) {
             continue;
         }
@@ -1049,6 +1049,10 @@ fn main() {
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s96r4", "hqmq:s96r4");
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s24r3", "hqmq:s24r3");
     }
+    if vq_selected("hqmq:s96r4+med3") {
+        let c = "hqmq:s96r4+med3";
+        bench_encode(&mut b, &llama, &[0, 1], shape, c, c);
+    }
     if paged_mode != "0" && !ncu() {
         paged(&mut b, &llama);
     }
@@ -1095,7 +1099,7 @@ fn main() {
                 let s = format!("gemma3 whole cache ({} tensors)", all.len());
                 bench_decode(&mut b, &file, &all, &s, codec, true, false);
             }
-            for codec in ["int4", "bdr128", "bdr256", "hqmq:s96r4"] {
+            for codec in ["int4", "bdr128", "bdr256", "hqmq:s96r4", "hqmq:s96r4+med3"] {
                 if !vq_selected(codec) {
                     continue;
                 }

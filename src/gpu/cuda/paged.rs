@@ -205,7 +205,7 @@ impl Gpu {
     ///
     /// The rows are first gathered on this handle's stream into contiguous
     /// `[kv_heads, num_tokens, head_dim]` device buffers. Codecs with a GPU
-    /// encoder (`int{b}`, `bdr{h}`, `hqmq` without `+med`; layouts without
+    /// encoder (`int{b}`, `bdr{h}`, `hqmq` with or without `+med`; layouts without
     /// sink/recent windows) encode there and only the page bodies come
     /// back; every other codec takes the documented fallback: the gathered
     /// tensors are copied to the host on the same stream and encoded by the
