@@ -288,6 +288,11 @@ impl<'a> Archive<'a> {
         jobs: &mut Vec<PageJob<'o>>,
     ) {
         let pages = self.reader.pages_overlapping(src, lo, hi);
+        if pages.is_empty() || lo >= hi {
+            // Nothing to decode: never walk the declared planes (a hostile
+            // header may declare 2^30 of them for an empty selection).
+            return;
+        }
         let info = view.info.clone();
         if !view.is_head_major() {
             let (dst, strides) = view.raw_parts();
