@@ -165,6 +165,7 @@ pub(crate) struct PlacedEncode {
     pub cut: Option<super::encplan::SectionCut>,
     /// The first `setup` launches run once, before the first encode (the
     /// layout's `setup` works); the rest are the encode.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub setup: usize,
     pub bodies: u64,
     pub bodies_len: usize,

@@ -64,13 +64,16 @@ pub struct EncodeLayout {
     pub cut: Option<SectionCut>,
 }
 
+/// A cut of a worst-case body into sections: `(layout, body, args)`.
+pub type CutFn = fn(&CanonicalBody, &[u8], [u64; 4]) -> Result<Vec<Section>>;
+
 /// How the host turns a body written in a worst-case layout into the CPU
 /// encoder's sections, from counts the device wrote into the body (e.g.
 /// `hqmq+med`'s outlier count): `cut(layout, body, args)`.
 #[derive(Debug, Clone, Copy)]
 pub struct SectionCut {
     /// The cut: the body's worst-case layout, the body bytes and `args`.
-    pub cut: fn(&CanonicalBody, &[u8], [u64; 4]) -> Result<Vec<Section>>,
+    pub cut: CutFn,
     /// Codec parameters of the cut.
     pub args: [u64; 4],
 }
