@@ -1240,8 +1240,9 @@ fn encode_hqmq_matches_cpu_bitwise() {
 /// few non-zero chunks (median 0: every non-zero chunk an outlier), tiny
 /// and subnormal chunks (the search's underflow fallback), chunks on the
 /// Hurwitz units and their halves (exact ties between codewords), values
-/// at the fp16 limit; S above the cell index's range (every chunk through
-/// the coset search).
+/// at the fp16 limit; S with its secondaries in global memory (300) and
+/// above the cell index's range (3000: every chunk through the coset
+/// search).
 #[test]
 fn encode_hqmq_edge_values_match_cpu_bitwise() {
     let mut cache = synthetic(&[spec(1, 3, 48, 32)], DType::F32, 8);
@@ -1272,6 +1273,7 @@ fn encode_hqmq_edge_values_match_cpu_bitwise() {
             "hqmq:s96r4",
             "hqmq:s24r3+med3",
             "hqmq:s5r2+med1",
+            "hqmq:s300r2",
             "hqmq:s3000r2+med2",
         ] {
             bytes += check_encode(&dev, &cache, codec, layout(16, 0, 0));

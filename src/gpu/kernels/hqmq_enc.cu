@@ -50,7 +50,12 @@
 // a lower median with C >= 1 allows); the host cuts the sections to n_out
 // (gpu::encplan).
 
-#define HQE_MAX_SMEM_S 2048
+// Secondaries kept in shared memory (larger S: read through L1). Small, so
+// that the static shared memory does not limit the blocks per SM.
+#define HQE_MAX_SMEM_S 256
+// Chunk radii of a page plane the median kernel keeps in shared memory
+// (more: recomputed from the source in every pass).
+#define HQE_MED_SMEM 8192
 #define F16_MAX_F 65504.0f
 #define RNE_MAGIC_F 12582912.0f
 #define HQE_OUTLIER 0xffffffffu
@@ -417,6 +422,7 @@ template <int SRC>
 __device__ __forceinline__ void hqmq_median(const EncDesc* __restrict__ descs, const uint2* __restrict__ work) {
     __shared__ u32 hist[256];
     __shared__ u32 pick[2];
+    __shared__ u32 rad[HQE_MED_SMEM];
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
     const u32 tid = threadIdx.x, plane = w.y;
@@ -425,12 +431,19 @@ __device__ __forceinline__ void hqmq_median(const EncDesc* __restrict__ descs, c
     u32* hdr = reinterpret_cast<u32*>(d.aux) + (u64)d.rows * nc;
     if (plane == 0 && tid == 0) hdr[0] = 0;
     u32 prefix = 0, mask = 0, k = (N - 1u) / 2u;
+    const bool cached = N <= HQE_MED_SMEM;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (u32 i = tid; i < 256u; i += BLOCK) hist[i] = 0;
         __syncthreads();
         // Chunk i of the plane is elements 4i .. 4i + 3 (rows are contiguous).
         for (u32 i = tid; i < N; i += BLOCK) {
-            u32 v = __float_as_uint(hqe_rho(hqe_load4<SRC>(src, (u64)i * 4u)));
+            u32 v;
+            if (cached && shift != 24) {
+                v = rad[i];
+            } else {
+                v = __float_as_uint(hqe_rho(hqe_load4<SRC>(src, (u64)i * 4u)));
+                if (cached) rad[i] = v;
+            }
             if ((v & mask) == prefix) atomicAdd(&hist[(v >> shift) & 0xffu], 1u);
         }
         __syncthreads();
