@@ -825,6 +825,7 @@ fn random_image(rng: &mut Rng, shape: &PagedShape, dtype: DType) -> Vec<u16> {
 /// opens and decodes to the gathered rows (raw: exactly).
 #[test]
 fn encode_paged_layouts_match_cpu_bytes() {
+    // hqmq+med: the outlier threshold, table and cut sections on the GPU.
     let all = [
         "raw",
         "int4",
@@ -843,6 +844,8 @@ fn encode_paged_layouts_match_cpu_bytes() {
         "octopus:b3+qjl",
         "octopus:b2",
         "turbo:b2+qjl:vg32",
+        "polar:m4n4",
+        "hqmq:s24r3+med3",
     ];
     let devs = devices();
     let mut rng = Rng(909);
@@ -1246,6 +1249,32 @@ fn encode_hqmq_matches_cpu_bitwise() {
             DType::Bf16,
             layout(16, 0, 0),
         ),
+        // Outlier extraction: position lists (+med3) and bitmaps (+med1,
+        // about half the chunks), one-token pages, a 4-wide head.
+        (
+            "hqmq:s96r4+med3",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 0, 0),
+        ),
+        (
+            "hqmq:s24r3+med1",
+            spec(2, 2, 77, 64),
+            DType::F16,
+            layout(32, 0, 0),
+        ),
+        (
+            "hqmq:s5r2+med2:seed9",
+            spec(1, 3, 70, 12),
+            DType::F32,
+            layout(1, 0, 0),
+        ),
+        (
+            "hqmq:s32r2+med1.5:g7",
+            spec(1, 1, 9, 4),
+            DType::Bf16,
+            layout(4, 0, 0),
+        ),
     ];
     for dev in devices() {
         let mut bytes = 0;
@@ -1255,6 +1284,10 @@ fn encode_hqmq_matches_cpu_bitwise() {
         }
         let fixture = common::fixture().cache;
         bytes += check_encode(&dev, &fixture, "hqmq:s96r4", layout(256, 0, 0));
+        // Every registered hqmq example on the real fixture.
+        for ex in kvpack::codec::hqmq::FAMILY.examples {
+            bytes += check_encode(&dev, &fixture, ex.name, layout(256, 0, 0));
+        }
         println!(
             "hqmq encode on {}: {bytes} section bytes identical to the CPU",
             dev.name()
@@ -1348,6 +1381,55 @@ fn encode_group_and_polar_codecs_match_cpu_bitwise() {
         }
         println!(
             "kivi/innerq/polar encode on {}: {bytes} section bytes identical to the CPU",
+            dev.name()
+        );
+    }
+}
+
+/// hqmq edge values, f32 source: zero rows and a plane of zeros with a
+/// few non-zero chunks (median 0: every non-zero chunk an outlier), tiny
+/// and subnormal chunks (the search's underflow fallback), chunks on the
+/// Hurwitz units and their halves (exact ties between codewords), values
+/// at the fp16 limit; S with its secondaries in global memory (300) and
+/// above the cell index's range (3000: every chunk through the coset
+/// search).
+#[test]
+fn encode_hqmq_edge_values_match_cpu_bitwise() {
+    let mut cache = synthetic(&[spec(1, 3, 48, 32)], DType::F32, 8);
+    let set = [-1.0f32, -0.5, 0.0, 0.5, 1.0];
+    for t in &mut cache.tensors {
+        let TensorData::F32(v) = &mut t.data else {
+            unreachable!("f32 cache")
+        };
+        let plane = 48 * 32;
+        for (i, x) in v.iter_mut().enumerate() {
+            let (p, row) = (i / plane, i % plane / 32);
+            *x = match (p, row % 8) {
+                (0, _) if row > 2 => 0.0,
+                (0, _) => *x,
+                (_, 0) => 0.0,
+                (_, 1) => *x * 1e-33,
+                (_, 2) => *x * 1e-41,
+                (_, 3 | 4) => set[(i * 7 + i / 5) % 5],
+                (_, 5) if i % 4 == 0 => 65504.0 * set[i / 4 % 5],
+                (_, 5) => 0.0,
+                _ => *x,
+            };
+        }
+    }
+    for dev in devices() {
+        let mut bytes = 0;
+        for codec in [
+            "hqmq:s96r4",
+            "hqmq:s24r3+med3",
+            "hqmq:s5r2+med1",
+            "hqmq:s300r2",
+            "hqmq:s3000r2+med2",
+        ] {
+            bytes += check_encode(&dev, &cache, codec, layout(16, 0, 0));
+        }
+        println!(
+            "hqmq edge encode on {}: {bytes} section bytes identical to the CPU",
             dev.name()
         );
     }

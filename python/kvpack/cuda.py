@@ -173,12 +173,13 @@ def encode_paged(
     a complete kvpack file (``kvpack.open`` / ``kvpack inspect`` read it).
 
     The rows are gathered on the GPU into contiguous ``[kv_heads,
-    num_tokens, head_dim]`` buffers; ``raw``, ``int{b}``, ``bdr{h}``,
-    ``hqmq`` (without ``+med``), ``kivi``, ``innerq`` and ``polar`` then
-    encode on the GPU (sink/recent window pages and InnerQ's key
-    normalization statistics too) and only the pages come back. Every other
-    codec (and ``raw_fallback``) copies the gathered rows to the host on the
-    same stream and encodes them with the CPU codec. Either way the bytes equal
+    num_tokens, head_dim]`` buffers; every codec (``raw``, ``int{b}``,
+    ``bdr{h}``, ``hqmq`` with or without ``+med``, ``kivi``, ``innerq``,
+    ``polar``, ``turbo``, ``octopus``) then encodes on the GPU (sink/recent
+    window pages and InnerQ's key normalization statistics too) and only the
+    pages come back. Codecs without a GPU encoder for the shape (and
+    ``raw_fallback``) copy the gathered rows to the host on the same
+    stream and encode them with the CPU codec. Either way the bytes equal
     :func:`kvpack.compress` of the same tensors (names
     ``past_key_values.{layer}.key/value``).
 

@@ -162,6 +162,12 @@ pub(crate) fn place_decode(
 /// status word's address and the bytes the kernels read and write.
 pub(crate) struct PlacedEncode {
     pub layouts: Vec<(CanonicalBody, usize)>,
+    /// The cut of data-dependent bodies ([`super::encplan::sections`]).
+    pub cut: Option<super::encplan::SectionCut>,
+    /// The first `setup` launches run once, before the first encode (the
+    /// layout's `setup` works); the rest are the encode.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub setup: usize,
     pub bodies: u64,
     pub bodies_len: usize,
     pub launches: Vec<Launch>,
@@ -204,15 +210,19 @@ fn place_layout(b: &mut dyn Backend, mut layout: EncodeLayout) -> Result<PlacedE
     }
     let mut table: Vec<u8> = bytemuck::cast_slice(&layout.descs).to_vec();
     let mut works = Vec::new();
-    for w in &layout.works {
+    let setup = layout.setup.len();
+    let all: Vec<_> = std::mem::take(&mut layout.setup)
+        .into_iter()
+        .chain(std::mem::take(&mut layout.works))
+        .collect();
+    for w in &all {
         table.resize(table.len().next_multiple_of(BODY_ALIGN).max(BODY_ALIGN), 0);
         works.push(table.len());
         table.extend_from_slice(bytemuck::cast_slice(&w.items));
     }
     let t = b.place(&table)?;
     let status = b.place(&[0xff; 8])?;
-    let launches = layout
-        .works
+    let launches = all
         .into_iter()
         .zip(works)
         .map(|(w, at)| Launch {
@@ -230,6 +240,8 @@ fn place_layout(b: &mut dyn Backend, mut layout: EncodeLayout) -> Result<PlacedE
         .collect();
     Ok(PlacedEncode {
         layouts: layout.layouts,
+        cut: layout.cut,
+        setup,
         bodies,
         bodies_len: layout.host.len(),
         launches,

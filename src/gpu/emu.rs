@@ -443,11 +443,7 @@ impl Emulator {
         let s = u64::from_le_bytes(run.read(plan.status, 8)?.try_into().expect("8 bytes"));
         check_encode_status(s, info, pages)?;
         let bodies = run.read(plan.bodies, plan.bodies_len)?;
-        Ok(plan
-            .layouts
-            .iter()
-            .map(|(l, off)| l.sections(&bodies[*off..*off + l.body_len as usize]))
-            .collect())
+        super::encplan::sections(&plan.layouts, plan.cut, &bodies)
     }
 }
 

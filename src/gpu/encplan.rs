@@ -1,8 +1,9 @@
 //! Device-independent planning of a GPU encode: page body templates,
 //! descriptors ([`EncDesc`]) and the work lists of each kernel launch. The
 //! per-codec part is each family's `gpu::family::GpuFamily::plan_encode`
-//! (`int{b}` / `bdr{h}`: one kernel, `family/affine.rs`; `hqmq` without
-//! outlier extraction: a search and a pack kernel, `family/hqmq.rs`;
+//! (`int{b}` / `bdr{h}`: one kernel, `family/affine.rs`; `hqmq`: a search
+//! and a pack kernel, with `+med` also a median and an outlier-table
+//! kernel, after a cell-index build at plan time, `family/hqmq.rs`;
 //! `kivi` / `innerq`: one kernel, `family/group_enc.rs`; `polar` keys: a
 //! scale and a code kernel, `family/polar.rs`; `raw`: a copy,
 //! `family/raw.rs`; `octopus` / `turbo` unit-coded pages: one kernel,
@@ -20,6 +21,7 @@ use crate::plan::PlannedPage;
 
 use super::body::CanonicalBody;
 use super::spec::{EncDesc, KernelChoice, KernelCodec, KernelOptions, magic};
+use crate::format::Section;
 
 /// Alignment of page bodies in the body buffer, bytes.
 pub const BODY_ALIGN: usize = 256;
@@ -50,12 +52,60 @@ pub struct EncodeLayout {
     pub host: Vec<u8>,
     /// One descriptor per page.
     pub descs: Vec<EncDesc>,
+    /// Launches to run once, before the first launch of `works` (they
+    /// build tables that `works` read, such as the hqmq cell index).
+    pub setup: Vec<EncWork>,
     /// The launches, in order.
     pub works: Vec<EncWork>,
     /// Bytes the kernels read (source elements).
     pub read: u64,
-    /// Bytes the kernels write (the sections).
+    /// Bytes the kernels write (the sections; an estimate where they
+    /// depend on the data).
     pub written: u64,
+    /// For bodies whose section lengths depend on the data (written in a
+    /// worst-case layout): how the host cuts them; `None` for canonical
+    /// bodies.
+    pub cut: Option<SectionCut>,
+}
+
+/// A cut of a worst-case body into sections: `(layout, body, args)`.
+pub type CutFn = fn(&CanonicalBody, &[u8], [u64; 4]) -> Result<Vec<Section>>;
+
+/// How the host turns a body written in a worst-case layout into the CPU
+/// encoder's sections, from counts the device wrote into the body (e.g.
+/// `hqmq+med`'s outlier count): `cut(layout, body, args)`.
+#[derive(Debug, Clone, Copy)]
+pub struct SectionCut {
+    /// The cut: the body's worst-case layout, the body bytes and `args`.
+    pub cut: CutFn,
+    /// Codec parameters of the cut.
+    pub args: [u64; 4],
+}
+
+/// The sections of each page of `layouts` from the downloaded bodies
+/// buffer `bodies` (each body at its offset), as the CPU encoder returns
+/// them: [`CanonicalBody::sections`], or `cut` for data-dependent layouts.
+///
+/// # Errors
+/// The error of `cut` (an impossible count written by the device).
+///
+/// # Panics
+/// If `bodies` does not hold every body.
+pub fn sections(
+    layouts: &[(CanonicalBody, usize)],
+    cut: Option<SectionCut>,
+    bodies: &[u8],
+) -> Result<Vec<Vec<Section>>> {
+    layouts
+        .iter()
+        .map(|(l, off)| {
+            let body = &bodies[*off..*off + l.body_len as usize];
+            match cut {
+                Some(c) => (c.cut)(l, body, c.args),
+                None => Ok(l.sections(body)),
+            }
+        })
+        .collect()
 }
 
 /// Checks that a page lies inside the tensor; returns its rows.
@@ -138,8 +188,10 @@ pub(crate) fn empty() -> EncodeLayout {
         layouts: Vec::new(),
         host: Vec::new(),
         descs: Vec::new(),
+        setup: Vec::new(),
         works: Vec::new(),
         read: 0,
         written: 0,
+        cut: None,
     }
 }

@@ -4,10 +4,10 @@
 //! fp16) KV on the GPU; on a prefill node it must be compressed on the GPU
 //! before it is sent. This module decodes every codec of the format on the
 //! GPU (`raw`, `int{b}`, `bdr{h}`, `hqmq`, `octopus`, `turbo`, `polar`,
-//! `innerq`, `kivi`) and encodes `raw`, `int{b}`, `bdr{h}`, `hqmq`
-//! (without `+med`), `kivi`, `innerq`, `polar` and the unit-coded pages of
-//! `octopus` and `turbo` (with `+qjl`; their `:vg` value-group V pages are
-//! kivi value pages):
+//! `innerq`, `kivi`) and encodes every codec: `raw`, `int{b}`, `bdr{h}`,
+//! `hqmq` (with and without `+med` outliers), `kivi`, `innerq`, `polar` and
+//! the unit-coded pages of `octopus` and `turbo` (with `+qjl`; their `:vg`
+//! value-group V pages are kivi value pages):
 //!
 //! * **Decode** ([`Gpu::plan_decode`]): page bodies in device memory
 //!   ([`GpuPages`]) to bf16/fp16 in two layouts ([`Dst`]): contiguous
@@ -35,11 +35,17 @@
 //!   rule for signed zeros; InnerQ's hybrid errors summed in binary64 in
 //!   element order; PolarQuant's radii in binary64 and its direction
 //!   search with the CPU's candidates; octopus / turbo norms as f64 sums in
-//!   index order and rotations with the normative butterflies). The hqmq
-//!   search is the CPU's fast exact search (coset filter with a proven
-//!   margin, exact rescoring of near-ties). [`Gpu::encode_paged`] gathers a
-//!   vLLM paged cache and encodes it so, window pages as `raw` and InnerQ's
-//!   key normalization statistics reduced on the device.
+//!   index order and rotations with the normative butterflies).
+//!   [`Gpu::encode_paged`] gathers a vLLM paged cache and encodes it so,
+//!   window pages as `raw` and InnerQ's key normalization statistics
+//!   reduced on the device. The hqmq direction search scores each chunk
+//!   against the few candidates of its cell in a per-codebook cell index
+//!   built on the device at plan time (`gpu::hqmq_cells`, with a proven
+//!   margin), falling back to the CPU's fast exact search (coset filter,
+//!   exact rescoring of near-ties). With `+med{C}` the per-page, per-plane
+//!   outlier threshold (`C` times the lower median of the chunk radii) is
+//!   computed on the device too (a radix select), so the host only cuts
+//!   the sections to the outlier count the device wrote.
 //! * **File to GPU** ([`FileDecoder`]): pages read from an mmap'd file,
 //!   checked (CRC), staged in pinned host memory, copied to the device and
 //!   decoded there, with the CPU staging, the host-to-device copy and the
@@ -113,6 +119,7 @@ pub mod encplan;
 #[doc(hidden)]
 pub mod family;
 pub mod host;
+pub(crate) mod hqmq_cells;
 pub mod paged;
 #[doc(hidden)]
 pub mod side;

@@ -67,7 +67,8 @@ pub const HQMQ: Source = Source {
     code: include_str!("kernels/hqmq.cu"),
 };
 
-/// Encode kernels of `hqmq` (without outlier extraction).
+/// Encode kernels of `hqmq` (with and without outlier extraction), and the
+/// builder of their cell index.
 pub const HQMQ_ENC: Source = Source {
     name: "hqmq_enc",
     code: include_str!("kernels/hqmq_enc.cu"),

@@ -628,6 +628,7 @@ fn paged(b: &mut Bench, llama: &KvCache) {
         "int4",
         "bdr128",
         "hqmq:s96r4",
+        "hqmq:s96r4+med3",
         "kivi:2",
         "innerq:k2v2",
         "polar:m4n4",
@@ -1104,6 +1105,10 @@ fn main() {
             bench_encode(&mut b, &llama, &[0], shape_k, codec, codec);
         }
     }
+    if vq_selected("hqmq:s96r4+med3") {
+        let c = "hqmq:s96r4+med3";
+        bench_encode(&mut b, &llama, &[0, 1], shape, c, c);
+    }
     if paged_mode != "0" && !ncu() {
         paged(&mut b, &llama);
     }
@@ -1155,6 +1160,7 @@ fn main() {
                 "bdr128",
                 "bdr256",
                 "hqmq:s96r4",
+                "hqmq:s96r4+med3",
                 "kivi:2",
                 "innerq:k2v2",
                 "polar:m4n4",

@@ -1,6 +1,6 @@
 //! Encode launches ([`EncodePlan`]): a contiguous tensor on the device to
 //! page bodies in device memory, for every family with a GPU encoder
-//! (`raw`, `int{b}` / `bdr{h}`, `hqmq` without outlier extraction, `kivi`,
+//! (`raw`, `int{b}` / `bdr{h}`, `hqmq` with or without `+med`, `kivi`,
 //! `innerq`, `polar`, and the unit-coded pages of `octopus` / `turbo`; the
 //! kernels of each are described in its `gpu::family` file and `.cu`
 //! source).
@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::format::Section;
 use crate::gpu::backend::{Launch, check_encode_status, place_encode};
 use crate::gpu::body::CanonicalBody;
+use crate::gpu::encplan::SectionCut;
 use crate::plan::PlannedPage;
 
 /// A prepared encode of some pages of one tensor: page bodies (section
@@ -26,6 +27,7 @@ pub struct EncodePlan<'a> {
     info: TensorInfo,
     pages: Vec<PlannedPage>,
     layouts: Vec<(CanonicalBody, usize)>,
+    cut: Option<SectionCut>,
     bodies: GpuBuffer<u8>,
     /// The status word.
     status: GpuBuffer<u8>,
@@ -55,9 +57,7 @@ impl Gpu {
     /// # Errors
     /// [`Error::Parameter`] when `src` does not match `info` or a page lies
     /// outside the tensor, or the codec cannot encode the tensor;
-    /// [`Error::Unsupported`] for codecs without a GPU encoder (other than
-    /// `raw`, `int{b}`, `bdr{h}`, `hqmq` without `+med`, `kivi`, `innerq`,
-    /// `polar`, the unit-coded pages of `octopus` / `turbo`) or head_dims
+    /// [`Error::Unsupported`] for codecs without a GPU encoder or head_dims
     /// beyond its kernels; [`Error::Device`] for a CUDA failure. An
     /// octopus / turbo codec must be prepared for the tensor's head_dim
     /// (`Codec::prepare`), else [`Error::Parameter`].
@@ -89,15 +89,21 @@ impl Gpu {
         )?;
         let bodies = stage.take(plan.bodies);
         let status = stage.take(plan.status);
+        // The setup launches (the hqmq cell index) run once, now: stream
+        // order puts them before every launch of the plan.
+        let (setup, launches) = plan.launches.split_at(plan.setup);
+        launch_all(self, setup)?;
+        let launches = launches.to_vec();
         Ok(EncodePlan {
             gpu: self.clone(),
             info: info.clone(),
             pages: pages.to_vec(),
             layouts: plan.layouts,
+            cut: plan.cut,
             bodies,
             status,
             _bufs: stage.bufs,
-            launches: plan.launches,
+            launches,
             read: plan.read,
             written: plan.written,
             _borrow: PhantomData,
@@ -134,16 +140,13 @@ impl EncodePlan<'_> {
     /// # Errors
     /// [`Error::Device`] for a CUDA failure.
     pub fn sections(&self) -> Result<Vec<Vec<Section>>> {
-        let bytes = self.bodies.to_vec()?;
-        Ok(self
-            .layouts
-            .iter()
-            .map(|(l, off)| l.sections(&bytes[*off..*off + l.body_len as usize]))
-            .collect())
+        crate::gpu::encplan::sections(&self.layouts, self.cut, &self.bodies.to_vec()?)
     }
 
     /// The device buffer holding the encoded page bodies (each a canonical
-    /// body, format/SPEC.md 6.2, at [`EncodePlan::body_range`]).
+    /// body, format/SPEC.md 6.2, at [`EncodePlan::body_range`]; for
+    /// `hqmq+med` a body in the worst-case layout, whose sections
+    /// [`EncodePlan::sections`] cuts to their lengths).
     pub fn bodies(&self) -> &GpuBuffer<u8> {
         &self.bodies
     }

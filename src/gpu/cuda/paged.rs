@@ -205,14 +205,14 @@ impl Gpu {
     ///
     /// The rows are first gathered on this handle's stream into contiguous
     /// `[kv_heads, num_tokens, head_dim]` device buffers. Codecs with a GPU
-    /// encoder (`raw`, `int{b}`, `bdr{h}`, `hqmq` without `+med`, `kivi`,
-    /// `innerq`, `polar`, `octopus` and `turbo`; sink/recent window pages
-    /// as `raw`) encode there and only the page bodies come back; octopus
-    /// and turbo codebooks are prepared from the shapes
+    /// encoder (`raw`, `int{b}`, `bdr{h}`, `hqmq` with or without `+med`,
+    /// `kivi`, `innerq`, `polar`, `octopus` and `turbo`; sink/recent window
+    /// pages as `raw`) encode there and only the page bodies come back;
+    /// octopus and turbo codebooks are prepared from the shapes
     /// (`gpu::family::sphere::prepare_shapes`); for InnerQ with key
     /// normalization the per-channel factors (the compressor's
     /// `Codec::prepare`) are reduced on the device first and the few
-    /// maxima downloaded. Every other codec (and `raw_fallback`) takes the
+    /// maxima downloaded. Every other case (and `raw_fallback`) takes the
     /// documented fallback: the gathered tensors are copied to the host on
     /// the same stream and encoded by the CPU codec
     /// ([`crate::gpu::paged::file_from_host`]).

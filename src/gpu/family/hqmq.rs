@@ -1,20 +1,24 @@
 //! `hqmq` pages: f16 scale per row, low symbols and grouped high digits of
 //! the joint codeword per 4-element chunk, optional outlier table
-//! (`kernels/hqmq.cu`); encoder without outlier extraction
-//! (`kernels/hqmq_enc.cu`).
+//! (`kernels/hqmq.cu`); the encoder, with and without outlier extraction
+//! (`kernels/hqmq_enc.cu`, its search through the cell index of
+//! `gpu::hqmq_cells`).
 
 use crate::cache::TensorInfo;
 use crate::codec::Codec;
 use crate::codec::hqmq::codebook::{Codebook, secondaries};
 use crate::codec::hqmq::{self, Hqmq};
 use crate::error::{Error, Result};
-use crate::format::{ElemType, PageView, SectionKind};
+use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::radix::Groups;
 
 use super::f32_bytes;
 use super::{GpuFamily, OUTS, at, bad_params, offset, section};
 use crate::gpu::body::{CanonicalBody, SectionSpec};
-use crate::gpu::encplan::{EncWork, EncodeJob, EncodeLayout, empty, page_rows, push_body};
+use crate::gpu::encplan::{
+    EncWork, EncodeJob, EncodeLayout, SectionCut, empty, page_rows, push_body,
+};
+use crate::gpu::hqmq_cells;
 use crate::gpu::spec::{
     self, BLOCK, EncDesc, Grid, HQ_ITEM, KernelChoice, KernelCodec, KernelOptions, OutType,
     src_suffix,
@@ -216,19 +220,27 @@ impl GpuFamily for Family {
             }
         }
         for s in ["bf16", "f16", "f32"] {
-            v.push(("hqmq_enc", format!("encode_hqmq_{s}")));
+            for k in ["", "med_", "compact_"] {
+                v.push(("hqmq_enc", format!("encode_hqmq_{k}{s}")));
+            }
         }
         v.push(("hqmq_enc", "encode_hqmq_pack".to_string()));
+        v.push(("hqmq_enc", "encode_hqmq_cells".to_string()));
         v
     }
 
-    /// Without outlier extraction (`+med`) only.
-    fn encodes(&self, kc: KernelCodec) -> bool {
-        !fields(kc).6
+    /// With and without outlier extraction (`+med`).
+    fn encodes(&self, _kc: KernelCodec) -> bool {
+        true
     }
 
-    /// The search kernel (one symbol per chunk to a scratch buffer, SCALE
-    /// written) and the pack kernel (INDEX 0 and 1 from the symbols).
+    /// The search kernel (symbols to scratch, SCALE written) and the pack
+    /// kernel (INDEX 0 and 1 from the symbols); with `+med{C}` the median
+    /// kernel before them (per page plane `tau = C * med` into the page's
+    /// scratch header) and the compaction kernel between them (inlier
+    /// symbols to the front, the OUTLIERS table), on worst-case bodies cut
+    /// by [`med_sections`]. For `S <=` [`hqmq_cells::MAX_S`] a setup
+    /// launch builds the search's cell index once.
     fn plan_encode(
         &self,
         job: &EncodeJob<'_>,
@@ -243,51 +255,107 @@ impl GpuFamily for Family {
             ..
         } = *job;
         let (s, b, e, g, w, o, med) = fields(kc);
-        if med {
-            return Err(Error::Unsupported(format!(
-                "GPU encode covers hqmq without +med, not {}",
-                codec.name()
-            )));
-        }
         let esize = info.dtype.size() as u64;
         let d = info.head_dim;
         let nc = d / 4;
+        let planes = info.planes() as u64;
         let rb = (BLOCK / nc.max(1)).max(1);
-        let side = place(&encode_table(codec, info, s)?)?;
+        let groups = Groups::new(u64::from(o), u32::from(g)).expect("checked grouping");
+        let c = Hqmq::from_params(&codec.params())?.outlier_multiplier;
+        let mut table = encode_table(codec, info, s)?;
+        let cells = hqmq_cells::grid(s).filter(|_| !pages.is_empty());
+        if let Some(gr) = cells {
+            table.extend_from_slice(&hqmq_cells::region(gr, info.heads));
+        }
+        let side = place(&table)?;
+        drop(table);
         let mut p = empty();
-        let mut chunks = 0u64;
+        let kernel = |name: String, grid| KernelChoice {
+            source: "hqmq_enc",
+            name,
+            grid,
+            shared: 0,
+        };
+        let items = Grid::Units {
+            w: 1,
+            per_thread: 1,
+        };
+        if let Some(gr) = cells {
+            let boxes = u64::from(info.heads) * u64::from(gr).pow(3);
+            p.setup.push(EncWork {
+                kernel: kernel("encode_hqmq_cells".into(), items),
+                items: (0..boxes)
+                    .step_by(BLOCK as usize)
+                    .map(|x| [0, x as u32])
+                    .collect(),
+                bits: None,
+                h: None,
+                c: None,
+            });
+        }
+        // Per page: u32 symbols, then with +med the header (u32 n_out, f32
+        // C, f32 tau per plane).
+        let mut scratch_host = Vec::new();
         let mut scratch_at = Vec::new();
         for pg in pages {
             let rows = page_rows(info, pg)?;
-            scratch_at.push(chunks);
-            chunks += u64::from(rows) * u64::from(nc);
+            scratch_at.push(scratch_host.len() as u64);
+            scratch_host.resize(scratch_host.len() + 4 * rows as usize * nc as usize, 0);
+            if med {
+                scratch_host.extend_from_slice(&[0; 4]);
+                scratch_host.extend_from_slice(&c.unwrap_or(1.0).to_le_bytes());
+                scratch_host.resize(scratch_host.len() + 4 * planes as usize, 0);
+            }
         }
-        let scratch = place(&vec![0u8; (4 * chunks).max(4) as usize])?;
-        let search = KernelChoice {
-            source: "hqmq_enc",
-            name: format!("encode_hqmq_{}", src_suffix(info.dtype)),
-            grid: Grid::PlaneRows {
+        scratch_host.resize(scratch_host.len().max(4), 0);
+        let scratch = place(&scratch_host)?;
+        drop(scratch_host);
+        let sfx = src_suffix(info.dtype);
+        let search = kernel(
+            format!("encode_hqmq_{sfx}"),
+            Grid::PlaneRows {
                 tokens: rb,
                 unit: 4,
             },
-            shared: 0,
-        };
-        let pack = KernelChoice {
-            source: "hqmq_enc",
-            name: "encode_hqmq_pack".into(),
-            grid: Grid::Units {
-                w: 1,
-                per_thread: 1,
-            },
-            shared: 0,
-        };
-        let (mut w1, mut w2) = (Vec::new(), Vec::new());
+        );
+        let (mut w0, mut w1, mut w2, mut w3) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let count = |v: u64| u32::try_from(v).map_err(|_| Error::param("hqmq page too large"));
         for (i, pg) in pages.iter().enumerate() {
             let rows = page_rows(info, pg)?;
             let n = u64::from(rows) * u64::from(nc);
-            let sections = self.body_sections(kc, rows.into(), pg.tokens.into(), d.into())?;
-            let l = CanonicalBody::new(sections)?;
-            let (low_len, high_len) = (u64::from(l.specs[1].len), u64::from(l.specs[2].len));
+            let low_len = (n * u64::from(e)).div_ceil(8);
+            let high_len = groups.packed_len(n as usize) as u64;
+            let spec = |kind, stream, elem, count, len| SectionSpec {
+                kind,
+                stream,
+                elem,
+                count,
+                len,
+            };
+            let mut specs = vec![
+                spec(SectionKind::Scale, 0, ElemType::F16, rows, 2 * rows),
+                spec(
+                    SectionKind::Index,
+                    0,
+                    ElemType::Packed(e),
+                    count(n)?,
+                    count(low_len)?,
+                ),
+                spec(
+                    SectionKind::Index,
+                    1,
+                    ElemType::Bytes,
+                    count(high_len)?,
+                    count(high_len)?,
+                ),
+            ];
+            if med {
+                // The most outliers: planes * floor(N / 2) (kernel header).
+                let cap = planes * (u64::from(pg.tokens) * u64::from(nc) / 2);
+                let len = count(12 + n.div_ceil(8) + 8 * cap)?;
+                specs.push(spec(SectionKind::Outliers, 0, ElemType::Bytes, len, len));
+            }
+            let l = CanonicalBody::new(specs)?;
             let off = push_body(&mut p.host, &l);
             p.read += u64::from(rows) * u64::from(d) * esize;
             p.written += u64::from(2 * rows) + low_len + high_len;
@@ -299,21 +367,27 @@ impl GpuFamily for Family {
                 tokens: pg.tokens,
                 head_dim: d,
                 sec_scale: l.offsets[0],
-                sec_zero: 0,
+                sec_zero: l.offsets.get(3).copied().unwrap_or(0),
                 sec_index: l.offsets[1],
                 page: i as u32,
                 m_tokens: spec::magic(pg.tokens),
                 upr: nc,
                 m_upr: spec::magic(nc),
                 side,
-                aux: scratch + 4 * scratch_at[i],
+                aux: scratch + scratch_at[i],
                 sec3: l.offsets[2],
                 heads: info.heads,
                 p0: s,
-                p1: rb,
+                p1: rb | u32::from(cells.is_some()) << 31,
                 p2: bits_word(b, e, g, w),
-                p3: o,
+                p3: o | u32::from(med) << 31,
             });
+            if med {
+                for plane in 0..planes as u32 {
+                    w0.push([i as u32, plane]);
+                }
+                w2.push([i as u32, 0]);
+            }
             search
                 .grid
                 .push_items(i as u32, rows, pg.tokens, d, &mut w1);
@@ -321,12 +395,22 @@ impl GpuFamily for Family {
                 + (n.div_ceil(u64::from(g)) * u64::from(w)).div_ceil(32);
             let mut at = 0u64;
             while at < words {
-                w2.push([i as u32, at as u32]);
+                w3.push([i as u32, at as u32]);
                 at += u64::from(BLOCK);
             }
             p.layouts.push((l, off));
         }
-        for (kernel, items) in [(search, w1), (pack, w2)] {
+        let mut launches = vec![(search, w1)];
+        if med {
+            launches.insert(0, (kernel(format!("encode_hqmq_med_{sfx}"), items), w0));
+            launches.push((kernel(format!("encode_hqmq_compact_{sfx}"), items), w2));
+            p.cut = Some(SectionCut {
+                cut: med_sections,
+                args: [u64::from(e), u64::from(o), u64::from(g), 0],
+            });
+        }
+        launches.push((kernel("encode_hqmq_pack".into(), items), w3));
+        for (kernel, items) in launches {
             p.works.push(EncWork {
                 kernel,
                 items,
@@ -337,6 +421,53 @@ impl GpuFamily for Family {
         }
         Ok(p)
     }
+}
+
+/// The sections of an `hqmq+med{C}` body written in the worst-case layout
+/// `l` (SCALE, INDEX 0 and INDEX 1 for every chunk an inlier, OUTLIERS for
+/// the most outliers a lower median allows), `args = [E, O, G, 0]`: the
+/// outlier count `n_out` is the first u32 of the OUTLIERS table the device
+/// wrote, so INDEX 0 is cut to `n - n_out` codes of `E` bits, INDEX 1 to
+/// the digit groups of `n - n_out` digits and OUTLIERS to its table.
+///
+/// # Errors
+/// [`Error::Parameter`] (internal) when the count exceeds the chunks or
+/// the table space, or the grouping is invalid.
+///
+/// # Panics
+/// If `body` is shorter than `l.body_len` or `l` has other than 4
+/// sections.
+pub(crate) fn med_sections(l: &CanonicalBody, body: &[u8], args: [u64; 4]) -> Result<Vec<Section>> {
+    let [e, o, g, _] = args;
+    let groups =
+        Groups::new(o, g as u32).ok_or_else(|| Error::param("internal: hqmq digit grouping"))?;
+    let mut s = l.sections(body);
+    assert_eq!(s.len(), 4, "hqmq+med layout");
+    let n = s[1].count as usize;
+    let t = &s[3].data;
+    let n_out = u32::from_le_bytes(t[0..4].try_into().expect("4 bytes")) as usize;
+    let bitmap = n.div_ceil(8);
+    let pos = if 4 * n_out <= bitmap {
+        4 * n_out
+    } else {
+        bitmap
+    };
+    let table = 12 + pos + 8 * n_out;
+    if n_out > n || table > t.len() {
+        return Err(Error::param(format!(
+            "internal: GPU hqmq outlier count {n_out} of {n} chunks"
+        )));
+    }
+    let n_in = n - n_out;
+    s[1].count = n_in as u32;
+    s[1].data
+        .truncate(crate::kernels::bitpack::packed_len(n_in, e as u32));
+    let high = groups.packed_len(n_in);
+    s[2].count = high as u32;
+    s[2].data.truncate(high);
+    s[3].data.truncate(table);
+    s[3].count = table as u32;
+    Ok(s)
 }
 
 #[cfg(test)]
@@ -389,6 +520,15 @@ mod tests {
         // 16 chunks per row, 16 rows per item: 3 planes x 4 items + 3 x 1.
         assert_eq!(l.works[0].items.len(), 12 + 3);
         assert_eq!(l.descs[1].aux, 0x20_0000 + 4 * 3 * 64 * 16);
-        assert_eq!(placed, [3 * 25 * 24 * 16, 4 * 3 * 70 * 16]);
+        // The codebooks then the cell index (grid 20 for S = 24), the
+        // scratch; the cell build covers 3 heads x 20^3 boxes.
+        let region = hqmq_cells::region(20, 3).len();
+        assert_eq!(placed, [3 * 25 * 24 * 16 + region, 4 * 3 * 70 * 16]);
+        assert_eq!(l.setup.len(), 1);
+        assert_eq!(
+            l.setup[0].items.len(),
+            (3 * 20 * 20 * 20usize).div_ceil(256)
+        );
+        assert_eq!(l.descs[0].p1 >> 31, 1);
     }
 }

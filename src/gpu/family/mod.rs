@@ -320,9 +320,9 @@ pub fn plan_encode(
 /// True when the GPU encodes `codec` for tensor `info` (`plan_encode` accepts
 /// it): the codec takes the tensor and its kernel family has an encoder
 /// for its shape (`GpuFamily::encodes`, `GpuFamily::encodes_shape`; today
-/// `raw`, `int{b}`, `bdr{h}`, `hqmq` without `+med`, `kivi` (and the
-/// value-group V pages of `octopus` / `turbo`), `innerq`, `polar` and the
-/// unit-coded pages of `octopus` / `turbo`).
+/// every family: `raw`, `int{b}`, `bdr{h}`, `hqmq` with or without `+med`,
+/// `kivi` (and the value-group V pages of `octopus` / `turbo`), `innerq`,
+/// `polar` and the unit-coded pages of `octopus` / `turbo`).
 pub fn gpu_encodes(codec: &dyn Codec, info: &TensorInfo) -> bool {
     codec.check(info).is_ok()
         && KernelCodec::of(codec, info)
