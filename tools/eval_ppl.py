@@ -15,6 +15,9 @@ Codecs:
   bf16        K, V cast to bf16 and back
   py:intB     naive token-wise asymmetric INT-B (per token, per head, over head_dim;
               fp32 scale and zero): a Python reference oracle, B in 1..8
+  plan:B      kvpack's planner at B bits/element, everything counted
+              (kvpack.compress(..., bits=B): codec, parameters and sink window
+              chosen per layer and K/V)
   anything else is a kvpack codec name: the cache goes through the kvpack Python
               package (kvpack.compress, kvpack.open, decode to fp32) in memory.
 
@@ -39,6 +42,7 @@ import _model as M  # noqa: E402
 
 DEFAULT_CODECS = ["none", "bf16", "py:int4"]
 PY_INT = re.compile(r"^py:int([1-8])$")
+PLAN = re.compile(r"^plan:([0-9]+(?:\.[0-9]+)?)$")
 
 
 def parse_args(argv=None):
@@ -143,9 +147,11 @@ class Kvpack:
         if self.keep_dir is not None:
             self.keep_dir.mkdir(parents=True, exist_ok=True)
             path = self.keep_dir / (re.sub(r"[^A-Za-z0-9_.+-]", "_", codec) + ".kvpack")
+        plan = PLAN.match(codec)
+        how = {"bits": float(plan.group(1))} if plan else {"codec": codec}
         try:
-            res = kvpack.compress(layers, codec, path=None if path is None else str(path), force=True,
-                                  model=model_id, token_ids=token_ids, metadata=meta, **self.options)
+            res = kvpack.compress(layers, path=None if path is None else str(path), force=True,
+                                  model=model_id, token_ids=token_ids, metadata=meta, **how, **self.options)
             archive = kvpack.open(str(path) if path is not None else res.data)
             decoded = archive.decode(dtype="fp32", output="torch")
         except kvpack.KvpackError as e:
