@@ -110,7 +110,7 @@ mod tests {
     #[test]
     fn spends_where_it_pays_and_respects_the_budget() {
         let a = vec![p(1.0, 100.0), p(2.0, 10.0), p(3.0, 9.0)];
-        let b = vec![p(1.0, 5.0), p(2.0, 4.0), p(3.0, 3.9)];
+        let b = vec![p(1.0, 5.0), p(2.0, 3.0), p(3.0, 2.9)];
         assert_eq!(allocate(&[a.clone(), b.clone()], 3.0), Ok(vec![1, 0]));
         assert_eq!(allocate(&[a.clone(), b.clone()], 4.0), Ok(vec![1, 1]));
         assert_eq!(allocate(&[a.clone(), b.clone()], 6.0), Ok(vec![2, 2]));

@@ -6,7 +6,8 @@
 //! weights `w` (slots each row stands for) and proxy queries `Q` (every
 //! `n / PROXIES`-th sampled key), the reference attention is
 //! `P = softmax(scale * Q K^T + ln w)` (row-wise; `ln w` makes the sampled
-//! softmax estimate the one over all slots) and `O = P V`. A key
+//! softmax estimate the one over all slots; a proxy's own slot is left
+//! out, since a key matches itself as no query does) and `O = P V`. A key
 //! reconstruction `K^` changes it to `P^ = softmax(scale * Q K^^T + ln w)`
 //! and the output error is `(P^ - P) V`, computed exactly through the Gram
 //! matrix `V V^T`, so the softmax's sensitivity (a sink key that draws all
@@ -85,8 +86,14 @@ impl HeadContext {
         for (qi, &q) in proxies.iter().enumerate() {
             let qv = row(head.k, q);
             for j in 0..n {
-                scores[qi * n + j] =
-                    scale * dot(&qv, &head.k[j * d..(j + 1) * d]) + weights[j].ln();
+                // A key is no query of itself: its own slot, which would
+                // draw the attention to one exactly matching row, is left
+                // out.
+                scores[qi * n + j] = if j == q && n > 1 {
+                    f32::NEG_INFINITY
+                } else {
+                    scale * dot(&qv, &head.k[j * d..(j + 1) * d]) + weights[j].ln()
+                };
             }
         }
         let mut probs = scores.clone();

@@ -146,7 +146,7 @@ fn tensor_bytes(
         None => {
             let full = body / pt;
             bytes += (full as f64) * raw_frame(row * u64::from(pt), align) as f64;
-            if body % pt > 0 {
+            if !body.is_multiple_of(pt) {
                 bytes += raw_frame(row * u64::from(body % pt), align) as f64;
             }
         }
@@ -520,43 +520,149 @@ pub fn compress_budget<W: Write + Send>(
     check_bits(bits)?;
     let start = std::time::Instant::now();
     let m = measure(cache, opts)?;
-    let budget = bits * cache.elements() as f64 / 8.0;
-    let mut slack = 0.0;
-    for _ in 0..4 {
-        let p = m.plan(cache, bits, slack)?;
-        let refs: Vec<&dyn Codec> = p.codecs.iter().map(|c| c.as_ref()).collect();
-        let layouts: Vec<Layout> = p
-            .tensors
-            .iter()
-            .map(|t| Layout {
-                sink: t.sink,
-                recent: 0,
-                ..opts.layout
-            })
-            .collect();
-        let label = format!("plan:{bits}");
-        let (buf, mut report) = compress_mixed(
-            cache,
-            &refs,
-            &p.slots,
-            &layouts,
-            &label,
-            opts,
-            Vec::new(),
-            progress,
-        )?;
-        let len = buf.len() as f64;
-        if len <= budget {
-            out.write_all(&buf)
-                .map_err(|e| Error::io("writing the planned file", e))?;
-            report.seconds = start.elapsed().as_secs_f64();
-            return Ok((out, report, p));
+    let (buf, mut report, plan) = m.write(cache, bits, opts, progress)?;
+    out.write_all(&buf)
+        .map_err(|e| Error::io("writing the planned file", e))?;
+    report.seconds = start.elapsed().as_secs_f64();
+    Ok((out, report, plan))
+}
+
+impl Measured {
+    /// The file of the plan for `bits`, in memory, re-planned with the
+    /// excess kept free while it comes out over the budget.
+    fn write(
+        &self,
+        cache: &CacheView<'_>,
+        bits: f64,
+        opts: &CompressOptions,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<(Vec<u8>, CompressReport, Plan)> {
+        let budget = bits * cache.elements() as f64 / 8.0;
+        let mut slack = 0.0;
+        for _ in 0..4 {
+            let p = self.plan(cache, bits, slack)?;
+            let refs: Vec<&dyn Codec> = p.codecs.iter().map(|c| c.as_ref()).collect();
+            let layouts: Vec<Layout> = p
+                .tensors
+                .iter()
+                .map(|t| Layout {
+                    sink: t.sink,
+                    recent: 0,
+                    ..opts.layout
+                })
+                .collect();
+            let label = format!("plan:{bits}");
+            let (buf, report) = compress_mixed(
+                cache,
+                &refs,
+                &p.slots,
+                &layouts,
+                &label,
+                opts,
+                Vec::new(),
+                progress,
+            )?;
+            let len = buf.len() as f64;
+            if len <= budget {
+                return Ok((buf, report, p));
+            }
+            slack += (len - budget) * 1.25 + f64::from(1u32 << opts.align_log2);
         }
-        slack += (len - budget) * 1.25 + f64::from(1u32 << opts.align_log2);
+        Err(Error::param(format!(
+            "--bits {bits}: no plan fitted the budget after 4 attempts"
+        )))
     }
-    Err(Error::param(format!(
-        "--bits {bits}: no plan fitted the budget after 4 attempts"
-    )))
+}
+
+/// The budgets of the rate-distortion report (`kvpack eval --plot`), bits
+/// per element.
+pub const REPORT_BUDGETS: &[f64] = &[2.5, 3.0, 3.25, 3.5, 4.0, 4.25, 5.0];
+
+/// One planned file of the rate-distortion report.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PlanPoint {
+    /// The budget, bits per element.
+    pub budget: f64,
+    /// The file's bits per element, everything counted.
+    pub bits: f64,
+    /// The plan's summed estimated distortion.
+    pub distortion: f64,
+}
+
+/// Plans and writes (in memory) `cache` at each of `budgets`; budgets
+/// below the smallest plan are skipped.
+///
+/// # Errors
+/// As [`compress_budget`], except a budget too small for any plan.
+pub fn plan_points(
+    cache: &CacheView<'_>,
+    budgets: &[f64],
+    opts: &CompressOptions,
+) -> Result<Vec<PlanPoint>> {
+    let m = measure(cache, opts)?;
+    let mut out = Vec::new();
+    for &b in budgets {
+        check_bits(b)?;
+        match m.write(cache, b, opts, &|_| {}) {
+            Ok((buf, _, p)) => out.push(PlanPoint {
+                budget: b,
+                bits: 8.0 * buf.len() as f64 / cache.elements().max(1) as f64,
+                distortion: p.distortion,
+            }),
+            Err(Error::Parameter(_)) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+/// One codec applied to every tensor (no window), as the planner measures
+/// it: a point of the rate-distortion report (`kvpack eval --plot`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct UniformPoint {
+    /// Canonical codec name.
+    pub codec: String,
+    /// Estimated bits per element of the whole file.
+    pub bits: f64,
+    /// Summed distortion over the tensors (the planner's objective).
+    pub distortion: f64,
+    /// Of which keys.
+    pub distortion_k: f64,
+    /// Of which values (and latents).
+    pub distortion_v: f64,
+}
+
+/// The planner's measurements of every candidate codec applied to every
+/// tensor without windows (candidates that cannot code some tensor are
+/// left out).
+///
+/// # Errors
+/// As [`plan`].
+pub fn uniform_points(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Vec<UniformPoint>> {
+    let m = measure(cache, opts)?;
+    let mut out = Vec::new();
+    'cand: for (c, cand) in m.candidates.iter().enumerate() {
+        let (mut bytes, mut d, mut dk, mut dv) = (m.fixed, 0.0, 0.0, 0.0);
+        for (t, tp) in m.tensors.iter().enumerate() {
+            let Some(i) = tp.choice.iter().position(|&(cc, s)| cc == c && s == 0) else {
+                continue 'cand;
+            };
+            bytes += tp.points[i].bytes;
+            d += tp.points[i].distortion;
+            match cache.tensors[t].info.kind {
+                Kind::Key => dk += tp.points[i].distortion,
+                _ => dv += tp.points[i].distortion,
+            }
+        }
+        out.push(UniformPoint {
+            codec: cand.codec.name(),
+            bits: 8.0 * bytes / m.elements.max(1) as f64,
+            distortion: d,
+            distortion_k: dk,
+            distortion_v: dv,
+        });
+    }
+    Ok(out)
 }
 
 /// How one tensor of a file is stored, read back from its pages.

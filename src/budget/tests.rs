@@ -37,7 +37,7 @@ fn budget_is_respected_everything_counted_and_the_file_round_trips() {
         last_d = plan.distortion;
         // Every page of a tensor is its planned codec, or raw in the window.
         let ar = Archive::open(&file).unwrap();
-        for e in &ar.index().entries {
+        for e in &ar.reader().index().entries {
             let t = &plan.tensors[e.meta.tensor as usize];
             let name = ar.codec(e.meta.codec as usize).name();
             if e.meta.token_start < t.sink {
@@ -53,7 +53,7 @@ fn budget_is_respected_everything_counted_and_the_file_round_trips() {
             let e = crate::metrics::tensor_error(o, d).unwrap();
             let t = plan.tensors.iter().find(|t| t.name == o.info.name).unwrap();
             assert!(
-                e.snr_db > 5.0,
+                e.snr_db > 3.0,
                 "{bits}: {} ({}) SNR {}",
                 o.info.name,
                 t.codec,
@@ -99,5 +99,17 @@ fn impossible_budgets_are_refused() {
     assert!(e.contains("smallest plan"), "{e}");
     for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
         assert!(plan(&view, bad, &opts).is_err());
+    }
+}
+
+#[test]
+#[ignore = "prints the planner's measurements; run with --nocapture"]
+fn print_uniform_points() {
+    let cache = fixture();
+    for p in uniform_points(&cache.view(), &CompressOptions::default()).unwrap() {
+        println!(
+            "{:<14} {:.3} D {:.4} K {:.4} V {:.4}",
+            p.codec, p.bits, p.distortion, p.distortion_k, p.distortion_v
+        );
     }
 }

@@ -267,7 +267,7 @@ pub fn run(a: Args) -> Result<u8> {
     // (heads 1, head_dim = latent width).
     let fp8 = tensors.iter().any(|t| t.dtype.scale().is_some());
     println!(
-        "  {:>5} {:>2} {:>8} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9}  {}{}",
+        "  {:>5} {:>2} {:>8} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9}  coding{}",
         "layer",
         "",
         "dtype",
@@ -277,7 +277,6 @@ pub fn run(a: Args) -> Result<u8> {
         "pages",
         "bytes",
         "bits/elem",
-        "coding",
         if fp8 { "  scale" } else { "" }
     );
     if tensors.iter().any(|t| t.kind == Kind::Latent) {
