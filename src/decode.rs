@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rayon::prelude::*;
 
-use crate::cache::{DType, ElemsMut, Kind, KvCache, Tensor, TensorData, TensorInfo};
+use crate::cache::{DType, Elems, ElemsMut, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use crate::codec::{Codec, PageOut};
 use crate::error::{Error, Result};
 use crate::format::{Limits, Reader};
@@ -288,6 +288,11 @@ impl<'a> Archive<'a> {
         jobs: &mut Vec<PageJob<'o>>,
     ) {
         let pages = self.reader.pages_overlapping(src, lo, hi);
+        if pages.is_empty() || lo >= hi {
+            // Nothing to decode: never walk the declared planes (a hostile
+            // header may declare 2^30 of them for an empty selection).
+            return;
+        }
         let info = view.info.clone();
         if !view.is_head_major() {
             let (dst, strides) = view.raw_parts();
@@ -360,7 +365,7 @@ impl<'a> Archive<'a> {
                 for p in 0..planes {
                     for t in 0..n {
                         let at = plane_offset(&strides, heads, p, (a - job.lo) as usize + t);
-                        src.load((p * n + t) * d, &mut row);
+                        let from = (p * n + t) * d;
                         // SAFETY: `decode_into` checked that the view's
                         // extent fits its buffer and that no two elements
                         // share an address; rows of distinct (page, plane,
@@ -368,7 +373,23 @@ impl<'a> Archive<'a> {
                         // only; the buffer stays mutably borrowed by
                         // `decode_into` until every job has finished.
                         let mut out = unsafe { dst.row(at, d) };
-                        out.store(0, &row);
+                        // The scratch has the destination's element type:
+                        // copy the row's bits (fp8 goes through its scale).
+                        match (&src, &mut out) {
+                            (Elems::Bf16(s), ElemsMut::Bf16(o)) => {
+                                o.copy_from_slice(&s[from..from + d])
+                            }
+                            (Elems::F16(s), ElemsMut::F16(o)) => {
+                                o.copy_from_slice(&s[from..from + d])
+                            }
+                            (Elems::F32(s), ElemsMut::F32(o)) => {
+                                o.copy_from_slice(&s[from..from + d])
+                            }
+                            _ => {
+                                src.load(from, &mut row);
+                                out.store(0, &row);
+                            }
+                        }
                     }
                 }
                 Ok(())

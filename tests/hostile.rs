@@ -685,3 +685,32 @@ fn partial_page_scratch_is_bounded() {
         .unwrap_err();
     assert!(matches!(e, kvpack::Error::Limits(_)), "{e}");
 }
+
+/// Found by the file_reader fuzz campaign: a selection that holds no token
+/// of a tensor declaring 2^30 kv heads walked every declared plane (10 s
+/// under the sanitizer) although there was nothing to decode. Work must
+/// follow the data that exists, not the declared shape.
+#[test]
+fn empty_selection_does_not_walk_declared_planes() {
+    let b = std::fs::read(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("format/vectors/invalid/heads-2p30.kvpack"),
+    )
+    .unwrap();
+    let ar = kvpack::decode::Archive::open_with(&b, Default::default()).unwrap();
+    let start = Instant::now();
+    let r = ar.decode(
+        &kvpack::decode::Selection {
+            tokens: Some(1..7),
+            ..Default::default()
+        },
+        Some(DType::F32),
+        None,
+    );
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "{took:?} for {:?}",
+        r.map(|c| c.tensors.len())
+    );
+}

@@ -5,8 +5,9 @@ page checksummed, codec parameters in the file) with codecs from recent
 papers (BDR, HQMQ, OCTOPUS, InnerQ, PolarQuant, KIVI, TurboQuant) at 2-8
 bits per element. This package takes numpy arrays and torch tensors in and
 gives them back without copying them (DLPack), decodes on all cores with
-the GIL released, and plugs into LMCache (:mod:`kvpack.lmcache`) and HF
-transformers caches (:mod:`kvpack.hf`).
+the GIL released, plugs into LMCache (:mod:`kvpack.lmcache`) and HF
+transformers caches (:mod:`kvpack.hf`), and hands caches from prefill to
+decode workers over NIXL (:mod:`kvpack.nixl`).
 
 Tensors are ``[batch, kv_heads, tokens, head_dim]`` (HF's
 ``past_key_values`` order; 3-d ``[kv_heads, tokens, head_dim]`` means batch

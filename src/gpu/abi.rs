@@ -64,7 +64,7 @@ pub struct PageDesc {
     pub sec3: u32,
     /// See `sec3`.
     pub sec4: u32,
-    /// Codec parameters ([`super::codecs::desc_params`]).
+    /// Codec parameters (`gpu::family::desc_params`).
     pub p0: u32,
     /// See `p0`.
     pub p1: u32,

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use crate::cache::Kind;
 use crate::decode::Archive;
 use crate::error::{Error, Result};
-use crate::gpu::codecs::{decode_kernel, desc_params, page_sections};
+use crate::gpu::family::{decode_kernel, desc_params, page_sections};
 use crate::gpu::paged::{PagedAddr, PagedShape, layer_tensors, slot_mapping};
 use crate::gpu::spec::{
     self, DstSpec, KernelChoice, KernelCodec, KernelOptions, OutType, PageDesc, PageGeom, page_desc,

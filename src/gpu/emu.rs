@@ -3,7 +3,7 @@
 //! runtime (`emu_runtime.h`, `emu_main.h`) in which every CUDA thread of a
 //! block is a fiber and `__syncthreads` / warp shuffles are barriers. It
 //! executes the very plans the CUDA backend launches (descriptors, work
-//! lists, side tables; [`super::spec`], [`super::encplan`]) over a "device
+//! lists, side tables; [`super::spec`], [`super::encplan`], `gpu::family`) over a "device
 //! memory" file mapped at a fixed address, so kernel logic and indexing can
 //! be checked against the CPU codecs on machines without a GPU. Not fast
 //! (fibers), not a performance model, and not a substitute for running on
@@ -20,11 +20,12 @@ use std::process::Command;
 
 use sha2::Digest;
 
-use super::decplan::{
-    Args, PagedImage, Staged, add_page, check_status, group_args, pack_groups, stage_page,
+use super::backend::{
+    Backend, Launch, check_encode_status, place_decode, place_encode, place_pages,
 };
+use super::decplan::{Args, PagedImage, Staged, check_status, group_args, stage_page};
 use super::paged::{self, PagedLayout, PagedShape};
-use super::spec::{DstSpec, KernelChoice, KernelOptions};
+use super::spec::{DstSpec, KernelOptions};
 use super::{HostLayout, OutType, POISON, host, sources};
 use crate::cache::{Kind, Tensor, TensorData};
 use crate::codec::Codec;
@@ -60,16 +61,6 @@ impl Arena {
         let o = (addr - BASE) as usize;
         &self.bytes[o..o + len]
     }
-}
-
-/// One launch: kernel, descriptor table and work list addresses, blocks,
-/// optional arguments.
-struct Launch {
-    kernel: KernelChoice,
-    descs: u64,
-    work: u64,
-    blocks: u32,
-    args: Args,
 }
 
 /// Runs kvpack's CUDA kernels on the CPU (module docs).
@@ -247,13 +238,12 @@ impl Emulator {
             .into_iter()
             .map(|pi| stage_page(archive, pi))
             .collect::<Result<_>>()?;
-        let mut arena = Arena { bytes: Vec::new() };
-        let bodies: Vec<u64> = staged.iter().map(|s| arena.place(s.view.body())).collect();
-        let (tables, side_at) =
-            super::side::for_archive(archive, staged.iter().map(|s| (s.codec, s.tensor)))?;
-        let side = arena.place(&tables);
-        let out_at = arena.place(bytemuck::cast_slice(&vec![POISON; len]));
-        let status = arena.place(&[0xff; 16]);
+        let mut run = EmuRun {
+            emu: self,
+            arena: Arena { bytes: Vec::new() },
+        };
+        let (pages, _, _) = place_pages(&mut run, archive, &staged)?;
+        let out_at = run.place(bytemuck::cast_slice(&vec![POISON; len]))?;
         let dst = match layout {
             HostLayout::Contiguous {
                 first_token,
@@ -267,7 +257,7 @@ impl Emulator {
             HostLayout::Paged { slots, .. } => DstSpec::Paged {
                 ptr: out_at,
                 len: len as u64,
-                slots: arena.place(bytemuck::cast_slice(slots)),
+                slots: run.place(bytemuck::cast_slice(slots))?,
                 slots_len: slots.len() as u64,
                 slot_stride: info.tokens,
                 addr: None,
@@ -282,38 +272,20 @@ impl Emulator {
                 DstSpec::Paged {
                     ptr: out_at + 2 * off,
                     len,
-                    slots: arena.place(bytemuck::cast_slice(&slots)),
+                    slots: run.place(bytemuck::cast_slice(&slots))?,
                     slots_len: slots.len() as u64,
                     slot_stride: 0,
                     addr: Some(addr),
                 }
             }
         };
-        let mut groups = BTreeMap::new();
-        for (s, &body) in staged.iter().zip(&bodies) {
-            let mut g = s.geom;
-            if let Some(&o) = side_at.get(&(s.codec, s.tensor)) {
-                g.side = side + o;
-            }
-            add_page(&mut groups, &g, body, &dst, out, self.options)?;
-        }
-        let mut table = Vec::new();
-        let packed = pack_groups(groups, &mut table);
-        let t = arena.place(&table);
-        let launches: Vec<Launch> = packed
-            .iter()
-            .map(|(key, d, w, blocks)| Launch {
-                kernel: key.0.clone(),
-                descs: t + *d as u64,
-                work: t + *w as u64,
-                blocks: *blocks,
-                args: group_args(key, status),
-            })
-            .collect();
-        self.run(&mut arena, &launches)?;
-        let st: Vec<u64> = bytemuck::pod_collect_to_vec(arena.at(status, 16));
-        check_status(&st)?;
-        Ok(bytemuck::pod_collect_to_vec(arena.at(out_at, 2 * len)))
+        let by_tensor = BTreeMap::from([(tensor as u32, dst)]);
+        let plan = place_decode(&mut run, &pages, &by_tensor, out, self.options)?;
+        run.launch(&plan.launches)?;
+        check_status(&bytemuck::pod_collect_to_vec::<u8, u64>(
+            &run.read(plan.status, 16)?,
+        ))?;
+        Ok(bytemuck::pod_collect_to_vec(&run.read(out_at, 2 * len)?))
     }
 
     /// [`super::Device::decode_paged`] through the emulated kernels: the
@@ -453,50 +425,36 @@ impl Emulator {
             // Refused by the plan below (`spec::supported`).
             TensorData::Fp8(_, v) => arena.place(v),
         };
-        let layout = super::encplan::plan(src, info, codec, pages, self.options, &mut |b| {
-            Ok(arena.place(b))
-        })?;
-        let bodies = arena.place(&layout.host);
-        let mut descs = layout.descs.clone();
-        for d in &mut descs {
-            d.body += bodies;
-        }
-        let status = arena.place(&[0xff; 8]);
-        let dt = arena.place(bytemuck::cast_slice(&descs));
-        let mut launches = Vec::new();
-        for w in &layout.works {
-            let at = arena.place(bytemuck::cast_slice(&w.items));
-            launches.push(Launch {
-                kernel: w.kernel.clone(),
-                descs: dt,
-                work: at,
-                blocks: w.items.len() as u32,
-                args: Args {
-                    bits: w.bits,
-                    h: w.h,
-                    c: w.c,
-                    status,
-                },
-            });
-        }
-        self.run(&mut arena, &launches)?;
-        let s = u64::from_le_bytes(arena.at(status, 8).try_into().expect("8 bytes"));
-        if s != u64::MAX {
-            let (page, row) = ((s >> 32) as usize, (s & 0xffff_ffff) as u32);
-            let p = &pages[page.min(pages.len() - 1)];
-            return Err(Error::param(format!(
-                "{} ({}) plane {} token {}: non-finite value (NaN or inf), or a value the codec \
-                 cannot represent, in a row to quantize",
-                info.name,
-                info.describe(),
-                row / p.tokens,
-                p.token_start + row % p.tokens
-            )));
-        }
-        Ok(layout
+        let mut run = EmuRun { emu: self, arena };
+        let plan = place_encode(&mut run, src, info, codec, pages, self.options)?;
+        run.launch(&plan.launches)?;
+        let s = u64::from_le_bytes(run.read(plan.status, 8)?.try_into().expect("8 bytes"));
+        check_encode_status(s, info, pages)?;
+        let bodies = run.read(plan.bodies, plan.bodies_len)?;
+        Ok(plan
             .layouts
             .iter()
-            .map(|(l, off)| l.sections(arena.at(bodies + *off as u64, l.body_len as usize)))
+            .map(|(l, off)| l.sections(&bodies[*off..*off + l.body_len as usize]))
             .collect())
+    }
+}
+
+/// The emulator as a [`Backend`]: its arena and its kernel runner.
+struct EmuRun<'e> {
+    emu: &'e Emulator,
+    arena: Arena,
+}
+
+impl Backend for EmuRun<'_> {
+    fn place(&mut self, bytes: &[u8]) -> Result<u64> {
+        Ok(self.arena.place(bytes))
+    }
+
+    fn launch(&mut self, launches: &[Launch]) -> Result<()> {
+        self.emu.run(&mut self.arena, launches)
+    }
+
+    fn read(&mut self, addr: u64, len: usize) -> Result<Vec<u8>> {
+        Ok(self.arena.at(addr, len).to_vec())
     }
 }

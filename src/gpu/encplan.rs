@@ -1,8 +1,9 @@
 //! Device-independent planning of a GPU encode: page body templates,
-//! descriptors ([`EncDesc`]) and the work lists of each kernel launch, for
-//! `int{b}` / `bdr{h}` (one kernel) and `hqmq` without outlier extraction
-//! (`encode_hqmq_{src}` writing one symbol per chunk to a scratch buffer,
-//! then `encode_hqmq_pack` building the code streams from it).
+//! descriptors ([`EncDesc`]) and the work lists of each kernel launch. The
+//! per-codec part is each family's `gpu::family::GpuFamily::plan_encode`
+//! (`int{b}` / `bdr{h}`: one kernel, `family/affine.rs`; `hqmq` without
+//! outlier extraction: a search and a pack kernel, `family/hqmq.rs`); this
+//! module holds the plan types, the dispatch and the shared helpers.
 //!
 //! The planner places the buffers it needs besides the bodies (hqmq side
 //! tables and scratch) through a callback, so the CUDA backend and the SIMT
@@ -11,14 +12,10 @@
 use crate::cache::TensorInfo;
 use crate::codec::Codec;
 use crate::error::{Error, Result};
-use crate::format::{ElemType, SectionKind};
-use crate::kernels::radix::Groups;
 use crate::plan::PlannedPage;
 
-use super::body::{CanonicalBody, SectionSpec};
-use super::spec::{
-    self, AffineBody, BLOCK, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions, src_suffix,
-};
+use super::body::CanonicalBody;
+use super::spec::{EncDesc, KernelChoice, KernelCodec, KernelOptions};
 
 /// Alignment of page bodies in the body buffer, bytes.
 pub const BODY_ALIGN: usize = 256;
@@ -58,7 +55,7 @@ pub struct EncodeLayout {
 }
 
 /// Checks that a page lies inside the tensor; returns its rows.
-fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
+pub(crate) fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
     if p.tokens == 0 || u64::from(p.token_start) + u64::from(p.tokens) > u64::from(info.tokens) {
         return Err(Error::param(format!(
             "page tokens {}..{} outside {} ({} tokens)",
@@ -73,53 +70,34 @@ fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
 }
 
 /// Appends a body template, [`BODY_ALIGN`]-aligned; returns its offset.
-fn push_body(host: &mut Vec<u8>, l: &CanonicalBody) -> usize {
+pub(crate) fn push_body(host: &mut Vec<u8>, l: &CanonicalBody) -> usize {
     host.resize(host.len().next_multiple_of(BODY_ALIGN), 0);
     let off = host.len();
     host.extend_from_slice(&l.template());
     off
 }
 
-/// Plans the encode of `pages` of tensor `info` (source elements at device
-/// address `src`, `[planes, tokens, head_dim]`) with `codec`. `place`
-/// stores a byte buffer on the device and returns its address.
-///
-/// # Errors
-/// [`Error::Parameter`] for a page outside the tensor or a codec that
-/// cannot encode it; [`Error::Unsupported`] for codecs other than `int`,
-/// `bdr` and `hqmq` without `+med`; the errors of `place`.
-pub fn plan(
-    src: u64,
-    info: &TensorInfo,
-    codec: &dyn Codec,
-    pages: &[PlannedPage],
-    opts: KernelOptions,
-    place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-) -> Result<EncodeLayout> {
-    codec.check(info)?;
-    let kc = KernelCodec::of(codec, info)?;
-    match kc {
-        KernelCodec::Affine { bits, .. } => plan_affine(src, info, kc, bits, pages, opts),
-        KernelCodec::Hqmq { med: false, .. } => plan_hqmq(src, info, codec, kc, pages, place),
-        _ => Err(Error::Unsupported(format!(
-            "GPU encode covers int, bdr and hqmq without +med, not {}",
-            codec.name()
-        ))),
-    }
+/// What a family's encode planner (`GpuFamily::plan_encode`)
+/// gets: the pages of one tensor to encode and where its elements are.
+#[derive(Clone, Copy)]
+pub(crate) struct EncodeJob<'a> {
+    /// Device address of the source elements, `[planes, tokens, head_dim]`
+    /// at `info.dtype`.
+    pub src: u64,
+    /// The tensor.
+    pub info: &'a TensorInfo,
+    /// The codec (checked against `info`).
+    pub codec: &'a dyn Codec,
+    /// Its kernel family for `info`.
+    pub kc: KernelCodec,
+    /// The pages to encode.
+    pub pages: &'a [PlannedPage],
+    /// Kernel choice options.
+    pub opts: KernelOptions,
 }
 
-/// True when the GPU encodes `codec` for tensor `info` ([`plan`] accepts
-/// it): `int{b}`, `bdr{h}` and `hqmq` without `+med`, on a tensor the
-/// codec takes.
-pub fn gpu_encodes(codec: &dyn Codec, info: &TensorInfo) -> bool {
-    codec.check(info).is_ok()
-        && matches!(
-            KernelCodec::of(codec, info),
-            Ok(KernelCodec::Affine { .. } | KernelCodec::Hqmq { med: false, .. })
-        )
-}
-
-fn empty() -> EncodeLayout {
+/// An empty plan.
+pub(crate) fn empty() -> EncodeLayout {
     EncodeLayout {
         layouts: Vec::new(),
         host: Vec::new(),
@@ -127,242 +105,5 @@ fn empty() -> EncodeLayout {
         works: Vec::new(),
         read: 0,
         written: 0,
-    }
-}
-
-/// `int{b}` / `bdr{h}`: one kernel writing SCALE, ZERO and INDEX.
-fn plan_affine(
-    src: u64,
-    info: &TensorInfo,
-    kc: KernelCodec,
-    bits: u8,
-    pages: &[PlannedPage],
-    opts: KernelOptions,
-) -> Result<EncodeLayout> {
-    let esize = info.dtype.size() as u64;
-    let kernel = spec::encode_kernel(kc, info.head_dim, info.dtype, opts)?;
-    let d = info.head_dim;
-    let mut p = empty();
-    let mut work = Vec::new();
-    for (i, pg) in pages.iter().enumerate() {
-        let rows = page_rows(info, pg)?;
-        let l = AffineBody::new(rows, d, bits)?;
-        let cl = CanonicalBody::from(&l);
-        let off = push_body(&mut p.host, &cl);
-        p.read += u64::from(rows) * u64::from(d) * esize;
-        p.written += u64::from(l.lens[0]) + u64::from(l.lens[1]) + u64::from(l.lens[2]);
-        p.descs.push(EncDesc {
-            src: src + u64::from(pg.token_start) * u64::from(d) * esize,
-            body: off as u64,
-            stride: u64::from(info.tokens) * u64::from(d),
-            rows,
-            tokens: pg.tokens,
-            head_dim: d,
-            sec_scale: l.offsets[0],
-            sec_zero: l.offsets[1],
-            sec_index: l.offsets[2],
-            page: i as u32,
-            m_tokens: spec::magic(pg.tokens),
-            upr: d.checked_div(kernel.grid.unit()).unwrap_or(0),
-            m_upr: spec::magic(d.checked_div(kernel.grid.unit()).unwrap_or(0)),
-            heads: info.heads,
-            ..bytemuck::Zeroable::zeroed()
-        });
-        kernel
-            .grid
-            .push_items(i as u32, rows, pg.tokens, d, &mut work);
-        p.layouts.push((cl, off));
-    }
-    let fallback = !matches!(kernel.grid, Grid::Units { .. });
-    p.works.push(EncWork {
-        kernel,
-        items: work,
-        bits: fallback.then_some(u32::from(bits)),
-        h: Some(kc.h()),
-        c: Some(kc.c()),
-    });
-    Ok(p)
-}
-
-/// `hqmq` without outliers: the search kernel (symbols to scratch, SCALE
-/// written) and the pack kernel (INDEX 0 and 1 from the symbols).
-fn plan_hqmq(
-    src: u64,
-    info: &TensorInfo,
-    codec: &dyn Codec,
-    kc: KernelCodec,
-    pages: &[PlannedPage],
-    place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-) -> Result<EncodeLayout> {
-    let KernelCodec::Hqmq {
-        s, b, e, g, w, o, ..
-    } = kc
-    else {
-        unreachable!("hqmq")
-    };
-    let esize = info.dtype.size() as u64;
-    let d = info.head_dim;
-    let nc = d / 4;
-    let rb = (BLOCK / nc.max(1)).max(1);
-    let groups = Groups::new(u64::from(o), u32::from(g)).expect("checked grouping");
-    let side = place(&super::side::hqmq_encode_table(codec, info, s)?)?;
-    let mut p = empty();
-    let mut chunks = 0u64;
-    let mut scratch_at = Vec::new();
-    for pg in pages {
-        let rows = page_rows(info, pg)?;
-        scratch_at.push(chunks);
-        chunks += u64::from(rows) * u64::from(nc);
-    }
-    let scratch = place(&vec![0u8; (4 * chunks).max(4) as usize])?;
-    let search = KernelChoice {
-        source: "hqmq_enc",
-        name: format!("encode_hqmq_{}", src_suffix(info.dtype)),
-        grid: Grid::PlaneRows {
-            tokens: rb,
-            unit: 4,
-        },
-        shared: 0,
-    };
-    let pack = KernelChoice {
-        source: "hqmq_enc",
-        name: "encode_hqmq_pack".into(),
-        grid: Grid::Units {
-            w: 1,
-            per_thread: 1,
-        },
-        shared: 0,
-    };
-    let (mut w1, mut w2) = (Vec::new(), Vec::new());
-    let count = |v: u64| u32::try_from(v).map_err(|_| Error::param("hqmq page too large"));
-    for (i, pg) in pages.iter().enumerate() {
-        let rows = page_rows(info, pg)?;
-        let n = u64::from(rows) * u64::from(nc);
-        let low_len = (n * u64::from(e)).div_ceil(8);
-        let high_len = groups.packed_len(n as usize) as u64;
-        let spec = |kind, stream, elem, count, len| SectionSpec {
-            kind,
-            stream,
-            elem,
-            count,
-            len,
-        };
-        let l = CanonicalBody::new(vec![
-            spec(SectionKind::Scale, 0, ElemType::F16, rows, 2 * rows),
-            spec(
-                SectionKind::Index,
-                0,
-                ElemType::Packed(e),
-                count(n)?,
-                count(low_len)?,
-            ),
-            spec(
-                SectionKind::Index,
-                1,
-                ElemType::Bytes,
-                count(high_len)?,
-                count(high_len)?,
-            ),
-        ])?;
-        let off = push_body(&mut p.host, &l);
-        p.read += u64::from(rows) * u64::from(d) * esize;
-        p.written += u64::from(2 * rows) + low_len + high_len;
-        p.descs.push(EncDesc {
-            src: src + u64::from(pg.token_start) * u64::from(d) * esize,
-            body: off as u64,
-            stride: u64::from(info.tokens) * u64::from(d),
-            rows,
-            tokens: pg.tokens,
-            head_dim: d,
-            sec_scale: l.offsets[0],
-            sec_zero: 0,
-            sec_index: l.offsets[1],
-            page: i as u32,
-            m_tokens: spec::magic(pg.tokens),
-            upr: nc,
-            m_upr: spec::magic(nc),
-            side,
-            aux: scratch + 4 * scratch_at[i],
-            sec3: l.offsets[2],
-            heads: info.heads,
-            p0: s,
-            p1: rb,
-            p2: u32::from(b) | u32::from(e) << 8 | u32::from(g) << 16 | u32::from(w) << 24,
-            p3: o,
-        });
-        search
-            .grid
-            .push_items(i as u32, rows, pg.tokens, d, &mut w1);
-        let words = (n * u64::from(e)).div_ceil(32)
-            + (n.div_ceil(u64::from(g)) * u64::from(w)).div_ceil(32);
-        let mut at = 0u64;
-        while at < words {
-            w2.push([i as u32, at as u32]);
-            at += u64::from(BLOCK);
-        }
-        p.layouts.push((l, off));
-    }
-    for (kernel, items) in [(search, w1), (pack, w2)] {
-        p.works.push(EncWork {
-            kernel,
-            items,
-            bits: None,
-            h: None,
-            c: None,
-        });
-    }
-    Ok(p)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::cache::{DType, Kind};
-
-    #[test]
-    fn hqmq_plan_covers_every_row_and_word() {
-        let info = TensorInfo {
-            name: "t".into(),
-            layer: 0,
-            kind: Kind::Key,
-            dtype: DType::Bf16,
-            batch: 1,
-            heads: 3,
-            tokens: 70,
-            head_dim: 64,
-        };
-        let c = crate::codec::parse("hqmq:s24r3").unwrap();
-        let pages = [
-            PlannedPage {
-                tensor: 0,
-                token_start: 0,
-                tokens: 64,
-                raw: false,
-            },
-            PlannedPage {
-                tensor: 0,
-                token_start: 64,
-                tokens: 6,
-                raw: false,
-            },
-        ];
-        let mut placed = Vec::new();
-        let l = plan(
-            0x1000,
-            &info,
-            c.as_ref(),
-            &pages,
-            KernelOptions::default(),
-            &mut |b| {
-                placed.push(b.len());
-                Ok(0x10_0000 * placed.len() as u64)
-            },
-        )
-        .unwrap();
-        assert_eq!(l.works.len(), 2);
-        // 16 chunks per row, 16 rows per item: 3 planes x 4 items + 3 x 1.
-        assert_eq!(l.works[0].items.len(), 12 + 3);
-        assert_eq!(l.descs[1].aux, 0x20_0000 + 4 * 3 * 64 * 16);
-        assert_eq!(placed, [3 * 25 * 24 * 16, 4 * 3 * 70 * 16]);
     }
 }

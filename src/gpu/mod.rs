@@ -21,14 +21,15 @@
 //!   where the CPU keeps the payload. Codebooks, sign vectors and
 //!   normalization factors are rebuilt on the host from the codec's
 //!   parameter block (read by the codec's own parser) and placed next to
-//!   the pages (`gpu::side`); pages are checked on the host while staging
+//!   the pages (each family's side table, packed by `gpu::side`); pages are checked on the host while staging
 //!   by the codec's own page layout, the function its CPU decoder uses
-//!   (`gpu::codecs`), so the GPU rejects what the CPU rejects, or, for hqmq's digit groups, by the kernel (a format error
+//!   (`gpu::family`), so the GPU rejects what the CPU rejects, or, for hqmq's digit groups, by the kernel (a format error
 //!   from [`DecodePlan::finish`]).
 //! * **Encode** ([`Gpu::plan_encode`]): a contiguous bf16/fp16/f32 tensor
 //!   on the device to `int{b}` / `bdr{h}` / `hqmq` page bodies whose
 //!   sections are the CPU encoder's bit for bit ([`EncodePlan::sections`];
-//!   planned by `gpu::encplan`). The hqmq search is the CPU's fast exact search
+//!   planned by `gpu::encplan` and each family's `plan_encode` in
+//!   `gpu::family`). The hqmq search is the CPU's fast exact search
 //!   (coset filter with a proven margin, exact rescoring of near-ties).
 //! * **File to GPU** ([`FileDecoder`]): pages read from an mmap'd file,
 //!   checked (CRC), staged in pinned host memory, copied to the device and
@@ -71,14 +72,17 @@
 //!    `st_out8`, the Walsh-Hadamard stages, conversions); write them so that
 //!    they also compile as host C++ for the emulator (`KVPACK_EMU`).
 //! 2. Add it to `gpu::sources::ALL`.
-//! 3. Add its kernel family to `gpu::spec::KernelCodec` and teach
-//!    `gpu::codecs`, the one dispatch over families, the codec: the family
-//!    from the codec's own parameter parser (`KernelCodec::of`), the section
-//!    offsets from the codec's own page layout (`page_sections`), the
-//!    kernel name and grid (`decode_kernel`), the descriptor parameters
-//!    (`desc_params`) and the body bound (`canonical_body_len`); and
-//!    `gpu::side` the side table it needs (codebooks, sign vectors,
-//!    factors).
+//! 3. Add its kernel family to `gpu::spec::KernelCodec` and write
+//!    `src/gpu/family/<family>.rs` with a unit struct `Family` implementing
+//!    `gpu::family::GpuFamily`: the codec ids it reads (`codec_ids`), the
+//!    family from the codec's own parameter parser (`kernel_codec`), the
+//!    section offsets from the codec's own page layout (`page_sections`),
+//!    the kernel name and grid (`decode_kernel`), the descriptor parameters
+//!    (`desc_params`), the body bound (`canonical_body_len`), the side table
+//!    it needs (`side_table`: codebooks, sign vectors, factors), its kernel
+//!    names (`kernel_names`) and, with a GPU encoder, `encodes` and
+//!    `plan_encode`. Register it in `gpu/family/mod.rs`: `mod <family>;`,
+//!    an entry in `FAMILIES` and the match arm of `family::of`.
 //! 4. Extend `tests/gpu.rs` (its bodies run on the CPU, CUDA and, with
 //!    `KVPACK_GPU_EMU=1`, the emulator) and `tests/benches/gpu.rs`.
 //!
@@ -89,13 +93,14 @@
 // benchmarks only: `#[doc(hidden)]`, not part of the API.
 mod abi;
 mod addr;
+mod backend;
 #[doc(hidden)]
 pub mod body;
-#[doc(hidden)]
-pub mod codecs;
 mod decplan;
 #[doc(hidden)]
 pub mod encplan;
+#[doc(hidden)]
+pub mod family;
 pub mod host;
 pub mod paged;
 #[doc(hidden)]
@@ -602,45 +607,12 @@ impl Device {
 /// check test compiles them all): one list over every kernel family.
 #[doc(hidden)]
 pub fn all_kernel_names() -> Vec<(&'static str, String)> {
-    use crate::cache::DType;
-    use spec::KernelCodec;
     let mut v = vec![("copy", "copy_u128".to_string())];
-    for out in [OutType::Bf16, OutType::F16] {
-        for src in [DType::Bf16, DType::F16, DType::F32] {
-            for d in [64, 6] {
-                let k = codecs::decode_kernel(KernelCodec::Raw { src }, d, out, Default::default())
-                    .expect("raw");
-                v.push((k.source, k.name));
-            }
-        }
-        for bits in 1..=8 {
-            for (d, h) in [
-                (128, None),
-                (128, Some(128)),
-                (128, Some(512)),
-                (6, None),
-                (40, Some(8)),
-            ] {
-                let kc = KernelCodec::Affine { bits, block: h };
-                let k = codecs::decode_kernel(kc, d, out, Default::default()).expect("affine");
-                v.push((k.source, k.name));
-            }
-        }
-    }
-    for src in [DType::Bf16, DType::F16, DType::F32] {
-        for bits in 1..=8 {
-            for d in [128, 96, 16] {
-                let kc = KernelCodec::Affine { bits, block: None };
-                let k = spec::encode_kernel(kc, d, src, Default::default()).expect("affine");
-                v.push((k.source, k.name));
-            }
-        }
-    }
     for d in [64, 6] {
         let k = paged::gather_kernel(d);
         v.push((k.source, k.name));
     }
-    v.extend(codecs::vq_kernel_names());
+    v.extend(family::kernel_names());
     v.sort();
     v.dedup();
     v

@@ -563,7 +563,7 @@ pub fn host_tensor(info: TensorInfo, bits: Vec<u16>) -> Result<Tensor> {
 
 /// True when a paged encode of `infos` planned as `pages` runs on the GPU
 /// (no window pages, no `raw_fallback`, and
-/// [`super::encplan::gpu_encodes`] for every tensor); otherwise it takes
+/// `gpu::family::gpu_encodes` for every tensor); otherwise it takes
 /// the host fallback ([`file_from_host`]).
 pub fn encodes_on_gpu(
     infos: &[TensorInfo],
@@ -573,7 +573,7 @@ pub fn encodes_on_gpu(
 ) -> bool {
     !opts.raw_fallback
         && !pages.iter().any(|p| p.raw)
-        && infos.iter().all(|i| super::encplan::gpu_encodes(codec, i))
+        && infos.iter().all(|i| super::family::gpu_encodes(codec, i))
 }
 
 /// The sections of every page of `pages`, in order, from

@@ -477,11 +477,11 @@ pub struct PageGeom {
     pub heads: u32,
     /// Elements per row.
     pub head_dim: u32,
-    /// Section offsets ([`super::codecs::page_sections`]).
+    /// Section offsets (`gpu::family::page_sections`).
     pub sections: [u32; 5],
     /// Codec parameters `p0..p3` of the descriptor
-    /// ([`super::codecs::desc_params`] of the family, head_dim and the
-    /// page-specific parameter of [`super::codecs::page_sections`]).
+    /// (`gpu::family::desc_params` of the family, head_dim and the
+    /// page-specific parameter of `gpu::family::page_sections`).
     pub params: [u32; 4],
     /// Device address of the tensor's side table, 0 if none (set when the
     /// page is placed on the device).

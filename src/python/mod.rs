@@ -16,6 +16,7 @@ mod arrays;
 mod cuda;
 mod dlpack;
 mod errors;
+mod frames;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -546,6 +547,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(tensor_table, m)?)?;
     m.add_function(wrap_pyfunction!(bench_decode_into, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_codec, m)?)?;
+    m.add_function(wrap_pyfunction!(frames::page_faults, m)?)?;
     m.add_class::<cuda::CudaJob>()?;
     m.add_function(wrap_pyfunction!(cuda::cuda_decode_paged, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_encode_paged, m)?)?;

@@ -6,14 +6,13 @@ use std::marker::PhantomData;
 
 use rayon::prelude::*;
 
+use super::stage::{Stage, launch_all};
 use super::{Gpu, GpuBuffer};
 use crate::decode::Archive;
 use crate::error::{Error, Result};
 use crate::gpu::Target;
-use crate::gpu::decplan::{
-    BODY_ALIGN, GroupKey, Staged, add_page, check_status, dst_spec, group_args, pack_groups,
-    stage_page,
-};
+use crate::gpu::backend::{Launch, place_decode, place_pages};
+use crate::gpu::decplan::{Staged, check_status, dst_spec, stage_page};
 use crate::gpu::spec::{OutType, PageGeom};
 
 /// Validated page bodies resident in device memory, with what the
@@ -46,39 +45,12 @@ impl GpuPages {
             .par_iter()
             .map(|&pi| stage_page(archive, pi))
             .collect::<Result<_>>()?;
-        let mut offsets = Vec::with_capacity(staged.len());
-        let mut total = 0usize;
-        for s in &staged {
-            offsets.push(total);
-            total += s.view.body().len().next_multiple_of(BODY_ALIGN);
-        }
-        // Side tables (codebooks, signs, factors) after the bodies.
-        let (tables, at) =
-            crate::gpu::side::for_archive(archive, staged.iter().map(|s| (s.codec, s.tensor)))?;
-        let side0 = total;
-        total += tables.len().next_multiple_of(BODY_ALIGN);
-        let mut host = vec![0u8; total.max(BODY_ALIGN)];
-        for (s, &o) in staged.iter().zip(&offsets) {
-            let b = s.view.body();
-            host[o..o + b.len()].copy_from_slice(b);
-        }
-        host[side0..side0 + tables.len()].copy_from_slice(&tables);
-        let bodies = gpu.upload(&host)?;
-        let base = bodies.device_ptr();
+        let mut stage = Stage::new(gpu);
+        let (pages, base, _) = place_pages(&mut stage, archive, &staged)?;
         Ok(GpuPages {
             gpu: gpu.clone(),
-            pages: staged
-                .iter()
-                .zip(&offsets)
-                .map(|(s, &o)| {
-                    let mut g = s.geom;
-                    if let Some(&t) = at.get(&(s.codec, s.tensor)) {
-                        g.side = base + (side0 as u64) + t;
-                    }
-                    (s.tensor, g, base + o as u64)
-                })
-                .collect(),
-            bodies,
+            pages,
+            bodies: stage.take(base),
         })
     }
 
@@ -108,9 +80,10 @@ impl GpuPages {
 /// targets and pages it was planned for stay borrowed.
 pub struct DecodePlan<'a> {
     gpu: Gpu,
-    table: GpuBuffer<u8>,
-    status: GpuBuffer<u64>,
-    launches: Vec<(GroupKey, usize, usize, u32)>,
+    /// Descriptor tables and status words.
+    bufs: Vec<GpuBuffer<u8>>,
+    status: u64,
+    launches: Vec<Launch>,
     read: u64,
     written: u64,
     _borrow: PhantomData<&'a ()>,
@@ -149,26 +122,15 @@ impl Gpu {
                 return Err(Error::param(format!("tensor {} has two targets", t.tensor)));
             }
         }
-        let mut groups = BTreeMap::new();
-        let (mut read, mut written) = (0, 0);
-        for (tensor, g, body) in &pages.pages {
-            if let Some(dst) = by_tensor.get(tensor) {
-                let (r, w) = add_page(&mut groups, g, *body, dst, out, self.options)?;
-                read += r;
-                written += w;
-            }
-        }
-        let mut bytes = Vec::new();
-        let launches = pack_groups(groups, &mut bytes);
-        let table = self.upload(&bytes)?;
-        let status = self.upload(&[u64::MAX; 2])?;
+        let mut stage = Stage::new(self);
+        let plan = place_decode(&mut stage, &pages.pages, &by_tensor, out, self.options)?;
         Ok(DecodePlan {
             gpu: self.clone(),
-            table,
-            status,
-            launches,
-            read,
-            written,
+            bufs: stage.bufs,
+            status: plan.status,
+            launches: plan.launches,
+            read: plan.read,
+            written: plan.written,
             _borrow: PhantomData,
         })
     }
@@ -180,13 +142,7 @@ impl DecodePlan<'_> {
     /// # Errors
     /// [`Error::Device`] when NVRTC, the module load or a launch fails.
     pub fn launch(&self) -> Result<()> {
-        let base = self.table.device_ptr();
-        for (key, d, w, blocks) in &self.launches {
-            let args = group_args(key, self.status.device_ptr());
-            self.gpu
-                .launch_items(&key.0, base + *d as u64, base + *w as u64, *blocks, &args)?;
-        }
-        Ok(())
+        launch_all(&self.gpu, &self.launches)
     }
 
     /// Waits for the launched work and checks the status word.
@@ -197,12 +153,21 @@ impl DecodePlan<'_> {
     /// [`Error::Format`] when a kernel found page content its codec's spec
     /// forbids (hqmq digit groups, scales).
     pub fn finish(&self) -> Result<()> {
-        check_status(&self.status.to_vec()?)
+        let words = self
+            .bufs
+            .iter()
+            .find(|b| b.device_ptr() == self.status)
+            .expect("the status buffer")
+            .to_vec()?;
+        check_status(&bytemuck::pod_collect_to_vec::<u8, u64>(&words))
     }
 
     /// Kernel names, one per launch.
     pub fn kernels(&self) -> Vec<String> {
-        self.launches.iter().map(|l| l.0.0.name.clone()).collect()
+        self.launches
+            .iter()
+            .map(|l| l.kernel.name.clone())
+            .collect()
     }
 
     /// Bytes the kernels read (page sections) and write (output elements)

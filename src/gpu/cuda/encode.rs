@@ -5,27 +5,15 @@
 
 use std::marker::PhantomData;
 
-use super::{Args, Gpu, GpuBuffer, GpuElem};
+use super::stage::{Stage, launch_all};
+use super::{Gpu, GpuBuffer, GpuElem};
 use crate::cache::TensorInfo;
 use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::format::Section;
+use crate::gpu::backend::{Launch, check_encode_status, place_encode};
 use crate::gpu::body::CanonicalBody;
-use crate::gpu::encplan::{BODY_ALIGN, EncodeLayout};
-use crate::gpu::spec::KernelChoice;
 use crate::plan::PlannedPage;
-
-/// One kernel launch of an encode: kernel, work list offset in the plan's
-/// table, blocks, and the optional arguments.
-#[derive(Debug, Clone)]
-struct EncLaunch {
-    kernel: KernelChoice,
-    work: usize,
-    blocks: u32,
-    bits: Option<u32>,
-    h: Option<u32>,
-    c: Option<f32>,
-}
 
 /// A prepared encode of some pages of one tensor: page bodies (section
 /// tables filled in) on the device, descriptors and work lists, scratch
@@ -37,10 +25,11 @@ pub struct EncodePlan<'a> {
     pages: Vec<PlannedPage>,
     layouts: Vec<(CanonicalBody, usize)>,
     bodies: GpuBuffer<u8>,
-    table: GpuBuffer<u8>,
-    _extra: Vec<GpuBuffer<u8>>,
-    status: GpuBuffer<u64>,
-    launches: Vec<EncLaunch>,
+    /// The status word.
+    status: GpuBuffer<u8>,
+    /// Descriptors, work lists, scratch and side tables.
+    _bufs: Vec<GpuBuffer<u8>>,
+    launches: Vec<Launch>,
     read: u64,
     written: u64,
     _borrow: PhantomData<&'a ()>,
@@ -83,60 +72,28 @@ impl Gpu {
                 info.dtype.name()
             )));
         }
-        let mut extra = Vec::new();
-        let layout = crate::gpu::encplan::plan(
+        let mut stage = Stage::new(self);
+        let plan = place_encode(
+            &mut stage,
             src.device_ptr(),
             info,
             codec,
             pages,
             self.options,
-            &mut |b| {
-                let buf = self.upload(b)?;
-                let at = buf.device_ptr();
-                extra.push(buf);
-                Ok(at)
-            },
         )?;
-        let EncodeLayout {
-            layouts,
-            mut host,
-            mut descs,
-            works,
-            read,
-            written,
-        } = layout;
-        host.resize(host.len().max(BODY_ALIGN), 0);
-        let bodies = self.upload(&host)?;
-        for dsc in &mut descs {
-            dsc.body += bodies.device_ptr();
-        }
-        let mut table: Vec<u8> = bytemuck::cast_slice(&descs).to_vec();
-        let mut launches = Vec::new();
-        for w in works {
-            table.resize(table.len().next_multiple_of(BODY_ALIGN).max(BODY_ALIGN), 0);
-            launches.push(EncLaunch {
-                kernel: w.kernel,
-                work: table.len(),
-                blocks: w.items.len() as u32,
-                bits: w.bits,
-                h: w.h,
-                c: w.c,
-            });
-            table.extend_from_slice(bytemuck::cast_slice(&w.items));
-        }
-        let table = self.upload(&table)?;
+        let bodies = stage.take(plan.bodies);
+        let status = stage.take(plan.status);
         Ok(EncodePlan {
             gpu: self.clone(),
             info: info.clone(),
             pages: pages.to_vec(),
-            layouts,
+            layouts: plan.layouts,
             bodies,
-            table,
-            _extra: extra,
-            status: self.upload(&[u64::MAX])?,
-            launches,
-            read,
-            written,
+            status,
+            _bufs: stage.bufs,
+            launches: plan.launches,
+            read: plan.read,
+            written: plan.written,
             _borrow: PhantomData,
         })
     }
@@ -148,18 +105,7 @@ impl EncodePlan<'_> {
     /// # Errors
     /// [`Error::Device`] when NVRTC, the module load or a launch fails.
     pub fn launch(&self) -> Result<()> {
-        let base = self.table.device_ptr();
-        for l in &self.launches {
-            let args = Args {
-                bits: l.bits,
-                h: l.h,
-                c: l.c,
-                status: self.status.device_ptr(),
-            };
-            self.gpu
-                .launch_items(&l.kernel, base, base + l.work as u64, l.blocks, &args)?;
-        }
-        Ok(())
+        launch_all(&self.gpu, &self.launches)
     }
 
     /// Waits for the launched work and checks that every row could be
@@ -171,20 +117,9 @@ impl EncodePlan<'_> {
     /// value or radius beyond the fp16 range), as the CPU encoder does;
     /// [`Error::Device`] for a failed kernel.
     pub fn finish(&self) -> Result<()> {
-        let s = self.status.to_vec()?[0];
-        if s == u64::MAX {
-            return Ok(());
-        }
-        let (page, row) = ((s >> 32) as usize, (s & 0xffff_ffff) as u32);
-        let p = &self.pages[page.min(self.pages.len() - 1)];
-        Err(Error::param(format!(
-            "{} ({}) plane {} token {}: non-finite value (NaN or inf), or a value the codec \
-             cannot represent, in a row to quantize",
-            self.info.name,
-            self.info.describe(),
-            row / p.tokens,
-            p.token_start + row % p.tokens
-        )))
+        let s = self.status.to_vec()?;
+        let s = u64::from_le_bytes(s[..8].try_into().expect("8 bytes"));
+        check_encode_status(s, &self.info, &self.pages)
     }
 
     /// Downloads the encoded pages and splits them into the sections the

@@ -10,6 +10,7 @@
 mod decode;
 mod encode;
 mod paged;
+mod stage;
 mod stream;
 
 pub use decode::{DecodePlan, GpuPages};

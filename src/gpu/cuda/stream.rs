@@ -162,7 +162,7 @@ impl FileDecoder {
             let reserve = if e.flags & FLAG_ZSTD == 0 {
                 e.frame_len.saturating_sub(64)
             } else {
-                crate::gpu::codecs::canonical_body_len(
+                crate::gpu::family::canonical_body_len(
                     kc,
                     rows,
                     u64::from(m.tokens),
@@ -170,7 +170,7 @@ impl FileDecoder {
                 )
             };
             let reserve = (reserve as usize).next_multiple_of(BODY_ALIGN);
-            let k = crate::gpu::codecs::decode_kernel(
+            let k = crate::gpu::family::decode_kernel(
                 kc,
                 info.head_dim,
                 OutType::Bf16,

@@ -1,0 +1,79 @@
+//! CUDA as a [`Backend`]: device buffers uploaded on kvpack's stream and
+//! kept with the plan that uses them, launches through
+//! [`Gpu::launch_items`].
+
+use super::{Gpu, GpuBuffer};
+use crate::error::{Error, Result};
+use crate::gpu::backend::{Backend, Launch};
+use crate::gpu::decplan::BODY_ALIGN;
+
+/// The buffers placed for one plan on one device.
+pub(crate) struct Stage<'g> {
+    gpu: &'g Gpu,
+    /// Every buffer placed so far, in order.
+    pub bufs: Vec<GpuBuffer<u8>>,
+}
+
+impl<'g> Stage<'g> {
+    /// An empty stage on `gpu`.
+    pub fn new(gpu: &'g Gpu) -> Stage<'g> {
+        Stage {
+            gpu,
+            bufs: Vec::new(),
+        }
+    }
+
+    /// Removes and returns the buffer placed at `addr`.
+    ///
+    /// # Panics
+    /// When no buffer was placed at `addr` (a bug of the caller).
+    pub fn take(&mut self, addr: u64) -> GpuBuffer<u8> {
+        let i = self
+            .bufs
+            .iter()
+            .position(|b| b.device_ptr() == addr)
+            .expect("a buffer placed on this stage");
+        self.bufs.remove(i)
+    }
+}
+
+/// Runs `launches` on `gpu`'s stream, in order (asynchronous).
+///
+/// # Errors
+/// [`Error::Device`] when NVRTC, the module load or a launch fails.
+pub(crate) fn launch_all(gpu: &Gpu, launches: &[Launch]) -> Result<()> {
+    for l in launches {
+        gpu.launch_items(&l.kernel, l.descs, l.work, l.blocks, &l.args)?;
+    }
+    Ok(())
+}
+
+impl Backend for Stage<'_> {
+    fn place(&mut self, bytes: &[u8]) -> Result<u64> {
+        let buf = if bytes.is_empty() {
+            self.gpu.upload(&[0u8; BODY_ALIGN])?
+        } else {
+            self.gpu.upload(bytes)?
+        };
+        let at = buf.device_ptr();
+        self.bufs.push(buf);
+        Ok(at)
+    }
+
+    fn launch(&mut self, launches: &[Launch]) -> Result<()> {
+        launch_all(self.gpu, launches)
+    }
+
+    fn read(&mut self, addr: u64, len: usize) -> Result<Vec<u8>> {
+        let b = self
+            .bufs
+            .iter()
+            .find(|b| {
+                let p = b.device_ptr();
+                p <= addr && addr + len as u64 <= p + b.len() as u64
+            })
+            .ok_or_else(|| Error::param("internal: read outside the placed buffers"))?;
+        let o = (addr - b.device_ptr()) as usize;
+        Ok(b.to_vec()?[o..o + len].to_vec())
+    }
+}

@@ -1,0 +1,404 @@
+//! `hqmq` pages: f16 scale per row, low symbols and grouped high digits of
+//! the joint codeword per 4-element chunk, optional outlier table
+//! (`kernels/hqmq.cu`); encoder without outlier extraction
+//! (`kernels/hqmq_enc.cu`).
+
+use crate::cache::TensorInfo;
+use crate::codec::Codec;
+use crate::codec::hqmq::codebook::{Codebook, secondaries};
+use crate::codec::hqmq::{self, Hqmq};
+use crate::error::{Error, Result};
+use crate::format::{ElemType, PageView, SectionKind};
+use crate::kernels::radix::Groups;
+
+use super::f32_bytes;
+use super::{GpuFamily, OUTS, a64, at, bad_params, offset, packed};
+use crate::gpu::body::{CanonicalBody, SectionSpec};
+use crate::gpu::encplan::{EncWork, EncodeJob, EncodeLayout, empty, page_rows, push_body};
+use crate::gpu::spec::{
+    self, BLOCK, EncDesc, Grid, HQ_ITEM, KernelChoice, KernelCodec, KernelOptions, OutType,
+    src_suffix,
+};
+
+/// Chunks per hqmq decode sub-block (`HQ_NPOS`): head_dim / 4 may not
+/// exceed it.
+pub const HQ_NPOS: u32 = 2048;
+/// Largest joint codebook (bytes) the hqmq decode kernels keep in shared
+/// memory (`24 S` float4; S <= 256). Larger ones are read through L1.
+pub const HQ_SMEM_MAX: u32 = 24 * 256 * 16;
+
+/// The hqmq family ([`KernelCodec::Hqmq`]).
+pub(crate) struct Family;
+
+/// `(s, b, e, g, w, o, med)` of an hqmq kernel codec.
+fn fields(kc: KernelCodec) -> (u32, u8, u8, u8, u8, u32, bool) {
+    let KernelCodec::Hqmq {
+        s,
+        b,
+        e,
+        g,
+        w,
+        o,
+        med,
+    } = kc
+    else {
+        unreachable!("hqmq family")
+    };
+    (s, b, e, g, w, o, med)
+}
+
+/// The packed `b | e << 8 | g << 16 | w << 24` descriptor word.
+fn bits_word(b: u8, e: u8, g: u8, w: u8) -> u32 {
+    u32::from(b) | u32::from(e) << 8 | u32::from(g) << 16 | u32::from(w) << 24
+}
+
+/// The codebook of kv head `head` of `t` for an hqmq codec of `seed`.
+fn codebook(seed: u64, t: &TensorInfo, head: u32, s: u32) -> Codebook {
+    Codebook::new(secondaries(seed, t.layer, head, t.kind, s as usize))
+}
+
+/// The hqmq encode side table of `t`: per kv head the `S` secondaries,
+/// then the `24 S` joint codewords, float4 each.
+///
+/// # Errors
+/// [`Error::Parameter`] when the codec's parameter block does not parse.
+pub fn encode_table(codec: &dyn Codec, t: &TensorInfo, s: u32) -> Result<Vec<u8>> {
+    let seed = Hqmq::from_params(&codec.params())?.seed;
+    let mut out = Vec::new();
+    for head in 0..t.heads {
+        let cb = codebook(seed, t, head, s);
+        for q in cb.secondary.iter().chain(&cb.joint) {
+            out.extend_from_slice(&f32_bytes(q));
+        }
+    }
+    Ok(out)
+}
+
+impl GpuFamily for Family {
+    fn codec_ids(&self) -> &'static [u16] {
+        &[hqmq::ID]
+    }
+
+    fn kernel_codec(&self, codec: &dyn Codec, _t: &TensorInfo) -> Result<KernelCodec> {
+        let h = Hqmq::from_params(&codec.params())?;
+        let (e, o) = hqmq::symbol_split(h.secondaries, h.radius_bits);
+        Ok(KernelCodec::Hqmq {
+            s: h.secondaries,
+            b: h.radius_bits,
+            e: e as u8,
+            g: h.groups.digits as u8,
+            w: h.groups.bits as u8,
+            o: u32::try_from(o).map_err(|_| bad_params(codec))?,
+            med: h.outlier_multiplier.is_some(),
+        })
+    }
+
+    /// The page-specific parameter is the number of inlier chunks.
+    fn page_sections(
+        &self,
+        kc: KernelCodec,
+        page: &PageView<'_>,
+        t: &TensorInfo,
+    ) -> Result<([u32; 5], u32)> {
+        let (_, _, e, g, _, o, med) = fields(kc);
+        let rows = t.planes() * page.header.meta.tokens as usize;
+        let groups = Groups::new(u64::from(o), u32::from(g))
+            .ok_or_else(|| page.error("hqmq: invalid digit grouping"))?;
+        let p = hqmq::page_layout(page, med, u32::from(e), &groups, rows, t.head_dim as usize)?;
+        let table = if med {
+            offset(page, SectionKind::Outliers, 0)
+        } else {
+            0
+        };
+        let s = [
+            at(page, p.scales),
+            at(page, p.low),
+            at(page, p.high),
+            table,
+            0,
+        ];
+        Ok((s, p.n_in as u32))
+    }
+
+    fn decode_kernel(
+        &self,
+        kc: KernelCodec,
+        head_dim: u32,
+        out: OutType,
+        opts: KernelOptions,
+    ) -> Result<KernelChoice> {
+        let (s, _, _, _, _, base, _) = fields(kc);
+        let o = out.suffix();
+        if head_dim / 4 > HQ_NPOS {
+            return Err(Error::Unsupported(format!(
+                "GPU hqmq kernels handle head_dim up to {}, not {head_dim}",
+                4 * HQ_NPOS
+            )));
+        }
+        let ob = if matches!(base, 3 | 9) { base } else { 0 };
+        let bytes = 24 * 16 * u64::from(s);
+        let smem = bytes <= u64::from(HQ_SMEM_MAX) && !opts.global_hqmq_codebook;
+        Ok(KernelChoice {
+            source: "hqmq",
+            name: format!("decode_hqmq_o{ob}_{}_{o}", if smem { "s" } else { "g" }),
+            grid: Grid::PlaneRows {
+                tokens: HQ_ITEM,
+                unit: 4,
+            },
+            shared: if smem { bytes as u32 } else { 0 },
+        })
+    }
+
+    fn desc_params(&self, kc: KernelCodec, _head_dim: u32, extra: u32) -> [u32; 4] {
+        let (s, b, e, g, w, o, _) = fields(kc);
+        [s, bits_word(b, e, g, w), o, extra]
+    }
+
+    fn canonical_body_len(&self, kc: KernelCodec, rows: u64, _tokens: u64, d: u64) -> u64 {
+        let (_, _, e, g, w, _, med) = fields(kc);
+        let n = rows * d / 4;
+        let digits = a64(packed(n.div_ceil(u64::from(g)), u64::from(w)));
+        let table = if med {
+            a64(12 + n.div_ceil(8) + 8 * n)
+        } else {
+            0
+        };
+        64 + a64(2 * rows) + a64(packed(n, u64::from(e))) + digits + table
+    }
+
+    /// u64 `O^G` (0 when it is `2^64`), 8 zero bytes, then per kv head the
+    /// `24 S` joint codewords (float4).
+    fn side_table(
+        &self,
+        codec: &dyn Codec,
+        kc: KernelCodec,
+        t: &TensorInfo,
+    ) -> Result<Option<Vec<u8>>> {
+        let (s, _, _, g, _, o, _) = fields(kc);
+        let limit = Groups::new(u64::from(o), u32::from(g))
+            .map(|gr| gr.limit())
+            .ok_or_else(|| Error::param("hqmq parameters: invalid digit grouping"))?;
+        let seed = Hqmq::from_params(&codec.params())?.seed;
+        let mut out = Vec::new();
+        out.extend_from_slice(&u64::try_from(limit).unwrap_or(0).to_le_bytes());
+        out.extend_from_slice(&[0u8; 8]);
+        for head in 0..t.heads {
+            for q in &codebook(seed, t, head, s).joint {
+                out.extend_from_slice(&f32_bytes(q));
+            }
+        }
+        Ok(Some(out))
+    }
+
+    fn kernel_names(&self) -> Vec<(&'static str, String)> {
+        let mut v = Vec::new();
+        for out in OUTS {
+            let o = out.suffix();
+            for base in [0, 3, 9] {
+                for m in ["s", "g"] {
+                    v.push(("hqmq", format!("decode_hqmq_o{base}_{m}_{o}")));
+                }
+            }
+        }
+        for s in ["bf16", "f16", "f32"] {
+            v.push(("hqmq_enc", format!("encode_hqmq_{s}")));
+        }
+        v.push(("hqmq_enc", "encode_hqmq_pack".to_string()));
+        v
+    }
+
+    /// Without outlier extraction (`+med`) only.
+    fn encodes(&self, kc: KernelCodec) -> bool {
+        !fields(kc).6
+    }
+
+    /// The search kernel (one symbol per chunk to a scratch buffer, SCALE
+    /// written) and the pack kernel (INDEX 0 and 1 from the symbols).
+    fn plan_encode(
+        &self,
+        job: &EncodeJob<'_>,
+        place: &mut dyn FnMut(&[u8]) -> Result<u64>,
+    ) -> Result<EncodeLayout> {
+        let EncodeJob {
+            src,
+            info,
+            codec,
+            kc,
+            pages,
+            ..
+        } = *job;
+        let (s, b, e, g, w, o, med) = fields(kc);
+        if med {
+            return Err(Error::Unsupported(format!(
+                "GPU encode covers hqmq without +med, not {}",
+                codec.name()
+            )));
+        }
+        let esize = info.dtype.size() as u64;
+        let d = info.head_dim;
+        let nc = d / 4;
+        let rb = (BLOCK / nc.max(1)).max(1);
+        let groups = Groups::new(u64::from(o), u32::from(g)).expect("checked grouping");
+        let side = place(&encode_table(codec, info, s)?)?;
+        let mut p = empty();
+        let mut chunks = 0u64;
+        let mut scratch_at = Vec::new();
+        for pg in pages {
+            let rows = page_rows(info, pg)?;
+            scratch_at.push(chunks);
+            chunks += u64::from(rows) * u64::from(nc);
+        }
+        let scratch = place(&vec![0u8; (4 * chunks).max(4) as usize])?;
+        let search = KernelChoice {
+            source: "hqmq_enc",
+            name: format!("encode_hqmq_{}", src_suffix(info.dtype)),
+            grid: Grid::PlaneRows {
+                tokens: rb,
+                unit: 4,
+            },
+            shared: 0,
+        };
+        let pack = KernelChoice {
+            source: "hqmq_enc",
+            name: "encode_hqmq_pack".into(),
+            grid: Grid::Units {
+                w: 1,
+                per_thread: 1,
+            },
+            shared: 0,
+        };
+        let (mut w1, mut w2) = (Vec::new(), Vec::new());
+        let count = |v: u64| u32::try_from(v).map_err(|_| Error::param("hqmq page too large"));
+        for (i, pg) in pages.iter().enumerate() {
+            let rows = page_rows(info, pg)?;
+            let n = u64::from(rows) * u64::from(nc);
+            let low_len = (n * u64::from(e)).div_ceil(8);
+            let high_len = groups.packed_len(n as usize) as u64;
+            let spec = |kind, stream, elem, count, len| SectionSpec {
+                kind,
+                stream,
+                elem,
+                count,
+                len,
+            };
+            let l = CanonicalBody::new(vec![
+                spec(SectionKind::Scale, 0, ElemType::F16, rows, 2 * rows),
+                spec(
+                    SectionKind::Index,
+                    0,
+                    ElemType::Packed(e),
+                    count(n)?,
+                    count(low_len)?,
+                ),
+                spec(
+                    SectionKind::Index,
+                    1,
+                    ElemType::Bytes,
+                    count(high_len)?,
+                    count(high_len)?,
+                ),
+            ])?;
+            let off = push_body(&mut p.host, &l);
+            p.read += u64::from(rows) * u64::from(d) * esize;
+            p.written += u64::from(2 * rows) + low_len + high_len;
+            p.descs.push(EncDesc {
+                src: src + u64::from(pg.token_start) * u64::from(d) * esize,
+                body: off as u64,
+                stride: u64::from(info.tokens) * u64::from(d),
+                rows,
+                tokens: pg.tokens,
+                head_dim: d,
+                sec_scale: l.offsets[0],
+                sec_zero: 0,
+                sec_index: l.offsets[1],
+                page: i as u32,
+                m_tokens: spec::magic(pg.tokens),
+                upr: nc,
+                m_upr: spec::magic(nc),
+                side,
+                aux: scratch + 4 * scratch_at[i],
+                sec3: l.offsets[2],
+                heads: info.heads,
+                p0: s,
+                p1: rb,
+                p2: bits_word(b, e, g, w),
+                p3: o,
+            });
+            search
+                .grid
+                .push_items(i as u32, rows, pg.tokens, d, &mut w1);
+            let words = (n * u64::from(e)).div_ceil(32)
+                + (n.div_ceil(u64::from(g)) * u64::from(w)).div_ceil(32);
+            let mut at = 0u64;
+            while at < words {
+                w2.push([i as u32, at as u32]);
+                at += u64::from(BLOCK);
+            }
+            p.layouts.push((l, off));
+        }
+        for (kernel, items) in [(search, w1), (pack, w2)] {
+            p.works.push(EncWork {
+                kernel,
+                items,
+                bits: None,
+                h: None,
+                c: None,
+            });
+        }
+        Ok(p)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{DType, Kind};
+    use crate::plan::PlannedPage;
+
+    #[test]
+    fn hqmq_plan_covers_every_row_and_word() {
+        let info = TensorInfo {
+            name: "t".into(),
+            layer: 0,
+            kind: Kind::Key,
+            dtype: DType::Bf16,
+            batch: 1,
+            heads: 3,
+            tokens: 70,
+            head_dim: 64,
+        };
+        let c = crate::codec::parse("hqmq:s24r3").unwrap();
+        let pages = [
+            PlannedPage {
+                tensor: 0,
+                token_start: 0,
+                tokens: 64,
+                raw: false,
+            },
+            PlannedPage {
+                tensor: 0,
+                token_start: 64,
+                tokens: 6,
+                raw: false,
+            },
+        ];
+        let mut placed = Vec::new();
+        let l = super::super::plan_encode(
+            0x1000,
+            &info,
+            c.as_ref(),
+            &pages,
+            KernelOptions::default(),
+            &mut |b| {
+                placed.push(b.len());
+                Ok(0x10_0000 * placed.len() as u64)
+            },
+        )
+        .unwrap();
+        assert_eq!(l.works.len(), 2);
+        // 16 chunks per row, 16 rows per item: 3 planes x 4 items + 3 x 1.
+        assert_eq!(l.works[0].items.len(), 12 + 3);
+        assert_eq!(l.descs[1].aux, 0x20_0000 + 4 * 3 * 64 * 16);
+        assert_eq!(placed, [3 * 25 * 24 * 16, 4 * 3 * 70 * 16]);
+    }
+}
