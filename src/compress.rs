@@ -181,14 +181,16 @@ struct Hooks<'a> {
 }
 
 /// Encodes `pages` of `tensors` on all threads and writes them in order.
-/// Window pages use the codec of table slot `raw_slot`, others slot 0.
-/// Returns (elements, source bytes) written.
+/// Window pages use the codec of table slot `raw_slot`, others the slot
+/// `slot_of(page)`. Returns (elements, source bytes) written.
+#[allow(clippy::too_many_arguments)]
 fn write_pages<W: Write + Send>(
     w: &mut Writer<W>,
     tensors: &[TensorView<'_>],
     pages: &[PlannedPage],
     codecs: &[&dyn Codec],
     raw_slot: usize,
+    slot_of: &(dyn Fn(&PlannedPage) -> usize + Sync),
     opts: &CompressOptions,
     hooks: Hooks<'_>,
 ) -> Result<(u64, u64)> {
@@ -207,7 +209,7 @@ fn write_pages<W: Write + Send>(
         total / pages.len().max(1) as u64,
         |p| {
             let t = &tensors[p.tensor as usize];
-            let slot = if p.raw { raw_slot } else { 0 };
+            let slot = if p.raw { raw_slot } else { slot_of(p) };
             let frame = encode_page(t, p, codecs[slot], slot, opts)?;
             // A raw frame is never smaller than the source bytes, so only
             // a frame larger than those can lose to raw.
@@ -302,6 +304,7 @@ pub fn compress_view_with<W: Write + Send>(
         pages,
         &codecs,
         codecs.len() - 1,
+        &|_| 0,
         opts,
         Hooks {
             progress,
@@ -319,6 +322,104 @@ pub fn compress_view_with<W: Write + Send>(
             elements: cache.elements(),
             source_bytes: cache.source_bytes(),
             output_bytes,
+            seconds: start.elapsed().as_secs_f64(),
+        },
+    ))
+}
+
+/// Compresses `cache` into a new file whose tensors use different codecs
+/// and windows (a budget plan, [`crate::budget`]): tensor `t` is coded by
+/// `codecs[tensor_codec[t]]` outside its own sink/recent windows
+/// `layouts[t]`, which are stored `raw`. The codecs must be ready to encode
+/// (already [`Codec::prepare`]d); the codec table is `codecs` in order,
+/// plus a `raw` slot when a window page needs one and none is listed.
+/// `opts.layout` is ignored but for being recorded in the header (page size,
+/// and windows 0: the windows are in the pages). `label` becomes
+/// [`CompressReport::codec`].
+///
+/// # Errors
+/// [`Error::Parameter`] when the lengths disagree, a slot is out of range,
+/// a codec cannot encode its tensor, or as [`compress`].
+#[allow(clippy::too_many_arguments)]
+pub fn compress_mixed<W: Write + Send>(
+    cache: &CacheView<'_>,
+    codecs: &[&dyn Codec],
+    tensor_codec: &[usize],
+    layouts: &[Layout],
+    label: &str,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(W, CompressReport)> {
+    let start = Instant::now();
+    let n = cache.tensors.len();
+    if n == 0 {
+        return Err(Error::param("the cache has no K/V tensors"));
+    }
+    if tensor_codec.len() != n || layouts.len() != n {
+        return Err(Error::param(
+            "a codec slot and a layout are needed for every tensor",
+        ));
+    }
+    for (t, &slot) in cache.tensors.iter().zip(tensor_codec) {
+        let c = codecs
+            .get(slot)
+            .ok_or_else(|| Error::param(format!("codec slot {slot} does not exist")))?;
+        c.check(&t.info)?;
+    }
+    let infos = cache.infos();
+    let pages = crate::plan::plan_each(&infos, &vec![0; n], layouts)?;
+    let raw_pages = pages.iter().filter(|p| p.raw).count();
+    let mut table: Vec<&dyn Codec> = codecs.to_vec();
+    let raw_slot = match table.iter().position(|c| c.id() == crate::codec::raw::ID) {
+        Some(i) => i,
+        None if raw_pages > 0 || opts.raw_fallback => {
+            table.push(&Raw);
+            table.len() - 1
+        }
+        None => usize::MAX,
+    };
+    let header = FileHeader {
+        version_major: VERSION_MAJOR,
+        version_minor: FileHeader::required_minor(&infos),
+        align_log2: opts.align_log2,
+        tensors: infos,
+        codecs: table
+            .iter()
+            .map(|c| CodecEntry {
+                id: c.id(),
+                params: c.params(),
+            })
+            .collect(),
+        metadata: cache.metadata.clone(),
+        page_tokens: opts.layout.page_tokens,
+        sink_tokens: 0,
+        recent_tokens: 0,
+    };
+    let mut w = Writer::new(out, &header)?;
+    write_pages(
+        &mut w,
+        &cache.tensors,
+        &pages,
+        &table,
+        raw_slot,
+        &|p| tensor_codec[p.tensor as usize],
+        opts,
+        Hooks {
+            progress,
+            tensor_done: &|_| {},
+        },
+    )?;
+    let (out, trailer) = w.commit(&cache.token_ids)?;
+    Ok((
+        out,
+        CompressReport {
+            codec: label.to_string(),
+            pages: pages.len(),
+            raw_pages,
+            elements: cache.elements(),
+            source_bytes: cache.source_bytes(),
+            output_bytes: trailer.header_len + trailer.commit_end,
             seconds: start.elapsed().as_secs_f64(),
         },
     ))
@@ -668,8 +769,16 @@ pub fn append<W: Write + Send>(
             "the stored file has windows but no raw codec slot",
         ));
     }
-    for t in &longer.tensors {
-        codecs[0].check(&t.info)?;
+    // Each tensor keeps the codec of its last coded page (a budget plan
+    // gives tensors different codecs); slot 0 for a tensor with none.
+    let mut tensor_slot = vec![0usize; h.tensors.len()];
+    for e in &idx.entries {
+        if Some(e.meta.codec as usize) != raw_slot {
+            tensor_slot[e.meta.tensor as usize] = e.meta.codec as usize;
+        }
+    }
+    for (t, &slot) in longer.tensors.iter().zip(&tensor_slot) {
+        codecs[slot].check(&t.info)?;
     }
     let opts = CompressOptions {
         align_log2: h.align_log2,
@@ -684,6 +793,7 @@ pub fn append<W: Write + Send>(
         &pages,
         &refs,
         raw_slot.unwrap_or(0),
+        &|p| tensor_slot[p.tensor as usize],
         &opts,
         Hooks {
             progress,

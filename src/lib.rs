@@ -33,6 +33,7 @@
 
 #![warn(missing_docs)]
 
+pub mod budget;
 pub mod cache;
 pub mod codec;
 pub mod compress;

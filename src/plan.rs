@@ -52,14 +52,30 @@ pub struct PlannedPage {
 /// [`Error::Parameter`] when `page_tokens` is 0 or `from` has the wrong
 /// length or exceeds a token count.
 pub fn plan(tensors: &[TensorInfo], from: &[u32], layout: Layout) -> Result<Vec<PlannedPage>> {
-    if layout.page_tokens == 0 {
+    plan_each(tensors, from, &vec![layout; tensors.len()])
+}
+
+/// Like [`plan`] with one layout per tensor (`layouts[t]` for tensor `t`),
+/// as a budget plan ([`crate::budget`]) gives each tensor its own windows.
+///
+/// # Errors
+/// As [`plan`]; also when `layouts` has the wrong length.
+pub fn plan_each(
+    tensors: &[TensorInfo],
+    from: &[u32],
+    layouts: &[Layout],
+) -> Result<Vec<PlannedPage>> {
+    if layouts.iter().any(|l| l.page_tokens == 0) {
         return Err(Error::param("--page-tokens must be at least 1"));
     }
-    if from.len() != tensors.len() {
-        return Err(Error::param("internal: start tokens do not match tensors"));
+    if from.len() != tensors.len() || layouts.len() != tensors.len() {
+        return Err(Error::param(
+            "internal: start tokens or layouts do not match tensors",
+        ));
     }
     let mut pages = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
+        let layout = layouts[i];
         let total = t.tokens;
         let start = from[i];
         if start > total {

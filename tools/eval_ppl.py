@@ -15,6 +15,9 @@ Codecs:
   bf16        K, V cast to bf16 and back
   py:intB     naive token-wise asymmetric INT-B (per token, per head, over head_dim;
               fp32 scale and zero): a Python reference oracle, B in 1..8
+  plan:B      kvpack's planner at B bits/element, everything counted
+              (kvpack.compress(..., bits=B): codec, parameters and sink window
+              chosen per layer and K/V)
   anything else is a kvpack codec name: the cache goes through the kvpack Python
               package (kvpack.compress, kvpack.open, decode to fp32) in memory.
 
@@ -23,6 +26,12 @@ Examples:
   python tools/eval_ppl.py --codec bf16 --codec py:int3 --json
   python tools/eval_ppl.py --codec bdr128 --codec 'hqmq:s96r4+med3' --source-dtype bf16
   python tools/eval_ppl.py --model smollm2-135m --codec bf16 --codec bdr64
+  python tools/eval_ppl.py --codec plan:3.25 --codec hqmq:s24r3 --json --plot ppl.png
+  python tools/eval_ppl.py --plot ppl.png --from-json a.json --from-json b.json   # no model run
+
+--plot FILE (matplotlib) draws bits/element against perplexity: plan:B rows as the
+planner's line, every other codec as a labelled point, the bf16 perplexity as a
+dashed line; with --from-json it draws earlier --json outputs without running the model.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import _model as M  # noqa: E402
 
 DEFAULT_CODECS = ["none", "bf16", "py:int4"]
 PY_INT = re.compile(r"^py:int([1-8])$")
+PLAN = re.compile(r"^plan:([0-9]+(?:\.[0-9]+)?)$")
 
 
 def parse_args(argv=None):
@@ -64,7 +74,18 @@ def parse_args(argv=None):
     p.add_argument("--model-dir", type=Path, default=M.DEFAULT_MODEL_DIR,
                    help=f"where the GGUF lives / is assembled (default {M.DEFAULT_MODEL_DIR})")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE",
+                   help="draw bits/element against perplexity into FILE (.png/.svg/.pdf, matplotlib)")
+    p.add_argument("--from-json", type=Path, action="append", default=[], metavar="JSON",
+                   help="with --plot: rows from earlier --json outputs (repeatable); without --codec "
+                        "the model is not run")
+    p.add_argument("--title", default=None, help="--plot title (default: the model)")
     a = p.parse_args(argv)
+    if a.from_json and a.plot is None:
+        p.error("--from-json needs --plot")
+    if a.plot is not None and a.plot.suffix == "":
+        p.error("--plot needs a file extension (.png, .svg, .pdf)")
+    a.plot_only = bool(a.from_json) and not a.codec
     a.codec = a.codec or list(DEFAULT_CODECS)
     if len(set(a.codec)) != len(a.codec):
         p.error("a codec is listed twice")
@@ -143,9 +164,11 @@ class Kvpack:
         if self.keep_dir is not None:
             self.keep_dir.mkdir(parents=True, exist_ok=True)
             path = self.keep_dir / (re.sub(r"[^A-Za-z0-9_.+-]", "_", codec) + ".kvpack")
+        plan = PLAN.match(codec)
+        how = {"bits": float(plan.group(1))} if plan else {"codec": codec}
         try:
-            res = kvpack.compress(layers, codec, path=None if path is None else str(path), force=True,
-                                  model=model_id, token_ids=token_ids, metadata=meta, **self.options)
+            res = kvpack.compress(layers, path=None if path is None else str(path), force=True,
+                                  model=model_id, token_ids=token_ids, metadata=meta, **how, **self.options)
             archive = kvpack.open(str(path) if path is not None else res.data)
             decoded = archive.decode(dtype="fp32", output="torch")
         except kvpack.KvpackError as e:
@@ -179,6 +202,51 @@ def apply_codec(codec: str, cache, head_dim: int, kvpack: Kvpack | None, metadat
     return kvpack.roundtrip(codec, cache, metadata)
 
 
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Bits/element against perplexity: the planner (plan:B rows) as a line, other codecs as points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ref = next((r["ppl"] for r in rows if r["codec"] == "bf16"), None)
+    if ref is None and rows:  # delta = ppl / bf16 - 1
+        r = rows[0]
+        ref = r["ppl"] / (1.0 + r["delta_vs_bf16_pct"] / 100.0)
+    lossy = [r for r in rows if r["codec"] not in ("none", "bf16") and r["bits_per_element"] < 9]
+    plan = sorted((r for r in lossy if PLAN.match(r["codec"])), key=lambda r: r["bits_per_element"])
+    fixed = [r for r in lossy if not PLAN.match(r["codec"])]
+    fig, ax = plt.subplots(figsize=(9.6, 6.4), dpi=100)
+    fams = sorted({r["codec"].split(":")[0].rstrip("0123456789") for r in fixed})
+    cmap = plt.get_cmap("tab10")
+    for i, f in enumerate(fams):
+        pts = [r for r in fixed if r["codec"].split(":")[0].rstrip("0123456789") == f]
+        ax.scatter([r["bits_per_element"] for r in pts], [r["ppl"] for r in pts], color=cmap(i % 10),
+                   label=f, zorder=3)
+        for r in pts:
+            ax.annotate(r["codec"], (r["bits_per_element"], r["ppl"]), fontsize=7, alpha=0.7,
+                        xytext=(3, 3), textcoords="offset points")
+    if plan:
+        ax.plot([r["bits_per_element"] for r in plan], [r["ppl"] for r in plan], "k-^",
+                label="planner (bits=B)", zorder=4)
+    if ref is not None:
+        ax.axhline(ref, color="grey", ls="--", lw=1, label=f"bf16 {ref:.3f}")
+        for pct, ls in ((1.0, ":"), (0.3, "-.")):
+            ax.axhline(ref * (1 + pct / 100), color="grey", ls=ls, lw=0.8, label=f"bf16 +{pct}%")
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per element, everything counted")
+    ax.set_ylabel("perplexity (log scale)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.name + ".tmp" + path.suffix)
+    fig.savefig(tmp)
+    tmp.replace(path)  # atomic
+    plt.close(fig)
+    log(f"wrote {path}")
+
+
 def perplexity(model, cache, continuation: list[int]) -> float:
     return M.continuation_ppl(M.continue_logits(model, cache, continuation), continuation)
 
@@ -191,7 +259,20 @@ def main(argv=None) -> int:
         M.die(str(e))
 
 
+def load_rows(paths: list[Path]) -> list[dict]:
+    rows = []
+    for p in paths:
+        try:
+            rows.extend(json.loads(p.read_text()))
+        except (OSError, ValueError) as e:
+            raise M.ToolError(f"--from-json {p}: {e}") from e
+    return rows
+
+
 def run(a) -> int:
+    if a.plot_only:
+        plot(load_rows(a.from_json), a.plot, a.title or a.model)
+        return 0
     import torch
 
     py_codecs = {"none", "bf16"}
@@ -245,6 +326,10 @@ def run(a) -> int:
         for codec in a.codec
     ]
     log(f"total {time.time() - t0:.1f}s")
+    if a.plot is not None:
+        extra = load_rows(a.from_json)
+        ref_row = {"codec": "bf16", "bits_per_element": 16.0, "ppl": ref, "delta_vs_bf16_pct": 0.0}
+        plot(extra + rows + [ref_row], a.plot, a.title or a.model)
     if a.json:
         print(json.dumps(rows, indent=2))
     else:

@@ -189,8 +189,9 @@ def _window_kwargs(sink, recent, page_tokens, zstd_level, align) -> Dict[str, An
 
 def compress(
     layers: Union[str, "os.PathLike[str]", Sequence[Tuple[ArrayLike, ArrayLike]], Mapping[Key, ArrayLike]],
-    codec: str = "bdr128",
+    codec: Optional[str] = None,
     *,
+    bits: Optional[float] = None,
     path: Optional[Union[str, "os.PathLike[str]"]] = None,
     force: bool = False,
     out: Optional[ArrayLike] = None,
@@ -219,7 +220,14 @@ def compress(
             ``past_key_values.{layer}.key/.value``; its metadata and token
             ids are kept).
         codec: codec name as for the CLI (``kvpack codecs``): ``raw``,
-            ``int4``, ``bdr128``, ``hqmq:s96r4+med3``, ``polar:m4n4``, ...
+            ``int4``, ``bdr128`` (the default), ``hqmq:s96r4+med3``,
+            ``polar:m4n4``, ...
+        bits: instead of ``codec``, a budget in bits per element with
+            everything counted (as ``kvpack compress --bits``): the planner
+            chooses per layer and K/V the codec, its parameters and a sink
+            window (so ``sink``/``recent`` must not be given), minimising
+            the attention-output error it measures on the cache itself;
+            the file never exceeds the budget.
         path: write the file there atomically; an existing file is only
             replaced with ``force=True``.
         out: instead, write into this writable contiguous uint8 array
@@ -255,6 +263,10 @@ def compress(
         ValueError: arrays kvpack cannot read (GPU memory, wrong dtype,
             non-contiguous head_dim axis).
     """
+    if bits is not None and codec is not None:
+        raise ParameterError("give a codec or bits=, not both")
+    codec = "bdr128" if codec is None else codec
+    plan = {} if bits is None else {"bits": float(bits)}
     if isinstance(layers, (str, os.PathLike)):
         if model is not None or token_ids is not None or metadata or dtype is not None or scales:
             raise ParameterError(
@@ -268,6 +280,7 @@ def compress(
             force=force,
             out=out,
             raw_fallback=raw_fallback,
+            **plan,
             **_window_kwargs(sink, recent, page_tokens, zstd_level, align),
         )
         return CompressResult(data=data, written=written, **report)
@@ -291,6 +304,7 @@ def compress(
         raw_fallback=raw_fallback,
         metadata=meta,
         token_ids=None if token_ids is None else [int(t) for t in token_ids],
+        **plan,
         **_window_kwargs(sink, recent, page_tokens, zstd_level, align),
     )
     return CompressResult(data=data, written=written, **report)

@@ -95,6 +95,7 @@ def compress(
     raw_fallback: bool = False,
     metadata: Optional[Dict[str, str]] = None,
     token_ids: Optional[List[int]] = None,
+    bits: Optional[float] = None,
 ) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]:
     """``tensors``: ``(layer, kind, array[, dtype[, fp8 scale]])``. Returns ``(report,
     file bytes or None, bytes written into out or None)``."""
@@ -112,6 +113,7 @@ def compress_file(
     zstd_level: Optional[int] = None,
     align_log2: int = 6,
     raw_fallback: bool = False,
+    bits: Optional[float] = None,
 ) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]:
     """Like :func:`compress` from a safetensors KV cache file (mmap)."""
 

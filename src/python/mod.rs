@@ -28,6 +28,7 @@ use pyo3::types::PyBytes;
 use self::archive::{Archive, import_outputs, output_specs, run_decode_into};
 use self::arrays::{OwnedArray, dtype_of, host_elems, kv_info, kv_layout, parse_kind};
 use self::errors::IntoPy;
+use crate::budget::{Method, compress_with};
 use crate::cache::{DType, TensorInfo};
 use crate::codec::Codec;
 use crate::compress::{CompressOptions, CompressReport};
@@ -169,7 +170,7 @@ type Compressed<'py> = (
 #[pyfunction]
 #[pyo3(signature = (tensors, codec, *, path=None, force=false, out=None, page_tokens=None,
     sink=None, recent=None, zstd_level=None, align_log2=6, raw_fallback=false,
-    metadata=None, token_ids=None))]
+    metadata=None, token_ids=None, bits=None))]
 #[allow(clippy::too_many_arguments)]
 fn compress<'py>(
     py: Python<'py>,
@@ -186,6 +187,7 @@ fn compress<'py>(
     raw_fallback: bool,
     metadata: Option<BTreeMap<String, String>>,
     token_ids: Option<Vec<u32>>,
+    bits: Option<f64>,
 ) -> PyResult<Compressed<'py>> {
     let (codec, opts) = codec_and_options(
         codec,
@@ -196,6 +198,7 @@ fn compress<'py>(
         align_log2,
         raw_fallback,
     )?;
+    let method = method_of(codec.as_ref(), bits, sink, recent)?;
     // Import every tensor, then borrow views of them.
     let mut imported = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
@@ -249,7 +252,24 @@ fn compress<'py>(
         metadata: metadata.unwrap_or_default(),
         token_ids: token_ids.unwrap_or_default(),
     };
-    write_out(py, &view, codec.as_ref(), &opts, path, force, out)
+    write_out(py, &view, method, &opts, path, force, out)
+}
+
+/// The coding method: `codec`, or a budget plan when `bits` is given (then
+/// the planner chooses the windows, so `sink` and `recent` must be unset).
+fn method_of(
+    codec: &dyn Codec,
+    bits: Option<f64>,
+    sink: Option<u32>,
+    recent: Option<u32>,
+) -> PyResult<Method<'_>> {
+    match bits {
+        None => Ok(Method::Codec(codec)),
+        Some(_) if sink.is_some() || recent.is_some() => Err(PyValueError::new_err(
+            "bits= plans the windows itself: do not give sink or recent",
+        )),
+        Some(b) => Ok(Method::Bits(b)),
+    }
 }
 
 /// Compresses `view` to a file at `path` (atomic, no clobber without
@@ -258,7 +278,7 @@ fn compress<'py>(
 fn write_out<'py>(
     py: Python<'py>,
     view: &CacheView<'_>,
-    c: &dyn Codec,
+    c: Method<'_>,
     opts: &CompressOptions,
     path: Option<std::path::PathBuf>,
     force: bool,
@@ -270,7 +290,7 @@ fn write_out<'py>(
             .detach(|| {
                 let mut rep = None;
                 crate::io::file::write_atomic(&path, force, |w| {
-                    rep = Some(crate::compress::compress_view(view, c, opts, w, &none)?.1);
+                    rep = Some(compress_with(view, c, opts, w, &none)?.1);
                     Ok(())
                 })?;
                 Ok(rep.expect("write_atomic ran the writer"))
@@ -282,21 +302,13 @@ fn write_out<'py>(
         let buf = self::dlpack::import(&out, None)?;
         let bytes = buf.host_bytes_mut("out")?;
         let (w, report) = py
-            .detach(|| {
-                crate::compress::compress_view(
-                    view,
-                    c,
-                    opts,
-                    SliceWriter { buf: bytes, pos: 0 },
-                    &none,
-                )
-            })
+            .detach(|| compress_with(view, c, opts, SliceWriter { buf: bytes, pos: 0 }, &none))
             .map_err(full_buffer_is_param)
             .py_err()?;
         return Ok((report_dict(py, &report)?, None, Some(w.pos)));
     }
     let (file, report) = py
-        .detach(|| crate::compress::compress_view(view, c, opts, Vec::new(), &none))
+        .detach(|| compress_with(view, c, opts, Vec::new(), &none))
         .py_err()?;
     Ok((
         report_dict(py, &report)?,
@@ -311,7 +323,7 @@ fn write_out<'py>(
 /// are carried over) like `compress`. The input is memory-mapped.
 #[pyfunction]
 #[pyo3(signature = (source, codec, *, path=None, force=false, out=None, page_tokens=None,
-    sink=None, recent=None, zstd_level=None, align_log2=6, raw_fallback=false))]
+    sink=None, recent=None, zstd_level=None, align_log2=6, raw_fallback=false, bits=None))]
 #[allow(clippy::too_many_arguments)]
 fn compress_file<'py>(
     py: Python<'py>,
@@ -326,6 +338,7 @@ fn compress_file<'py>(
     zstd_level: Option<i32>,
     align_log2: u8,
     raw_fallback: bool,
+    bits: Option<f64>,
 ) -> PyResult<Compressed<'py>> {
     let (codec, opts) = codec_and_options(
         codec,
@@ -336,13 +349,14 @@ fn compress_file<'py>(
         align_log2,
         raw_fallback,
     )?;
+    let method = method_of(codec.as_ref(), bits, sink, recent)?;
     let name = source.to_string_lossy().into_owned();
     let input = py.detach(|| crate::io::file::open_input(&name)).py_err()?;
     let cache = py
         .detach(|| crate::io::safetensors::parse(&input, &name))
         .py_err()?
         .cache;
-    write_out(py, &cache.view(), codec.as_ref(), &opts, path, force, out)
+    write_out(py, &cache.view(), method, &opts, path, force, out)
 }
 
 /// An upper bound of the size in bytes of `compress(..., raw_fallback=True)`

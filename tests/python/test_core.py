@@ -273,3 +273,22 @@ def test_compress_a_safetensors_file_like_the_cli(tmp_path, fixture):
         kvpack.compress(FIXTURE, "int4", model="x")
     with pytest.raises(kvpack.KvpackIOError):
         kvpack.compress(tmp_path / "missing.safetensors", "int4")
+
+
+def test_compress_bits_plans_within_the_budget():
+    """bits=B: a budget plan, never over B bits/element, decodable, and
+    refused together with a codec or windows."""
+    res = kvpack.compress(str(FIXTURE), bits=3.0)
+    assert res.codec == "plan:3"
+    assert 2.75 < res.bits_per_element <= 3.0
+    ar = kvpack.open(res.data)
+    out = ar.decode(dtype="fp32")
+    assert len(out) == 36
+    again = kvpack.compress(str(FIXTURE), bits=3.0)
+    assert again.data == res.data
+    with pytest.raises(kvpack.ParameterError):
+        kvpack.compress(str(FIXTURE), "bdr128", bits=3.0)
+    with pytest.raises((kvpack.ParameterError, ValueError)):
+        kvpack.compress(str(FIXTURE), bits=3.0, sink=4)
+    with pytest.raises(kvpack.ParameterError):
+        kvpack.compress(str(FIXTURE), bits=1.0)

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args as ClapArgs;
-use kvpack::compress::compress_view_with;
+use kvpack::budget;
 use kvpack::io::{file, safetensors};
 
 use crate::output;
@@ -23,6 +23,13 @@ pub struct Args {
     /// (see `kvpack codecs`).
     #[arg(long, short = 'c', default_value = "bdr128")]
     pub codec: String,
+    /// Instead of one codec: a budget in bits per element, everything
+    /// counted (codes, scales, windows, headers, index). The planner
+    /// chooses per layer and K/V the codec, its parameters and a sink
+    /// window, minimising the attention-output error it measures on the
+    /// cache itself; `kvpack inspect` shows the plan.
+    #[arg(long, value_name = "B", conflicts_with_all = ["codec", "sink", "recent"])]
+    pub bits: Option<f64>,
     /// Output file, or - for stdout [default: INPUT with extension .kvpack].
     #[arg(long, short = 'o')]
     pub output: Option<String>,
@@ -52,7 +59,10 @@ fn parse_align(s: &str) -> Result<u32, String> {
 }
 
 pub fn run(a: Args) -> Result<u8> {
-    let codec = kvpack::codec::parse(&a.codec)?;
+    let codec = match a.bits {
+        Some(_) => kvpack::codec::parse("raw")?,
+        None => kvpack::codec::parse(&a.codec)?,
+    };
     let input = output::open_any(&a.input)?;
     // Borrow the elements from the input (a memory map for a regular file):
     // memory stays at a few pages per thread whatever the cache size. An
@@ -78,25 +88,24 @@ pub fn run(a: Args) -> Result<u8> {
         .options(codec.as_ref(), a.align.trailing_zeros() as u8);
     let pb = output::progress(cache.source_bytes(), "compress", a.quiet || a.json);
     let progress = |n: u64| pb.set_position(n);
+    let method = match a.bits {
+        Some(bits) => budget::Method::Bits(bits),
+        None => budget::Method::Codec(codec.as_ref()),
+    };
     // A mapped input's tensor is dropped from memory once encoded.
     let done = |t: usize| input.release_slice(cache.tensors[t].elems().bytes());
+    let encode = |w: &mut (dyn Write + Send)| -> kvpack::Result<kvpack::CompressReport> {
+        Ok(budget::compress_with_release(&cache, method, &opts, w, &progress, &done)?.1)
+    };
     let report = if out_name == "-" {
-        let stdout = std::io::stdout();
-        let (mut w, r) = compress_view_with(
-            &cache,
-            codec.as_ref(),
-            &opts,
-            std::io::BufWriter::new(stdout),
-            &progress,
-            &done,
-        )?;
+        let mut w = std::io::BufWriter::new(std::io::stdout());
+        let r = encode(&mut w)?;
         w.flush().context("writing stdout")?;
         r
     } else {
         let mut rep = None;
         file::write_atomic(&PathBuf::from(&out_name), a.force, |w| {
-            let (_, r) = compress_view_with(&cache, codec.as_ref(), &opts, w, &progress, &done)?;
-            rep = Some(r);
+            rep = Some(encode(w)?);
             Ok(())
         })?;
         rep.expect("set by write_atomic's closure")

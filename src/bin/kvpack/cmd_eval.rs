@@ -46,6 +46,16 @@ pub struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Also draw the rate-distortion report into this .png or .svg: bits
+    /// per element against the planner's attention-output distortion for
+    /// every candidate codec of the planner (no windows) and for the
+    /// planner (`compress --bits`) at 2.5, 3, 3.25, 3.5, 4, 4.25 and 5
+    /// bits; with --json the points are printed too.
+    #[arg(long, value_name = "FILE", conflicts_with = "synthetic")]
+    pub plot: Option<std::path::PathBuf>,
+    /// Overwrite the --plot file if it exists.
+    #[arg(long, short = 'f')]
+    pub force: bool,
 }
 
 pub fn run(a: Args) -> Result<u8> {
@@ -62,6 +72,31 @@ pub fn run(a: Args) -> Result<u8> {
             .layout
             .options(codec.as_ref(), kvpack::format::DEFAULT_ALIGN_LOG2);
         rows.push(evaluate(&loaded, codec.as_ref(), &opts)?);
+    }
+    if let Some(path) = &a.plot {
+        if path.exists() && !a.force {
+            anyhow::bail!("{} exists (pass --force to replace it)", path.display());
+        }
+        let opts = a.layout.options(
+            kvpack::codec::parse("raw")?.as_ref(),
+            kvpack::format::DEFAULT_ALIGN_LOG2,
+        );
+        let view = loaded.cache.view();
+        let uniform = kvpack::budget::uniform_points(&view, &opts)?;
+        let plans = kvpack::budget::plan_points(&view, kvpack::budget::REPORT_BUDGETS, &opts)?;
+        let model = loaded
+            .cache
+            .metadata
+            .get("kvpack.model")
+            .cloned()
+            .unwrap_or_else(|| input.to_string());
+        crate::plot::rate_distortion(path, &format!("rate-distortion: {model}"), &uniform, &plans)?;
+        if a.json {
+            let v = serde_json::json!({"codecs": rows, "uniform": uniform, "planner": plans});
+            output::print_json(&v, false);
+            return Ok(crate::EXIT_OK);
+        }
+        eprintln!("wrote {}", path.display());
     }
     if a.json {
         output::print_json(&serde_json::to_value(&rows)?, false);

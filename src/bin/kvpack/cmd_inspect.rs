@@ -133,13 +133,31 @@ pub fn run(a: Args) -> Result<u8> {
             json!({"slot": slot, "id": c.id(), "name": c.name(), "params_hex": hex(&h.codecs[slot].params), "nominal_bits_per_element": nominal})
         })
         .collect();
+    let ids: Vec<u16> = h.codecs.iter().map(|c| c.id).collect();
+    let coding = kvpack::budget::coding(&idx.entries, &ids, tensors.len());
+    let coding_text = |c: &kvpack::budget::TensorCoding| {
+        let names: Vec<String> = c
+            .slots
+            .iter()
+            .map(|&s| ar.codec(s as usize).name())
+            .collect();
+        let mut t = names.join("+");
+        if c.sink > 0 {
+            t += &format!(" sink {}", c.sink);
+        }
+        if c.recent > 0 {
+            t += &format!(" recent {}", c.recent);
+        }
+        t
+    };
     let tjson: Vec<_> = tensors
         .iter()
         .zip(&per)
-        .map(|(t, (n, b))| {
+        .zip(&coding)
+        .map(|((t, (n, b)), c)| {
             json!({"name": t.name, "layer": t.layer, "kind": t.kind.letter(), "dtype": t.dtype.name(), "scale": t.dtype.scale(),
                    "batch": t.batch, "kv_heads": t.heads, "tokens": t.tokens, "head_dim": t.head_dim,
-                   "pages": n, "bytes": b,
+                   "pages": n, "bytes": b, "codec_slots": c.slots, "sink": c.sink, "recent": c.recent,
                    "bits_per_element": if t.elements() == 0 { 0.0 } else { 8.0 * *b as f64 / t.elements() as f64 }})
         })
         .collect();
@@ -251,7 +269,7 @@ pub fn run(a: Args) -> Result<u8> {
     // (heads 1, head_dim = latent width).
     let fp8 = tensors.iter().any(|t| t.dtype.scale().is_some());
     println!(
-        "  {:>5} {:>2} {:>8} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9}{}",
+        "  {:>5} {:>2} {:>8} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9}  coding{}",
         "layer",
         "",
         "dtype",
@@ -268,9 +286,9 @@ pub fn run(a: Args) -> Result<u8> {
             "  (L = MLA latent: compressed KV + RoPE key, one per layer; head_dim = latent width)"
         );
     }
-    for (t, j) in tensors.iter().zip(&tjson) {
+    for ((t, j), c) in tensors.iter().zip(&tjson).zip(&coding) {
         println!(
-            "  {:>5} {:>2} {:>8} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9.3}{}",
+            "  {:>5} {:>2} {:>8} {:>5} {:>8} {:>6} {:>5} {:>10} {:>9.3}  {}{}",
             t.layer,
             t.kind.letter(),
             t.dtype.name(),
@@ -280,6 +298,7 @@ pub fn run(a: Args) -> Result<u8> {
             j["pages"],
             j["bytes"],
             j["bits_per_element"].as_f64().unwrap_or(0.0),
+            coding_text(c),
             t.dtype
                 .scale()
                 .map(|s| format!("  {s:e}"))

@@ -9,6 +9,7 @@ mod cmd_inspect;
 mod cmd_net;
 mod cmd_verify;
 mod output;
+mod plot;
 
 use std::process::ExitCode;
 

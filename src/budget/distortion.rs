@@ -1,0 +1,288 @@
+//! The distortion the planner minimises: the error of one layer's attention
+//! output, measured on a token sample with the cache's own keys as proxy
+//! queries (no queries, calibration data or model needed).
+//!
+//! For one kv head with sampled keys `K`, values `V` (`[n, d]`), sample
+//! weights `w` (slots each row stands for) and proxy queries `Q` (every
+//! `n / PROXIES`-th sampled key), the reference attention is
+//! `P = softmax(scale * Q K^T + ln w)` (row-wise; `ln w` makes the sampled
+//! softmax estimate the one over all slots; a proxy's own slot is left
+//! out, since a key matches itself as no query does) and `O = P V`. A key
+//! reconstruction `K^` changes it to `P^ = softmax(scale * Q K^^T + ln w)`
+//! and the output error is `(P^ - P) V`, computed exactly through the Gram
+//! matrix `V V^T`, so the softmax's sensitivity (a sink key that draws all
+//! the attention, a flat row that hides errors) is part of the measure. A
+//! value reconstruction `V^` gives the error `P (V^ - V)`: value errors
+//! count where attention looks. Both are divided by `||O||^2` summed over
+//! the layer's heads and proxies, so K and V of a layer, and layers of any
+//! scale, are measured in the same unit. Slots in a sink window are exact
+//! (their error rows are zero). Tensors without a K/V partner in their
+//! layer (MLA latents) use the weighted relative squared error instead.
+
+/// Proxy queries per kv head.
+pub(crate) const PROXIES: usize = 16;
+
+/// The sampled rows of one kv head of one layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Head<'a> {
+    /// Keys `[n, d]`.
+    pub k: &'a [f32],
+    /// Values `[n, d]`.
+    pub v: &'a [f32],
+}
+
+/// Reference attention of one kv head on the sample: scores, weights and
+/// the values' Gram matrix.
+#[derive(Debug, Clone)]
+pub(crate) struct HeadContext {
+    n: usize,
+    d: usize,
+    /// Proxy query rows (indices into the sample).
+    proxies: Vec<usize>,
+    /// `scale * q.k + ln w`, `[proxies, n]`.
+    scores: Vec<f32>,
+    /// `softmax(scores)`, `[proxies, n]`.
+    probs: Vec<f32>,
+    /// `V V^T`, `[n, n]`.
+    gram: Vec<f32>,
+    /// `sum_q ||O_q||^2`.
+    energy: f64,
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    // Eight independent accumulators: vectorizes without fast-math.
+    let mut acc = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..8 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ra.iter().zip(rb).map(|(x, y)| x * y).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+fn softmax(row: &mut [f32]) {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut s = 0.0f32;
+    for x in row.iter_mut() {
+        *x = (*x - m).exp();
+        s += *x;
+    }
+    for x in row.iter_mut() {
+        *x /= s;
+    }
+}
+
+impl HeadContext {
+    /// The reference of `head` (`n` rows of `d`) with sample `weights` and
+    /// softmax `scale`.
+    pub fn new(head: Head<'_>, n: usize, d: usize, weights: &[f32], scale: f32) -> HeadContext {
+        let nq = PROXIES.min(n);
+        let proxies: Vec<usize> = (0..nq).map(|i| i * n / nq.max(1)).collect();
+        let row = |m: &[f32], i: usize| -> Vec<f32> { m[i * d..(i + 1) * d].to_vec() };
+        let mut scores = vec![0.0f32; nq * n];
+        for (qi, &q) in proxies.iter().enumerate() {
+            let qv = row(head.k, q);
+            for j in 0..n {
+                // A key is no query of itself: its own slot, which would
+                // draw the attention to one exactly matching row, is left
+                // out.
+                scores[qi * n + j] = if j == q && n > 1 {
+                    f32::NEG_INFINITY
+                } else {
+                    scale * dot(&qv, &head.k[j * d..(j + 1) * d]) + weights[j].ln()
+                };
+            }
+        }
+        let mut probs = scores.clone();
+        for r in probs.chunks_exact_mut(n.max(1)) {
+            softmax(r);
+        }
+        let mut gram = vec![0.0f32; n * n];
+        for i in 0..n {
+            for j in i..n {
+                let g = dot(&head.v[i * d..(i + 1) * d], &head.v[j * d..(j + 1) * d]);
+                gram[i * n + j] = g;
+                gram[j * n + i] = g;
+            }
+        }
+        let energy = (0..nq)
+            .map(|q| quad(&gram, &probs[q * n..(q + 1) * n], n))
+            .sum();
+        HeadContext {
+            n,
+            d,
+            proxies,
+            scores,
+            probs,
+            gram,
+            energy,
+        }
+    }
+
+    /// `sum_q ||O_q||^2`, the denominator of the layer's distortion.
+    pub fn energy(&self) -> f64 {
+        self.energy
+    }
+
+    /// Key score errors `scale * q.(k^ - k)`, `[proxies, n]`, of a key
+    /// reconstruction `k_hat` against `head`.
+    pub fn key_deltas(&self, head: Head<'_>, k_hat: &[f32], scale: f32) -> Vec<f32> {
+        let (n, d) = (self.n, self.d);
+        let diff: Vec<f32> = k_hat.iter().zip(head.k).map(|(a, b)| a - b).collect();
+        let mut out = vec![0.0f32; self.proxies.len() * n];
+        for (qi, &q) in self.proxies.iter().enumerate() {
+            let qv = &head.k[q * d..(q + 1) * d];
+            for j in 0..n {
+                out[qi * n + j] = scale * dot(qv, &diff[j * d..(j + 1) * d]);
+            }
+        }
+        out
+    }
+
+    /// `sum_q ||(P^_q - P_q) V||^2` for the score errors `deltas` of
+    /// [`HeadContext::key_deltas`], slots `0..exact` kept exact.
+    pub fn key_error(&self, deltas: &[f32], exact: usize) -> f64 {
+        let n = self.n;
+        let mut row = vec![0.0f32; n];
+        let mut total = 0.0f64;
+        for q in 0..self.proxies.len() {
+            let (s, p) = (
+                &self.scores[q * n..(q + 1) * n],
+                &self.probs[q * n..(q + 1) * n],
+            );
+            for j in 0..n {
+                row[j] = s[j] + if j < exact { 0.0 } else { deltas[q * n + j] };
+            }
+            softmax(&mut row);
+            for j in 0..n {
+                row[j] -= p[j];
+            }
+            total += quad(&self.gram, &row, n);
+        }
+        total
+    }
+
+    /// `P (V^ - V)` for the value errors `v_hat - head.v`, `[proxies, d]`,
+    /// every slot coded.
+    pub fn value_deltas(&self, head: Head<'_>, v_hat: &[f32]) -> Vec<f32> {
+        let (n, d) = (self.n, self.d);
+        let mut out = vec![0.0f32; self.proxies.len() * d];
+        for q in 0..self.proxies.len() {
+            let o = &mut out[q * d..(q + 1) * d];
+            for j in 0..n {
+                let p = self.probs[q * n + j];
+                let (a, b) = (&v_hat[j * d..(j + 1) * d], &head.v[j * d..(j + 1) * d]);
+                for k in 0..d {
+                    o[k] += p * (a[k] - b[k]);
+                }
+            }
+        }
+        out
+    }
+
+    /// `sum_q ||P_q (V^ - V)||^2` with slots `0..exact` kept exact, from
+    /// [`HeadContext::value_deltas`].
+    pub fn value_error(&self, head: Head<'_>, v_hat: &[f32], deltas: &[f32], exact: usize) -> f64 {
+        let (n, d) = (self.n, self.d);
+        let mut o = vec![0.0f32; d];
+        let mut total = 0.0f64;
+        for q in 0..self.proxies.len() {
+            o.copy_from_slice(&deltas[q * d..(q + 1) * d]);
+            for j in 0..exact.min(n) {
+                let p = self.probs[q * n + j];
+                let (a, b) = (&v_hat[j * d..(j + 1) * d], &head.v[j * d..(j + 1) * d]);
+                for k in 0..d {
+                    o[k] -= p * (a[k] - b[k]);
+                }
+            }
+            total += o.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
+        }
+        total
+    }
+}
+
+/// `x^T G x` for a symmetric `n x n` `G`.
+fn quad(g: &[f32], x: &[f32], n: usize) -> f64 {
+    let mut t = 0.0f64;
+    for i in 0..n {
+        if x[i] != 0.0 {
+            t += f64::from(x[i]) * f64::from(dot(&g[i * n..(i + 1) * n], x));
+        }
+    }
+    t
+}
+
+/// Weighted relative squared error `sum_j w_j ||x^_j - x_j||^2` over rows
+/// `exact..n` (`[n, d]` rows) and the weighted energy `sum_j w_j ||x_j||^2`.
+pub(crate) fn weighted_mse(
+    x: &[f32],
+    x_hat: &[f32],
+    w: &[f32],
+    d: usize,
+    exact: usize,
+) -> (f64, f64) {
+    let (mut err, mut energy) = (0.0f64, 0.0f64);
+    for (j, (a, b)) in x.chunks_exact(d).zip(x_hat.chunks_exact(d)).enumerate() {
+        let wj = f64::from(w[j]);
+        energy += wj * a.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>();
+        if j >= exact {
+            err += wj
+                * a.iter()
+                    .zip(b)
+                    .map(|(&u, &v)| f64::from(u - v).powi(2))
+                    .sum::<f64>();
+        }
+    }
+    (err, energy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(n: usize, d: usize, seed: u32) -> (Vec<f32>, Vec<f32>) {
+        let mut s = seed;
+        let mut r = || {
+            s = s.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            (s >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        };
+        let k: Vec<f32> = (0..n * d).map(|_| r()).collect();
+        let v: Vec<f32> = (0..n * d).map(|_| r()).collect();
+        (k, v)
+    }
+
+    #[test]
+    fn exact_reconstruction_has_no_error_and_windows_remove_it() {
+        let (n, d) = (24, 16);
+        let (k, v) = head(n, d, 7);
+        let w = vec![1.0; n];
+        let h = Head { k: &k, v: &v };
+        let ctx = HeadContext::new(h, n, d, &w, 0.5);
+        assert!(ctx.energy() > 0.0);
+        let dk = ctx.key_deltas(h, &k, 0.5);
+        assert_eq!(ctx.key_error(&dk, 0), 0.0);
+        let noisy: Vec<f32> = k.iter().map(|x| x * 1.3).collect();
+        let dk = ctx.key_deltas(h, &noisy, 0.5);
+        assert!(ctx.key_error(&dk, 0) > 0.0);
+        assert!(ctx.key_error(&dk, n).abs() < 1e-9);
+        let vn: Vec<f32> = v.iter().map(|x| x + 0.1).collect();
+        let dv = ctx.value_deltas(h, &vn);
+        let full = ctx.value_error(h, &vn, &dv, 0);
+        // A constant shift of every value moves every output by exactly it.
+        let want = PROXIES.min(n) as f64 * d as f64 * 0.01;
+        assert!((full - want).abs() < 1e-3 * want, "{full} vs {want}");
+        assert!(ctx.value_error(h, &vn, &dv, n) < 1e-9);
+        assert!(ctx.value_error(h, &vn, &dv, n / 2) < full);
+    }
+
+    #[test]
+    fn weighted_mse_counts_weights() {
+        let x = [1.0, 0.0, 0.0, 1.0];
+        let y = [0.0, 0.0, 0.0, 1.0];
+        assert_eq!(weighted_mse(&x, &y, &[3.0, 1.0], 2, 0), (3.0, 4.0));
+        assert_eq!(weighted_mse(&x, &y, &[3.0, 1.0], 2, 1), (0.0, 4.0));
+    }
+}

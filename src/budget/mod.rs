@@ -1,0 +1,763 @@
+//! Budget planning (`kvpack compress --bits B`): given a size budget in bits
+//! per element with everything counted (codes, scales, norms, outlier
+//! tables, windows, headers, index), choose for every tensor (one layer's K
+//! or V) the codec, its parameters and a sink window, minimising the
+//! attention-output distortion of [`distortion`], measured on a token
+//! sample of the cache itself (no queries, calibration data or model).
+//!
+//! Steps ([`plan`]):
+//! 1. every candidate codec of [`candidates`] that accepts a tensor's shape
+//!    encodes and decodes the tensor's token sample ([`sample`]: 16
+//!    leading slots and 48 spread over the rest);
+//! 2. each (codec, sink window) pair becomes an operating point of the
+//!    tensor: estimated bytes of its pages (sample payload scaled to the
+//!    tensor, page frames, index entries, the window's `raw` page) and the
+//!    distortion of its layer's attention output ([`distortion`]);
+//! 3. the points are allocated under the budget minus the header, index
+//!    and trailer ([`allocate`]).
+//!
+//! [`compress_budget`] then writes the file ([`crate::compress::compress_mixed`]):
+//! tensors point at their codec's slot in the codec table and windows are
+//! `raw` pages, so the format needs no extension and any kvpack reader
+//! decodes the file. When the file comes out larger than the budget (a
+//! data-dependent page larger than its sample predicted) the allocation is
+//! redone with the excess taken off and the file rewritten. The plan is
+//! deterministic: the same cache and budget give the same file.
+
+mod allocate;
+mod candidates;
+pub mod distortion;
+mod sample;
+
+use std::io::Write;
+
+use rayon::prelude::*;
+
+use crate::cache::{Kind, TensorInfo};
+use crate::codec::Codec;
+use crate::compress::{CompressOptions, CompressReport, compress_mixed};
+use crate::error::{Error, Result};
+use crate::format::{CodecEntry, FileHeader, VERSION_MAJOR};
+use crate::plan::Layout;
+use crate::view::CacheView;
+
+use allocate::Point;
+use distortion::{Head, HeadContext};
+use sample::{RoundTrip, Sample, load_rows, round_trip};
+
+/// What the planner chose for one tensor.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct TensorPlan {
+    /// Tensor name.
+    pub name: String,
+    /// Layer index.
+    pub layer: u32,
+    /// `K`, `V` or `latent`.
+    pub kind: String,
+    /// Canonical codec name.
+    pub codec: String,
+    /// Leading cache slots stored `raw` (sink window).
+    pub sink: u32,
+    /// Estimated bits per element of this tensor, its pages and index
+    /// entries counted.
+    pub bits: f64,
+    /// Estimated distortion (relative squared attention-output error of
+    /// its layer, see [`distortion`]).
+    pub distortion: f64,
+}
+
+/// A budget plan: one codec and window per tensor.
+#[derive(Debug)]
+pub struct Plan {
+    /// The budget, bits per element.
+    pub budget_bits: f64,
+    /// Per tensor, in the cache's order.
+    pub tensors: Vec<TensorPlan>,
+    /// Estimated bits per element of the whole file.
+    pub estimated_bits: f64,
+    /// Summed estimated distortion.
+    pub distortion: f64,
+    codecs: Vec<Box<dyn Codec>>,
+    slots: Vec<usize>,
+}
+
+impl Plan {
+    /// Canonical names of the codecs the plan uses, in codec table order.
+    pub fn codec_names(&self) -> Vec<String> {
+        self.codecs.iter().map(|c| c.name()).collect()
+    }
+}
+
+/// One candidate codec, prepared for the cache.
+#[derive(Debug)]
+struct Candidate {
+    codec: Box<dyn Codec>,
+}
+
+/// Operating points of one tensor: `(candidate, sink)` per point.
+#[derive(Debug, Clone)]
+struct TensorPoints {
+    points: Vec<Point>,
+    choice: Vec<(usize, u32)>,
+}
+
+/// Everything measured before the allocation.
+#[derive(Debug)]
+struct Measured {
+    candidates: Vec<Candidate>,
+    tensors: Vec<TensorPoints>,
+    /// Header, index frame (without entries) and trailer, bytes.
+    fixed: f64,
+    elements: u64,
+}
+
+fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+/// Bytes of one page frame holding `len` payload bytes in one section, as
+/// `raw` writes it, plus its index entry.
+fn raw_frame(len: u64, align: u64) -> u64 {
+    align_up(64 + 64 + align_up(len, 64), align) + 40
+}
+
+/// Estimated bytes of tensor `info` coded by a codec whose sample page of
+/// `n` tokens took `rt` (`None` for `raw`), with a sink window of `sink`
+/// slots.
+fn tensor_bytes(
+    info: &TensorInfo,
+    rt: Option<&RoundTrip>,
+    n: usize,
+    sink: u32,
+    opts: &CompressOptions,
+) -> f64 {
+    let align = 1u64 << opts.align_log2;
+    let row = info.planes() as u64 * u64::from(info.head_dim) * info.dtype.size() as u64;
+    let s = sink.min(info.tokens);
+    let body = info.tokens - s;
+    let mut bytes = if s > 0 {
+        raw_frame(row * u64::from(s), align) as f64
+    } else {
+        0.0
+    };
+    let pt = opts.layout.page_tokens.max(1);
+    let pages = body.div_ceil(pt);
+    match rt {
+        None => {
+            let full = body / pt;
+            bytes += (full as f64) * raw_frame(row * u64::from(pt), align) as f64;
+            if !body.is_multiple_of(pt) {
+                bytes += raw_frame(row * u64::from(body % pt), align) as f64;
+            }
+        }
+        Some(rt) => {
+            let nsec = rt.sections as u64;
+            let per_page = 64 + align_up(16 * nsec, 64) + 32 * nsec + align / 2 + 40;
+            bytes += rt.payload as f64 * f64::from(body) / n.max(1) as f64;
+            bytes += (u64::from(pages) * per_page) as f64;
+        }
+    }
+    bytes
+}
+
+/// The softmax scale of the cache: `kvpack.attn_scale` when present, else
+/// `1/sqrt(head_dim)`.
+fn attn_scale(cache: &CacheView<'_>, head_dim: u32) -> f32 {
+    cache
+        .metadata
+        .get(crate::io::safetensors::ATTN_SCALE_KEY)
+        .and_then(|s| s.parse::<f32>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .unwrap_or(1.0 / (head_dim as f32).sqrt())
+}
+
+/// Sampled rows and round trips of one tensor.
+struct Trials {
+    sample: Sample,
+    rows: Vec<f32>,
+    /// Per candidate: `None` when it cannot code the tensor, `Some(None)`
+    /// for `raw` (exact), else the round trip.
+    trips: Vec<Option<Option<RoundTrip>>>,
+}
+
+fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials> {
+    let tv = &cache.tensors[t];
+    let sample = Sample::of(tv.info.tokens);
+    let rows = load_rows(tv, &sample);
+    let n = sample.len();
+    let trips = cands
+        .iter()
+        .map(|c| {
+            if c.codec.check(&tv.info).is_err() || n == 0 {
+                return Ok(None);
+            }
+            if c.codec.id() == crate::codec::raw::ID {
+                return Ok(Some(None));
+            }
+            round_trip(c.codec.as_ref(), &tv.info, &rows, n).map(|r| Some(Some(r)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Trials {
+        sample,
+        rows,
+        trips,
+    })
+}
+
+/// Number of sampled slots inside a sink window of `sink` slots.
+fn exact_rows(s: &Sample, sink: u32) -> usize {
+    s.tokens.iter().take_while(|&&t| t < sink).count()
+}
+
+/// Operating points of the tensors of one layer: `ts` are the layer's
+/// tensor indices (K and V, or a latent).
+fn layer_points(
+    cache: &CacheView<'_>,
+    ts: &[usize],
+    cands: &[Candidate],
+    opts: &CompressOptions,
+) -> Result<Vec<(usize, TensorPoints)>> {
+    let tr: Vec<Trials> = ts
+        .iter()
+        .map(|&t| trials(cache, t, cands))
+        .collect::<Result<_>>()?;
+    let infos: Vec<&TensorInfo> = ts.iter().map(|&t| &cache.tensors[t].info).collect();
+    // Attention pairing: one K and one V of the same shape.
+    let pair = match infos.as_slice() {
+        [k, v]
+            if k.kind == Kind::Key
+                && v.kind == Kind::Value
+                && k.shape() == v.shape()
+                && k.tokens > 0 =>
+        {
+            Some(())
+        }
+        _ => None,
+    };
+    let mut out = Vec::new();
+    for (i, &t) in ts.iter().enumerate() {
+        let info = infos[i];
+        let d = info.head_dim as usize;
+        let n = tr[i].sample.len();
+        let plane = n * d;
+        let mut points = TensorPoints {
+            points: Vec::new(),
+            choice: Vec::new(),
+        };
+        let contexts: Option<Vec<HeadContext>> = pair.map(|_| {
+            let scale = attn_scale(cache, info.head_dim);
+            (0..info.planes())
+                .map(|p| {
+                    let h = Head {
+                        k: &tr[0].rows[p * plane..(p + 1) * plane],
+                        v: &tr[1].rows[p * plane..(p + 1) * plane],
+                    };
+                    HeadContext::new(h, n, d, &tr[0].sample.weights, scale)
+                })
+                .collect()
+        });
+        for (c, trip) in tr[i].trips.iter().enumerate() {
+            let Some(trip) = trip else { continue };
+            let sinks: &[u32] = if trip.is_none() {
+                &[0]
+            } else {
+                candidates::SINKS
+            };
+            // Per plane error pieces shared by every sink.
+            let hat = trip.as_ref().map(|r| &r.rows[..]);
+            for &sink in sinks {
+                let exact = exact_rows(&tr[i].sample, sink);
+                let distortion = match (hat, &contexts) {
+                    (None, _) => 0.0,
+                    (Some(hat), Some(ctx)) => {
+                        let scale = attn_scale(cache, info.head_dim);
+                        let (mut num, mut den) = (0.0, 0.0);
+                        for (p, cx) in ctx.iter().enumerate() {
+                            let r = p * plane..(p + 1) * plane;
+                            let h = Head {
+                                k: &tr[0].rows[r.clone()],
+                                v: &tr[1].rows[r.clone()],
+                            };
+                            den += cx.energy();
+                            num += if info.kind == Kind::Key {
+                                cx.key_error(&cx.key_deltas(h, &hat[r], scale), exact)
+                            } else {
+                                let dv = cx.value_deltas(h, &hat[r.clone()]);
+                                cx.value_error(h, &hat[r], &dv, exact)
+                            };
+                        }
+                        if den > 0.0 { num / den } else { num }
+                    }
+                    (Some(hat), None) => {
+                        let (mut num, mut den) = (0.0, 0.0);
+                        for p in 0..info.planes() {
+                            let r = p * plane..(p + 1) * plane;
+                            let (e, s) = distortion::weighted_mse(
+                                &tr[i].rows[r.clone()],
+                                &hat[r],
+                                &tr[i].sample.weights,
+                                d,
+                                exact,
+                            );
+                            num += e;
+                            den += s;
+                        }
+                        if den > 0.0 { num / den } else { num }
+                    }
+                };
+                points.points.push(Point {
+                    bytes: tensor_bytes(info, trip.as_ref(), n, sink, opts),
+                    distortion,
+                });
+                points.choice.push((c, sink));
+            }
+        }
+        if points.points.is_empty() {
+            return Err(Error::param(format!(
+                "{}: no candidate codec can encode it",
+                info.describe()
+            )));
+        }
+        out.push((t, points));
+    }
+    Ok(out)
+}
+
+/// Header (every candidate in the codec table: an upper bound), index frame
+/// without entries, trailer.
+fn fixed_bytes(cache: &CacheView<'_>, cands: &[Candidate], opts: &CompressOptions) -> Result<f64> {
+    let infos = cache.infos();
+    let align = 1u64 << opts.align_log2;
+    let mut codecs: Vec<CodecEntry> = cands
+        .iter()
+        .map(|c| CodecEntry {
+            id: c.codec.id(),
+            params: c.codec.params(),
+        })
+        .collect();
+    codecs.push(CodecEntry {
+        id: crate::codec::raw::ID,
+        params: Vec::new(),
+    });
+    let nt = infos.len() as u64;
+    let header = FileHeader {
+        version_major: VERSION_MAJOR,
+        version_minor: FileHeader::required_minor(&infos),
+        align_log2: opts.align_log2,
+        tensors: infos,
+        codecs,
+        metadata: cache.metadata.clone(),
+        page_tokens: opts.layout.page_tokens,
+        sink_tokens: 0,
+        recent_tokens: 0,
+    };
+    let h = header.encode()?.len() as u64;
+    let index = align_up(64 + 4 * nt + 4 * cache.token_ids.len() as u64, align) + align;
+    Ok((h + index + 64) as f64)
+}
+
+fn measure(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Measured> {
+    if cache.tensors.is_empty() {
+        return Err(Error::param("the cache has no K/V tensors"));
+    }
+    let plain = Layout {
+        sink: 0,
+        recent: 0,
+        ..opts.layout
+    };
+    let mut dims: Vec<u32> = cache.tensors.iter().map(|t| t.info.head_dim).collect();
+    dims.sort_unstable();
+    dims.dedup();
+    let mut names: Vec<String> = Vec::new();
+    for p in candidates::CODECS {
+        for &d in &dims {
+            if let Some(n) = candidates::name_for(p, d)
+                && !names.contains(&n)
+            {
+                names.push(n);
+            }
+        }
+    }
+    let candidates = names
+        .iter()
+        .map(|n| {
+            let c = crate::codec::parse(n)?;
+            let codec = match c.prepare(cache, &plain)? {
+                Some(p) => p,
+                None => c,
+            };
+            Ok(Candidate { codec })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    // Layers: consecutive tensors of one layer index.
+    let mut layers: Vec<Vec<usize>> = Vec::new();
+    for (i, t) in cache.tensors.iter().enumerate() {
+        match layers.last_mut() {
+            Some(l) if cache.tensors[l[0]].info.layer == t.info.layer => l.push(i),
+            _ => layers.push(vec![i]),
+        }
+    }
+    let per_layer = layers
+        .par_iter()
+        .map(|ts| layer_points(cache, ts, &candidates, opts))
+        .collect::<Result<Vec<_>>>()?;
+    let mut tensors: Vec<Option<TensorPoints>> = vec![None; cache.tensors.len()];
+    for (t, p) in per_layer.into_iter().flatten() {
+        tensors[t] = Some(p);
+    }
+    Ok(Measured {
+        fixed: fixed_bytes(cache, &candidates, opts)?,
+        candidates,
+        tensors: tensors
+            .into_iter()
+            .map(|t| t.expect("every tensor measured"))
+            .collect(),
+        elements: cache.elements(),
+    })
+}
+
+impl Measured {
+    /// The plan for `bits` per element with `slack` bytes kept free.
+    fn plan(&self, cache: &CacheView<'_>, bits: f64, slack: f64) -> Result<Plan> {
+        let budget = bits * self.elements as f64 / 8.0;
+        let avail = budget - self.fixed - slack;
+        let options: Vec<Vec<Point>> = self.tensors.iter().map(|t| t.points.clone()).collect();
+        let chosen = allocate::allocate(&options, avail).map_err(|least| {
+            Error::param(format!(
+                "--bits {bits}: the smallest plan of this cache needs about {:.3} bits/element",
+                8.0 * (least + self.fixed) / self.elements.max(1) as f64
+            ))
+        })?;
+        let mut used: Vec<usize> = chosen
+            .iter()
+            .zip(&self.tensors)
+            .map(|(&i, t)| t.choice[i].0)
+            .collect();
+        used.sort_unstable();
+        used.dedup();
+        let mut tensors = Vec::new();
+        let mut slots = Vec::new();
+        let mut bytes = self.fixed;
+        let mut total_d = 0.0;
+        for (t, (&i, tp)) in chosen.iter().zip(&self.tensors).enumerate() {
+            let (c, sink) = tp.choice[i];
+            let info = &cache.tensors[t].info;
+            let pt = tp.points[i];
+            bytes += pt.bytes;
+            total_d += pt.distortion;
+            slots.push(used.binary_search(&c).expect("used codec"));
+            tensors.push(TensorPlan {
+                name: info.name.clone(),
+                layer: info.layer,
+                kind: info.kind.name().to_string(),
+                codec: self.candidates[c].codec.name(),
+                sink: sink.min(info.tokens),
+                bits: 8.0 * pt.bytes / info.elements().max(1) as f64,
+                distortion: pt.distortion,
+            });
+        }
+        let codecs = used
+            .iter()
+            .map(|&c| {
+                let e = CodecEntry {
+                    id: self.candidates[c].codec.id(),
+                    params: self.candidates[c].codec.params(),
+                };
+                crate::codec::from_entry(0, &e)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Plan {
+            budget_bits: bits,
+            tensors,
+            estimated_bits: 8.0 * bytes / self.elements.max(1) as f64,
+            distortion: total_d,
+            codecs,
+            slots,
+        })
+    }
+}
+
+/// Plans `cache` for a budget of `bits` per element, everything counted,
+/// with the page size, alignment and zstd of `opts` (its windows are
+/// ignored: the planner chooses them).
+///
+/// # Errors
+/// [`Error::Parameter`] when `bits` is not a positive finite number, the
+/// cache is empty, or the budget is below the smallest plan (the message
+/// gives the least bits/element possible).
+pub fn plan(cache: &CacheView<'_>, bits: f64, opts: &CompressOptions) -> Result<Plan> {
+    check_bits(bits)?;
+    measure(cache, opts)?.plan(cache, bits, 0.0)
+}
+
+fn check_bits(bits: f64) -> Result<()> {
+    if bits.is_finite() && bits > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::param(format!(
+            "--bits must be a positive number of bits per element, not {bits}"
+        )))
+    }
+}
+
+/// Plans `cache` for `bits` per element ([`plan`]) and writes the file to
+/// `out`; the file never exceeds the budget (`8 * bytes <= bits *
+/// elements`). The file is built in memory first (its size, about
+/// `bits / 16` of a bf16 source, is held once) so that an over-budget
+/// result is re-planned, not written. `progress` is called with the source
+/// bytes encoded so far.
+///
+/// # Errors
+/// As [`plan`]; [`Error::Parameter`] when no plan fits after 4 attempts;
+/// [`Error::Io`] when writing fails.
+pub fn compress_budget<W: Write + Send>(
+    cache: &CacheView<'_>,
+    bits: f64,
+    opts: &CompressOptions,
+    mut out: W,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(W, CompressReport, Plan)> {
+    check_bits(bits)?;
+    let start = std::time::Instant::now();
+    let m = measure(cache, opts)?;
+    let (buf, mut report, plan) = m.write(cache, bits, opts, progress)?;
+    out.write_all(&buf)
+        .map_err(|e| Error::io("writing the planned file", e))?;
+    report.seconds = start.elapsed().as_secs_f64();
+    Ok((out, report, plan))
+}
+
+impl Measured {
+    /// The file of the plan for `bits`, in memory, re-planned with the
+    /// excess kept free while it comes out over the budget.
+    fn write(
+        &self,
+        cache: &CacheView<'_>,
+        bits: f64,
+        opts: &CompressOptions,
+        progress: &(dyn Fn(u64) + Sync),
+    ) -> Result<(Vec<u8>, CompressReport, Plan)> {
+        let budget = bits * cache.elements() as f64 / 8.0;
+        let mut slack = 0.0;
+        for _ in 0..4 {
+            let p = self.plan(cache, bits, slack)?;
+            let refs: Vec<&dyn Codec> = p.codecs.iter().map(|c| c.as_ref()).collect();
+            let layouts: Vec<Layout> = p
+                .tensors
+                .iter()
+                .map(|t| Layout {
+                    sink: t.sink,
+                    recent: 0,
+                    ..opts.layout
+                })
+                .collect();
+            let label = format!("plan:{bits}");
+            let (buf, report) = compress_mixed(
+                cache,
+                &refs,
+                &p.slots,
+                &layouts,
+                &label,
+                opts,
+                Vec::new(),
+                progress,
+            )?;
+            let len = buf.len() as f64;
+            if len <= budget {
+                return Ok((buf, report, p));
+            }
+            slack += (len - budget) * 1.25 + f64::from(1u32 << opts.align_log2);
+        }
+        Err(Error::param(format!(
+            "--bits {bits}: no plan fitted the budget after 4 attempts"
+        )))
+    }
+}
+
+/// The budgets of the rate-distortion report (`kvpack eval --plot`), bits
+/// per element.
+pub const REPORT_BUDGETS: &[f64] = &[2.5, 3.0, 3.25, 3.5, 4.0, 4.25, 5.0];
+
+/// One planned file of the rate-distortion report.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PlanPoint {
+    /// The budget, bits per element.
+    pub budget: f64,
+    /// The file's bits per element, everything counted.
+    pub bits: f64,
+    /// The plan's summed estimated distortion.
+    pub distortion: f64,
+}
+
+/// Plans and writes (in memory) `cache` at each of `budgets`; budgets
+/// below the smallest plan are skipped.
+///
+/// # Errors
+/// As [`compress_budget`], except a budget too small for any plan.
+pub fn plan_points(
+    cache: &CacheView<'_>,
+    budgets: &[f64],
+    opts: &CompressOptions,
+) -> Result<Vec<PlanPoint>> {
+    let m = measure(cache, opts)?;
+    let mut out = Vec::new();
+    for &b in budgets {
+        check_bits(b)?;
+        match m.write(cache, b, opts, &|_| {}) {
+            Ok((buf, _, p)) => out.push(PlanPoint {
+                budget: b,
+                bits: 8.0 * buf.len() as f64 / cache.elements().max(1) as f64,
+                distortion: p.distortion,
+            }),
+            Err(Error::Parameter(_)) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+/// One codec applied to every tensor (no window), as the planner measures
+/// it: a point of the rate-distortion report (`kvpack eval --plot`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct UniformPoint {
+    /// Canonical codec name.
+    pub codec: String,
+    /// Estimated bits per element of the whole file.
+    pub bits: f64,
+    /// Summed distortion over the tensors (the planner's objective).
+    pub distortion: f64,
+    /// Of which keys.
+    pub distortion_k: f64,
+    /// Of which values (and latents).
+    pub distortion_v: f64,
+}
+
+/// The planner's measurements of every candidate codec applied to every
+/// tensor without windows (candidates that cannot code some tensor are
+/// left out).
+///
+/// # Errors
+/// As [`plan`].
+pub fn uniform_points(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Vec<UniformPoint>> {
+    let m = measure(cache, opts)?;
+    let mut out = Vec::new();
+    'cand: for (c, cand) in m.candidates.iter().enumerate() {
+        let (mut bytes, mut d, mut dk, mut dv) = (m.fixed, 0.0, 0.0, 0.0);
+        for (t, tp) in m.tensors.iter().enumerate() {
+            let Some(i) = tp.choice.iter().position(|&(cc, s)| cc == c && s == 0) else {
+                continue 'cand;
+            };
+            bytes += tp.points[i].bytes;
+            d += tp.points[i].distortion;
+            match cache.tensors[t].info.kind {
+                Kind::Key => dk += tp.points[i].distortion,
+                _ => dv += tp.points[i].distortion,
+            }
+        }
+        out.push(UniformPoint {
+            codec: cand.codec.name(),
+            bits: 8.0 * bytes / m.elements.max(1) as f64,
+            distortion: d,
+            distortion_k: dk,
+            distortion_v: dv,
+        });
+    }
+    Ok(out)
+}
+
+/// How one tensor of a file is stored, read back from its pages.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct TensorCoding {
+    /// Codec slots of its coded (non-`raw`) pages, ascending; `raw`'s slot
+    /// alone when every page is `raw`.
+    pub slots: Vec<u16>,
+    /// Leading tokens stored in `raw` pages before the first coded page.
+    pub sink: u32,
+    /// Trailing tokens stored in `raw` pages after the last coded page.
+    pub recent: u32,
+}
+
+/// How each of `n_tensors` tensors is stored: from the index `entries`
+/// and the codec ids of the codec table (`codec_ids[slot]`). Shows a budget
+/// plan (`kvpack inspect`), and any other file's codec and windows.
+pub fn coding(
+    entries: &[crate::format::IndexEntry],
+    codec_ids: &[u16],
+    n_tensors: usize,
+) -> Vec<TensorCoding> {
+    let is_raw = |slot: u16| codec_ids.get(slot as usize) == Some(&crate::codec::raw::ID);
+    let mut out = vec![TensorCoding::default(); n_tensors];
+    let mut pages: Vec<Vec<crate::format::PageMeta>> = vec![Vec::new(); n_tensors];
+    for e in entries {
+        if let Some(p) = pages.get_mut(e.meta.tensor as usize) {
+            p.push(e.meta);
+        }
+    }
+    for (c, mut p) in out.iter_mut().zip(pages) {
+        p.sort_by_key(|m| m.token_start);
+        let coded: Vec<&crate::format::PageMeta> = p.iter().filter(|m| !is_raw(m.codec)).collect();
+        let (Some(first), Some(last)) = (coded.first(), coded.last()) else {
+            c.slots = p.first().map(|m| vec![m.codec]).unwrap_or_default();
+            continue;
+        };
+        c.slots = coded.iter().map(|m| m.codec).collect();
+        c.slots.sort_unstable();
+        c.slots.dedup();
+        c.sink = first.token_start;
+        let end = p.last().map(|m| m.token_start + m.tokens).unwrap_or(0);
+        c.recent = end - (last.token_start + last.tokens);
+    }
+    out
+}
+
+/// How a cache is coded: one codec everywhere, or a budget plan.
+#[derive(Debug, Clone, Copy)]
+pub enum Method<'a> {
+    /// One codec for every tensor, windows from the options.
+    Codec(&'a dyn Codec),
+    /// A plan for this many bits per element, everything counted
+    /// ([`compress_budget`]).
+    Bits(f64),
+}
+
+/// Compresses `cache` into `out` by `method`: [`crate::compress_view`] or
+/// [`compress_budget`].
+///
+/// # Errors
+/// As those functions.
+pub fn compress_with<W: Write + Send>(
+    cache: &CacheView<'_>,
+    method: Method<'_>,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(W, CompressReport)> {
+    compress_with_release(cache, method, opts, out, progress, &|_| {})
+}
+
+/// [`compress_with`], calling `tensor_done(i)` once tensor `i` of `cache`
+/// is no longer read (the CLI releases a mapped input's pages so), as
+/// [`crate::compress::compress_view_with`] does. With [`Method::Bits`] the
+/// planner reads every tensor twice (sample, then encode) and the hook is
+/// not called.
+///
+/// # Errors
+/// As [`compress_with`].
+pub fn compress_with_release<W: Write + Send>(
+    cache: &CacheView<'_>,
+    method: Method<'_>,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+    tensor_done: &(dyn Fn(usize) + Sync),
+) -> Result<(W, CompressReport)> {
+    match method {
+        Method::Codec(c) => {
+            crate::compress::compress_view_with(cache, c, opts, out, progress, tensor_done)
+        }
+        Method::Bits(b) => compress_budget(cache, b, opts, out, progress).map(|(w, r, _)| (w, r)),
+    }
+}
+
+#[cfg(test)]
+mod tests;

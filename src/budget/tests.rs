@@ -1,0 +1,115 @@
+//! Planner tests on the committed real fixture (Gemma-3-270M, bf16, 520
+//! tokens).
+
+use super::*;
+use crate::cache::{DType, KvCache};
+use crate::decode::{Archive, Selection};
+
+fn fixture() -> KvCache {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/fixtures/gemma3-270m-gpl3-520.safetensors"
+    );
+    let bytes = std::fs::read(path).expect("fixture");
+    crate::io::safetensors::parse(&bytes, path)
+        .expect("parse fixture")
+        .cache
+}
+
+#[test]
+fn budget_is_respected_everything_counted_and_the_file_round_trips() {
+    let cache = fixture();
+    let view = cache.view();
+    let opts = CompressOptions::default();
+    let mut last_d = f64::INFINITY;
+    for bits in [2.5, 3.25, 4.25] {
+        let (file, report, plan) =
+            compress_budget(&view, bits, &opts, Vec::new(), &|_| {}).unwrap();
+        let real = 8.0 * file.len() as f64 / cache.elements() as f64;
+        assert!(real <= bits, "{bits}: file is {real} bits/element");
+        assert!(real > bits - 0.25, "{bits}: only {real} bits/element used");
+        assert_eq!(report.output_bytes, file.len() as u64);
+        assert!(
+            plan.distortion < last_d,
+            "{bits}: distortion {} not below {last_d}",
+            plan.distortion
+        );
+        last_d = plan.distortion;
+        // Every page of a tensor is its planned codec, or raw in the window.
+        let ar = Archive::open(&file).unwrap();
+        for e in &ar.reader().index().entries {
+            let t = &plan.tensors[e.meta.tensor as usize];
+            let name = ar.codec(e.meta.codec as usize).name();
+            if e.meta.token_start < t.sink {
+                assert_eq!(name, "raw");
+            } else {
+                assert_eq!(name, t.codec);
+            }
+        }
+        let dec = ar
+            .decode(&Selection::default(), Some(DType::F32), None)
+            .unwrap();
+        for (o, d) in cache.tensors.iter().zip(&dec.tensors) {
+            let e = crate::metrics::tensor_error(o, d).unwrap();
+            let t = plan.tensors.iter().find(|t| t.name == o.info.name).unwrap();
+            assert!(
+                e.snr_db > 3.0,
+                "{bits}: {} ({}) SNR {}",
+                o.info.name,
+                t.codec,
+                e.snr_db
+            );
+            // Sink slots are exact.
+            let dim = o.info.head_dim as usize;
+            let n = t.sink as usize * dim;
+            assert_eq!(
+                o.data.to_f32()[..n],
+                d.data.to_f32()[..n],
+                "{}",
+                o.info.name
+            );
+        }
+    }
+}
+
+#[test]
+fn the_plan_is_deterministic() {
+    let cache = fixture();
+    let view = cache.view();
+    let opts = CompressOptions::default();
+    let a = compress_budget(&view, 3.0, &opts, Vec::new(), &|_| {}).unwrap();
+    let b = compress_budget(&view, 3.0, &opts, Vec::new(), &|_| {}).unwrap();
+    assert_eq!(a.0, b.0);
+    assert_eq!(a.2.tensors, b.2.tensors);
+    // A one-thread pool plans the same.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    let c = pool.install(|| compress_budget(&view, 3.0, &opts, Vec::new(), &|_| {}).unwrap());
+    assert_eq!(a.0, c.0);
+}
+
+#[test]
+fn impossible_budgets_are_refused() {
+    let cache = fixture();
+    let view = cache.view();
+    let opts = CompressOptions::default();
+    let e = plan(&view, 1.0, &opts).unwrap_err().to_string();
+    assert!(e.contains("smallest plan"), "{e}");
+    for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        assert!(plan(&view, bad, &opts).is_err());
+    }
+}
+
+#[test]
+#[ignore = "prints the planner's measurements; run with --nocapture"]
+fn print_uniform_points() {
+    let cache = fixture();
+    for p in uniform_points(&cache.view(), &CompressOptions::default()).unwrap() {
+        println!(
+            "{:<14} {:.3} D {:.4} K {:.4} V {:.4}",
+            p.codec, p.bits, p.distortion, p.distortion_k, p.distortion_v
+        );
+    }
+}
