@@ -413,3 +413,41 @@ fn match_accounts_for_rolled_sliding_windows() {
     assert_eq!(whole["usable_prefix"], 520);
     assert!(whole["reason"].is_null());
 }
+
+/// `kvpack eval --plot`: the rate-distortion report is drawn, its JSON
+/// carries the uniform codecs and the planner's budgets, and an existing
+/// plot is not replaced without --force. On a machine without a TrueType
+/// font the command must refuse with exit 2, say how to fix it, and write
+/// nothing.
+#[test]
+fn eval_plot_draws_the_rate_distortion_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("rd.svg");
+    let svg_s = svg.to_str().unwrap();
+    let fx = fixture_path();
+    let o = kvpack(&["eval", &fx, "-c", "int4", "--plot", svg_s, "--json"]);
+    if stderr(&o).contains("no TrueType font") {
+        assert_eq!(code(&o), 2, "{}", stderr(&o));
+        assert!(stderr(&o).contains("KVPACK_FONT"), "{}", stderr(&o));
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+        eprintln!("no system font: checked the refusal only");
+        return;
+    }
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let v = json(&o);
+    let plans = v["planner"].as_array().unwrap();
+    assert!(plans.len() >= 5, "{v}");
+    assert!(!v["uniform"].as_array().unwrap().is_empty(), "{v}");
+    // Every planned point keeps its budget, everything counted.
+    for p in plans {
+        let (b, got) = (p["budget"].as_f64().unwrap(), p["bits"].as_f64().unwrap());
+        assert!(got <= b + 1e-9, "{p}");
+    }
+    let text = std::fs::read_to_string(&svg).unwrap();
+    assert!(text.contains("<svg") && text.len() > 2000, "{}", text.len());
+    // Only the plot is left behind: no scratch files.
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    let o = kvpack(&["eval", &fx, "-c", "int4", "--plot", svg_s]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o));
+    assert!(stderr(&o).contains("--force"), "{}", stderr(&o));
+}

@@ -90,7 +90,13 @@ pub fn run(a: Args) -> Result<u8> {
             .get("kvpack.model")
             .cloned()
             .unwrap_or_else(|| input.to_string());
-        crate::plot::rate_distortion(path, &format!("rate-distortion: {model}"), &uniform, &plans)?;
+        crate::plot::rate_distortion(
+            path,
+            &format!("rate-distortion: {model}"),
+            &uniform,
+            &plans,
+            a.force,
+        )?;
         if a.json {
             let v = serde_json::json!({"codecs": rows, "uniform": uniform, "planner": plans});
             output::print_json(&v, false);

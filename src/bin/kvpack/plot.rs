@@ -1,15 +1,17 @@
 //! The rate-distortion plot of `kvpack eval --plot` (plotters): bits per
 //! element against the planner's distortion, one marker series per codec
-//! family, the planner as a line. `.svg` needs no font; `.png` renders its
-//! text with a TrueType font found on the system (or `$KVPACK_FONT`).
+//! family, the planner as a line. Both `.svg` and `.png` lay their text out
+//! with a TrueType font found on the system (or `$KVPACK_FONT`); without one
+//! the command fails with exit 2 and says so, before writing anything.
 
+use std::io::Write;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use kvpack::budget::{PlanPoint, UniformPoint};
 use plotters::prelude::*;
 
-/// Fonts tried for PNG text, after `$KVPACK_FONT`.
+/// Fonts tried for the plot's text, after `$KVPACK_FONT`.
 const FONTS: &[&str] = &[
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
     "/usr/share/fonts/TTF/DejaVuSans.ttf",
@@ -31,7 +33,8 @@ fn register_font() -> Result<()> {
         }
     }
     bail!(
-        "no TrueType font found for the PNG's text (set KVPACK_FONT=/path/to/font.ttf, or write an .svg)"
+        "no TrueType font found for the plot's text (tried $KVPACK_FONT and {}; set KVPACK_FONT=/path/to/font.ttf)",
+        FONTS.join(", ")
     )
 }
 
@@ -42,40 +45,59 @@ fn family(name: &str) -> String {
         .to_string()
 }
 
-/// Draws the plot into `path` (`.png` or `.svg`), `title` on top.
+/// Draws the plot into `path` (`.png` or `.svg`), `title` on top. The plot
+/// is rendered into a scratch directory next to `path` and then written
+/// atomically; an existing `path` is replaced only with `force`.
 pub fn rate_distortion(
     path: &Path,
     title: &str,
     uniform: &[UniformPoint],
     plans: &[PlanPoint],
+    force: bool,
 ) -> Result<()> {
     let ext = path
         .extension()
         .and_then(|e| e.to_str())
         .unwrap_or("")
         .to_ascii_lowercase();
-    match ext.as_str() {
-        "svg" => draw(
-            SVGBackend::new(path, (960, 640)).into_drawing_area(),
+    if ext != "svg" && ext != "png" {
+        bail!(
+            "--plot {}: the file must end in .png or .svg",
+            path.display()
+        );
+    }
+    register_font()?;
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let scratch = tempfile::Builder::new()
+        .prefix(".kvpack-plot-")
+        .tempdir_in(dir)
+        .with_context(|| format!("creating a scratch directory in {}", dir.display()))?;
+    let drawn = scratch.path().join(format!("plot.{ext}"));
+    if ext == "svg" {
+        draw(
+            SVGBackend::new(&drawn, (960, 640)).into_drawing_area(),
             title,
             uniform,
             plans,
-        ),
-        "png" => {
-            register_font()?;
-            draw(
-                BitMapBackend::new(path, (960, 640)).into_drawing_area(),
-                title,
-                uniform,
-                plans,
-            )
-        }
-        _ => bail!(
-            "--plot {}: the file must end in .png or .svg",
-            path.display()
-        ),
+        )
+    } else {
+        draw(
+            BitMapBackend::new(&drawn, (960, 640)).into_drawing_area(),
+            title,
+            uniform,
+            plans,
+        )
     }
-    .with_context(|| format!("drawing {}", path.display()))
+    .with_context(|| format!("drawing {}", path.display()))?;
+    let bytes = std::fs::read(&drawn).with_context(|| format!("reading {}", drawn.display()))?;
+    kvpack::io::file::write_atomic(path, force, |w| {
+        w.write_all(&bytes)
+            .map_err(|e| kvpack::Error::io(format!("writing {}", path.display()), e))
+    })?;
+    Ok(())
 }
 
 fn draw<DB: DrawingBackend>(
