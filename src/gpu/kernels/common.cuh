@@ -731,24 +731,49 @@ __device__ __forceinline__ float enc_load(const u8* src, u64 e) {
 // Encode kernels: packs codes[0..n) (code k = code e0 + k of the page) into
 // the section `words` at `bits` bits per code, LSB-first: words the run
 // covers whole are stored, the edge words OR-ed in with atomics (the body
-// template is zeroed, so neighbouring runs of other blocks combine).
+// template is zeroed, so neighbouring runs of other blocks combine). Bit
+// offsets within the run are 32-bit (n * bits < 2^32). One thread per word;
+// for byte codes of a power-of-two width starting on a word boundary, each
+// word is four-code shared loads and shifts.
 template <class C>
 __device__ __forceinline__ void enc_pack(const C* codes, u32 n, u64 e0, u32 bits, u32* words) {
-    const u64 b0 = e0 * bits, b1 = (e0 + n) * bits;
-    for (u64 wd = (b0 >> 5) + threadIdx.x; wd < (b1 + 31u) >> 5; wd += blockDim.x) {
-        const u64 lo = wd * 32u, hi = lo + 32u;
-        u32 k = lo > b0 ? (u32)((lo - b0) / bits) : 0u;
+    const u64 b0 = e0 * bits;
+    const u32 off = (u32)b0 & 31u, nb = off + n * bits, nw = (nb + 31u) >> 5;
+    u32* w0 = words + (b0 >> 5);
+    if (sizeof(C) == 1 && off == 0u && (bits & (bits - 1u)) == 0u && (n & 3u) == 0u &&
+        (reinterpret_cast<u64>(codes) & 3u) == 0u) {
+        const u32 per = 32u / bits;  // codes per word, a multiple of 4 (bits <= 8)
+        for (u32 j = threadIdx.x; j < nw; j += blockDim.x) {
+            const u32 k0 = j * per, k1 = min(k0 + per, n);
+            u32 word = 0;
+            for (u32 k = k0; k < k1; k += 4u) {
+                const u32 v = *reinterpret_cast<const u32*>(codes + k);
+                const u32 q = (v & 0xffu) | (((v >> 8) & 0xffu) << bits) | (((v >> 16) & 0xffu) << (2u * bits)) |
+                              ((v >> 24) << (3u * bits));
+                word |= q << ((k - k0) * bits);
+            }
+            if (32u * j + 32u <= nb) {
+                w0[j] = word;
+            } else if (word != 0u) {
+                atomicOr(w0 + j, word);
+            }
+        }
+        return;
+    }
+    for (u32 j = threadIdx.x; j < nw; j += blockDim.x) {
+        const u32 lo = 32u * j;
+        u32 k = lo > off ? (lo - off) / bits : 0u;
         u32 word = 0;
         for (; k < n; k++) {
-            u64 cb = b0 + (u64)k * bits;
-            if (cb >= hi) break;
-            u32 v = codes[k];
-            word |= cb >= lo ? v << (u32)(cb - lo) : v >> (u32)(lo - cb);
+            const u32 cb = off + k * bits;
+            if (cb >= lo + 32u) break;
+            const u32 v = codes[k];
+            word |= cb >= lo ? v << (cb - lo) : v >> (lo - cb);
         }
-        if (lo >= b0 && hi <= b1) {
-            words[wd] = word;
+        if ((j > 0u || off == 0u) && lo + 32u <= nb) {
+            w0[j] = word;
         } else if (word != 0u) {
-            atomicOr(words + wd, word);
+            atomicOr(w0 + j, word);
         }
     }
 }
