@@ -28,9 +28,12 @@ use crate::gpu::body::CanonicalBody;
 use crate::gpu::encplan::{EncWork, EncodeJob, EncodeLayout, empty, page_rows, push_body};
 use crate::gpu::spec::{self, EncDesc, Grid, KernelChoice, KernelCodec, src_suffix};
 
-/// Elements of a row run staged per block by the channel-group and polar
-/// kernels (`GE_TILE`, `PE_TILE`).
+/// Elements of a row run staged per block by the polar kernel
+/// (`PE_TILE`); also the largest head_dim of the channel-group kernel.
 pub(crate) const TILE: u32 = 4096;
+/// Elements of a row run staged per block by the channel-group kernel
+/// (`GE_TILE`).
+const CH_TILE: u32 = 8192;
 /// Largest head_dim of the token-group kernel (`GE_CPT * BLOCK`).
 const MAX_TOKEN_GROUP_DIM: u32 = 4 * spec::BLOCK;
 
@@ -53,7 +56,7 @@ pub(crate) fn fits(kc: KernelCodec, info: &TensorInfo) -> bool {
 pub(crate) fn kernel_names() -> Vec<(&'static str, String)> {
     let mut v = Vec::new();
     for sfx in ["bf16", "f16", "f32"] {
-        for k in ["ch", "tok"] {
+        for k in ["ch", "tok", "tok1"] {
             v.push(("group_enc", format!("encode_groups_{k}_{sfx}")));
         }
         v.push(("group_enc", format!("innerq_key_amax_{sfx}")));
@@ -166,9 +169,14 @@ pub(crate) fn plan_group(
     let rows_per_item = if tokens {
         per_item * g
     } else {
-        (TILE / d).max(1)
+        (CH_TILE / d).max(1)
     };
-    let kind = if tokens { "tok" } else { "ch" };
+    // One group per thread (`tok1`) when an item's groups fit the block.
+    let kind = match tokens {
+        true if per_item * d <= spec::BLOCK => "tok1",
+        true => "tok",
+        false => "ch",
+    };
     let kernel = enc_choice(
         "group_enc",
         format!("encode_groups_{kind}_{}", src_suffix(info.dtype)),

@@ -37,7 +37,14 @@
 // asymmetric, 1 symmetric, 2 hybrid, 3 kivi), p2 = token groups per work
 // item (token groups), p3 = rows per work item (channel groups). Errors: atomicMin of page << 32 | the group's first row.
 
-#define GE_TILE 4096
+#define GE_TILE 8192
+// The CPU-order min/max replay is rare (a zero minimum or maximum): kept out
+// of line so that its registers do not count in the hot loop.
+#ifdef KVPACK_EMU
+#define GE_COLD
+#else
+#define GE_COLD __noinline__
+#endif
 #define GE_CPT 4
 #define GE_SUB 32
 #define GE_RNE 12582912.0f
@@ -68,20 +75,40 @@ __device__ __forceinline__ u32 ge_rne(float t, float L) {
     return __float_as_uint(__fadd_rn(t, GE_RNE)) - 0x4b400000u;
 }
 
-// One group's parameters: the chosen scale (f16 bits and value), the zero
-// point (asymmetric), and whether it is coded symmetrically.
+// One group's parameters: the chosen scale (f16 bits, value and its
+// correctly rounded reciprocal), the zero point (asymmetric), and whether it
+// is coded symmetrically.
 struct GeGroup {
     u32 scale;
     float s;
+    float r;
     float z;
     u32 zbits;  // kivi: f16 bits of Z
     bool sym;
 };
 
+__device__ __forceinline__ GeGroup ge_group(u32 scale, float z, u32 zbits, bool sym) {
+    const float s = f16_to_f32((u16)scale);
+    return GeGroup{scale, s, s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f, z, zbits, sym};
+}
+
+// rne(clamp(d / s, 0, L)) for a finite d and an f16 scale s > 0, without a
+// division: t' = RN(d * RN(1/s)) is within 2^-14 of RN(d / s) for
+// |t'| <= 2^8 (two roundings of relative 2^-24 each), and a larger t' clamps
+// to L as the exact quotient does; so rounding t' gives the same integer
+// unless t' lies within GE_NEAR = 2^-12 of a half-integer, where the exact
+// quotient decides.
+#define GE_NEAR 0.000244140625f
+__device__ __forceinline__ u32 ge_quot(float d, const GeGroup& g, float L) {
+    const float t = fminf(fmaxf(__fmul_rn(d, g.r), 0.0f), L);
+    const float m = __fadd_rn(t, GE_RNE);
+    if (fabsf(fabsf(__fsub_rn(t, __fsub_rn(m, GE_RNE))) - 0.5f) < GE_NEAR) return ge_rne(__fdiv_rn(d, g.s), L);
+    return __float_as_uint(m) - 0x4b400000u;
+}
+
 __device__ __forceinline__ u32 ge_code(const GeGroup& g, float x, float L) {
-    if (g.s <= 0.0f) return 0u;
-    if (g.sym) return ge_rne(__fdiv_rn(fabsf(x), g.s), L);
-    return ge_rne(__fdiv_rn(__fsub_rn(x, g.z), g.s), L);
+    if (!(g.s > 0.0f)) return 0u;
+    return ge_quot(g.sym ? fabsf(x) : __fsub_rn(x, g.z), g, L);
 }
 
 // Squared-error contribution of x coded as q with the given parameters.
@@ -97,44 +124,67 @@ __device__ __forceinline__ double ge_err(float x, u32 q, float s, float z, bool 
     return __dmul_rn(e, e);
 }
 
-// Parameters of a group of `n` values read through `at(i)`; false when the
-// group cannot be coded (non-finite value, f16 overflow).
+// The CPU's min_max (src/kernels/x86.rs) of n finite values: eight lanes
+// over whole chunks of 8 with MINPS/MAXPS tie rules (the new value wins),
+// lanes folded in order, then the tail. Only the sign of a zero result
+// depends on this order.
 template <class At>
-__device__ __forceinline__ bool ge_params(At at, u32 n, u32 mode, float L, GeGroup& g) {
-    // The CPU's min_max (src/kernels/x86.rs): eight lanes over whole
-    // chunks of 8 with MINPS/MAXPS tie rules (the new value wins), lanes
-    // folded in order, then the tail; the same zero sign as the CPU.
+__device__ GE_COLD void ge_minmax_cpu(At at, u32 n, float& mn_out, float& mx_out) {
     float lmn[8], lmx[8];
-#pragma unroll
     for (int l = 0; l < 8; l++) {
         lmn[l] = __int_as_float(0x7f800000);
         lmx[l] = __int_as_float(0xff800000);
     }
-    bool bad = false;
     u32 i = 0;
     for (; i + 8u <= n; i += 8u) {
-#pragma unroll
         for (int l = 0; l < 8; l++) {
             float x = at(i + l);
-            bad |= !is_finite(x);
             lmn[l] = lmn[l] < x ? lmn[l] : x;
             lmx[l] = lmx[l] > x ? lmx[l] : x;
         }
     }
     float mn = __int_as_float(0x7f800000), mx = __int_as_float(0xff800000);
-#pragma unroll
     for (int l = 0; l < 8; l++) {
         mn = lmn[l] < mn ? lmn[l] : mn;
         mx = lmx[l] > mx ? lmx[l] : mx;
     }
     for (; i < n; i++) {
         float x = at(i);
-        bad |= !is_finite(x);
         mn = x < mn ? x : mn;
         mx = x > mx ? x : mx;
     }
-    if (bad || !is_finite(__fsub_rn(mx, mn))) return false;
-    u32 ss = 0, sa = 0;
+    mn_out = mn;
+    mx_out = mx;
+}
+
+// Min and max of a group of n values read through `at(i)`, bit-identical to
+// the CPU's; false when a value is NaN or infinite. One pass of FMNMX in
+// any order (the value of a min or max does not depend on the order, only
+// the sign of a zero does: then the CPU's order is replayed); x * 0 is NaN
+// exactly for a non-finite x, so one FMA per value tracks finiteness.
+template <class At>
+__device__ __forceinline__ bool ge_minmax(At at, u32 n, float& mn, float& mx) {
+    float a = __int_as_float(0x7f800000), b = __int_as_float(0xff800000), nf = 0.0f;
+    for (u32 i = 0; i < n; i++) {
+        const float x = at(i);
+        a = fminf(a, x);
+        b = fmaxf(b, x);
+        nf = __fmaf_rn(x, 0.0f, nf);
+    }
+    if (nf != 0.0f) return false;
+    if (a == 0.0f || b == 0.0f) ge_minmax_cpu(at, n, a, b);
+    mn = a;
+    mx = b;
+    return true;
+}
+
+// Parameters of a group of `n` values read through `at(i)`; false when the
+// group cannot be coded (non-finite value, f16 overflow).
+template <class At>
+__device__ __forceinline__ bool ge_params(At at, u32 n, u32 mode, float L, GeGroup& g) {
+    float mn, mx;
+    if (!ge_minmax(at, n, mn, mx) || !is_finite(__fsub_rn(mx, mn))) return false;
+    u32 ss = 0, sa = 0, zbits = 0;
     float zs = 0.0f;
     if (mode == GE_SYM || mode == GE_HYBRID) {
         ss = ge_f16_ceil(__fdiv_rn(fmaxf(fabsf(mn), fabsf(mx)), L));
@@ -142,31 +192,27 @@ __device__ __forceinline__ bool ge_params(At at, u32 n, u32 mode, float L, GeGro
     }
     if (mode != GE_SYM) {
         if (mode == GE_KIVI) {
-            g.zbits = ge_f16_floor(mn);
-            if (!ge_f16_ok(g.zbits)) return false;
-            zs = f16_to_f32((u16)g.zbits);
+            zbits = ge_f16_floor(mn);
+            if (!ge_f16_ok(zbits)) return false;
+            zs = f16_to_f32((u16)zbits);
         } else {
             zs = mn;
         }
         sa = ge_f16_ceil(__fdiv_rn(__fsub_rn(mx, zs), L));
         if (!ge_f16_ok(sa)) return false;
     }
-    g.z = zs;
+    bool sym = mode == GE_SYM;
     if (mode == GE_HYBRID) {
-        float fs = f16_to_f32((u16)ss), fa = f16_to_f32((u16)sa);
-        GeGroup a = {sa, fa, zs, 0u, false}, s = {ss, fs, 0.0f, 0u, true};
+        const GeGroup a = ge_group(sa, zs, 0u, false), s = ge_group(ss, 0.0f, 0u, true);
         double es = 0.0, ea = 0.0;
         for (u32 i = 0; i < n; i++) {
             float x = at(i);
-            es = __dadd_rn(es, ge_err(x, ge_code(s, x, L), fs, 0.0f, true));
-            ea = __dadd_rn(ea, ge_err(x, ge_code(a, x, L), fa, zs, false));
+            es = __dadd_rn(es, ge_err(x, ge_code(s, x, L), s.s, 0.0f, true));
+            ea = __dadd_rn(ea, ge_err(x, ge_code(a, x, L), a.s, zs, false));
         }
-        g.sym = es <= ea;
-    } else {
-        g.sym = mode == GE_SYM;
+        sym = es <= ea;
     }
-    g.scale = g.sym ? ss : sa;
-    g.s = f16_to_f32((u16)g.scale);
+    g = ge_group(sym ? ss : sa, zs, zbits, sym);
     return true;
 }
 
@@ -184,6 +230,38 @@ __device__ __forceinline__ void ge_store_params(u8* body, const EncDesc& d, u64 
 
 // Shared-memory index of staged element i (a pad word every 32).
 __device__ __forceinline__ u32 ge_pad(u32 i) { return i + (i >> 5); }
+
+// Codes of the staged group starting at element e0 (G elements, one
+// thread): the sign words of a symmetric group, then either the packed
+// INDEX words stored straight from registers (when the group's codes start
+// on a word boundary and fill whole words) or the codes into `codes` for
+// enc_pack.
+__device__ __forceinline__ void ge_codes_ch(const float* vals, u32 e0, u32 G, float L, u32 bits, const GeGroup& g,
+                                            u32* signs, u32* out, u8* codes) {
+    u32 sign = 0, acc = 0, sh = 0;
+    for (u32 i = 0; i < G; i++) {
+        const float x = vals[ge_pad(e0 + i)];
+        const u32 q = ge_code(g, x, L);
+        if (g.sym) {
+            if (x < 0.0f && q > 0u) sign |= 1u << (i & 31u);
+            if ((i & 31u) == 31u || i + 1u == G) {
+                signs[i >> 5] = sign;
+                sign = 0;
+            }
+        }
+        if (out != nullptr) {
+            acc |= q << sh;
+            sh += bits;
+            if (sh >= 32u) {
+                *out++ = acc;
+                sh -= 32u;
+                acc = sh != 0u ? q >> (bits - sh) : 0u;
+            }
+        } else {
+            codes[e0 + i] = (u8)q;
+        }
+    }
+}
 
 template <int SRC>
 __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ descs,
@@ -207,13 +285,13 @@ __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ desc
         for (u32 v = threadIdx.x; v < n / 8u; v += blockDim.x) {
             const uint4 q = __ldg(reinterpret_cast<const uint4*>(src) + v);
             const u32 ws[4] = {q.x, q.y, q.z, q.w};
+            const u32 i0 = 8u * v, c0 = norm ? i0 % D : 0u;
 #pragma unroll
             for (u32 k = 0; k < 8u; k++) {
                 const u16 h = (u16)(ws[k >> 1] >> (16u * (k & 1u)));
-                const u32 i = 8u * v + k;
                 float x = SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-                if (norm) x = __fdiv_rn(x, __ldg(factors + i % D));
-                vals[ge_pad(i)] = x;
+                if (norm) x = __fdiv_rn(x, __ldg(factors + c0 + k));
+                vals[ge_pad(i0 + k)] = x;
             }
         }
     } else {
@@ -225,6 +303,9 @@ __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ desc
     }
     __syncthreads();
     const u64 g0 = (u64)r0 * D / G;
+    // Whole words per group: every group's codes start on a word boundary.
+    const bool direct = ((G * bits) & 31u) == 0u && (((u64)r0 * D * bits) & 31u) == 0u;
+    u32* index = reinterpret_cast<u32*>(body + d.sec_index);
     for (u32 k = threadIdx.x; k < n / G; k += blockDim.x) {
         const u32 e0 = k * G;
         GeGroup g;
@@ -233,26 +314,20 @@ __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ desc
             continue;
         }
         ge_store_params(body, d, g0 + k, mode, g);
-        u32 sign = 0;
-        for (u32 i = 0; i < G; i++) {
-            float x = vals[ge_pad(e0 + i)];
-            u32 q = ge_code(g, x, L);
-            codes[e0 + i] = (u8)q;
-            if (g.sym && x < 0.0f && q > 0u) sign |= 1u << (i & 31u);
-            if (g.sym && ((i & 31u) == 31u || i + 1u == G)) {
-                reinterpret_cast<u32*>(body + d.sec_zero)[(g0 + k) * (G >> 5) + (i >> 5)] = sign;
-                sign = 0;
-            }
-        }
+        u32* signs = reinterpret_cast<u32*>(body + d.sec_zero) + (g0 + k) * (G >> 5);
+        ge_codes_ch(vals, e0, G, L, bits, g, signs, direct ? index + (((u64)r0 * D + e0) * bits >> 5) : nullptr, codes);
     }
+    if (direct) return;
     __syncthreads();
-    enc_pack(codes, n, (u64)r0 * D, bits, reinterpret_cast<u32*>(body + d.sec_index));
+    enc_pack(codes, n, (u64)r0 * D, bits, index);
 }
 
-template <int SRC>
+// CPT = groups per thread: 1 when the item's K * head_dim groups fit the
+// block (head_dim <= BLOCK), else GE_CPT (fewer live registers with 1).
+template <int SRC, int CPT>
 __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
                                               const uint2* __restrict__ work, u64* status) {
-    __shared__ u8 codes[GE_SUB * GE_CPT * BLOCK];
+    __shared__ __align__(16) u8 codes[GE_SUB * CPT * BLOCK];
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
     const u32 D = d.head_dim, G = d.p0, K = d.p2, bits = d.p1 & 0xffu, mode = (d.p1 >> 8) & 0xffu;
@@ -265,19 +340,20 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
     const u64 g0 = ((u64)plane * ((d.tokens + G - 1u) / G) + t0 / G) * D;
     // Slot s of the item is the token group starting at row r0 + s * G;
     // thread lane idx = threadIdx.x + m * blockDim.x is (slot idx / D,
-    // channel idx % D).
-    GeGroup gs[GE_CPT];
-    bool ok[GE_CPT];
-    u32 len[GE_CPT];
+    // channel idx % D); element (t, c) of slot sl is element
+    // (sl * G + t) * D + c of the item.
+    GeGroup gs[CPT];
+    bool ok[CPT];
+    u32 len[CPT];
 #pragma unroll
-    for (u32 m = 0; m < GE_CPT; m++) {
+    for (u32 m = 0; m < CPT; m++) {
         const u32 idx = threadIdx.x + m * blockDim.x, sl = idx / D, c = idx - sl * D;
         ok[m] = false;
         len[m] = 0;
         if (sl >= K || t0 + sl * G >= d.tokens) continue;
         len[m] = min(G, d.tokens - t0 - sl * G);
-        const u8* gsrc = src + (SRC == SRC_F32 ? 4u : 2u) * ((u64)sl * G * D);
-        ok[m] = ge_params([&](u32 i) { return enc_load<SRC>(gsrc, (u64)i * D + c); }, len[m], mode, L, gs[m]);
+        const u32 e = sl * G * D + c;
+        ok[m] = ge_params([&](u32 i) { return enc_load<SRC>(src, e + i * D); }, len[m], mode, L, gs[m]);
         if (!ok[m]) {
             atomicMin(status, ((u64)d.page << 32) | (r0 + sl * G));
             continue;
@@ -287,17 +363,17 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
     const u32 len0 = min(G, d.tokens - t0);
     for (u32 sb = 0; sb < len0; sb += GE_SUB) {
 #pragma unroll
-        for (u32 m = 0; m < GE_CPT; m++) {
+        for (u32 m = 0; m < CPT; m++) {
             const u32 idx = threadIdx.x + m * blockDim.x, sl = idx / D, c = idx - sl * D;
             if (len[m] <= sb) continue;
             const u32 ns = min((u32)GE_SUB, len[m] - sb);
-            const u8* gsrc = src + (SRC == SRC_F32 ? 4u : 2u) * ((u64)sl * G * D);
-            u8* out = codes + sl * GE_SUB * D;
+            const u32 e = (sl * G + sb) * D + c;
+            u8* out = codes + sl * GE_SUB * D + c;
             u32 sign = 0;
             for (u32 t = 0; t < ns; t++) {
-                float x = enc_load<SRC>(gsrc, (u64)(sb + t) * D + c);
-                u32 q = ok[m] ? ge_code(gs[m], x, L) : 0u;
-                out[t * D + c] = (u8)q;
+                const float x = enc_load<SRC>(src, e + t * D);
+                const u32 q = ok[m] ? ge_code(gs[m], x, L) : 0u;
+                out[t * D] = (u8)q;
                 if (gs[m].sym && x < 0.0f && q > 0u) sign |= 1u << t;
             }
             if (ok[m] && gs[m].sym)
@@ -307,7 +383,7 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
         for (u32 sl = 0; sl < K && t0 + sl * G + sb < d.tokens; sl++) {
             const u32 ns = min(min((u32)GE_SUB, G - sb), d.tokens - t0 - sl * G - sb);
             enc_pack(codes + sl * GE_SUB * D, ns * D, ((u64)r0 + sl * G + sb) * D, bits,
-                    reinterpret_cast<u32*>(body + d.sec_index));
+                     reinterpret_cast<u32*>(body + d.sec_index));
         }
         __syncthreads();
     }
@@ -317,9 +393,12 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_bf16(GE_ARGS) { groups_channels<SRC_BF16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_f16(GE_ARGS) { groups_channels<SRC_F16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_f32(GE_ARGS) { groups_channels<SRC_F32>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_bf16(GE_ARGS) { groups_tokens<SRC_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_f16(GE_ARGS) { groups_tokens<SRC_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_f32(GE_ARGS) { groups_tokens<SRC_F32>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_f16(GE_ARGS) { groups_tokens<SRC_F16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_f32(GE_ARGS) { groups_tokens<SRC_F32, 1>(descs, work, status); }
 
 // InnerQ key normalization statistics (format/codecs/innerq.md, the
 // compressor's Codec::prepare): max |x| per (kv head, channel) over the
