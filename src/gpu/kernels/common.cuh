@@ -733,23 +733,26 @@ __device__ __forceinline__ float enc_load(const u8* src, u64 e) {
 // covers whole are stored, the edge words OR-ed in with atomics (the body
 // template is zeroed, so neighbouring runs of other blocks combine). Bit
 // offsets within the run are 32-bit (n * bits < 2^32). One thread per word;
-// for byte codes of a power-of-two width starting on a word boundary, each
-// word is four-code shared loads and shifts.
+// for 8- or 16-bit codes of a power-of-two width starting on a word
+// boundary, each word is 32-bit shared loads (4 or 2 codes) and shifts.
 template <class C>
 __device__ __forceinline__ void enc_pack(const C* codes, u32 n, u64 e0, u32 bits, u32* words) {
     const u64 b0 = e0 * bits;
     const u32 off = (u32)b0 & 31u, nb = off + n * bits, nw = (nb + 31u) >> 5;
     u32* w0 = words + (b0 >> 5);
-    if (sizeof(C) == 1 && off == 0u && (bits & (bits - 1u)) == 0u && (n & 3u) == 0u &&
-        (reinterpret_cast<u64>(codes) & 3u) == 0u) {
-        const u32 per = 32u / bits;  // codes per word, a multiple of 4 (bits <= 8)
+    if (sizeof(C) <= 2 && off == 0u && (bits & (bits - 1u)) == 0u && bits <= 8u * sizeof(C) &&
+        (n & (4u / sizeof(C) - 1u)) == 0u && (reinterpret_cast<u64>(codes) & 3u) == 0u) {
+        // Whole words of 32 / bits codes (a multiple of the 4 / sizeof(C)
+        // codes of one 32-bit shared load).
+        const u32 per = 32u / bits, step = 4u / sizeof(C);
         for (u32 j = threadIdx.x; j < nw; j += blockDim.x) {
             const u32 k0 = j * per, k1 = min(k0 + per, n);
             u32 word = 0;
-            for (u32 k = k0; k < k1; k += 4u) {
+            for (u32 k = k0; k < k1; k += step) {
                 const u32 v = *reinterpret_cast<const u32*>(codes + k);
-                const u32 q = (v & 0xffu) | (((v >> 8) & 0xffu) << bits) | (((v >> 16) & 0xffu) << (2u * bits)) |
-                              ((v >> 24) << (3u * bits));
+                const u32 q = sizeof(C) == 1 ? (v & 0xffu) | (((v >> 8) & 0xffu) << bits) |
+                                                   (((v >> 16) & 0xffu) << (2u * bits)) | ((v >> 24) << (3u * bits))
+                                             : (v & 0xffffu) | ((v >> 16) << bits);
                 word |= q << ((k - k0) * bits);
             }
             if (32u * j + 32u <= nb) {
