@@ -36,6 +36,35 @@ __device__ __forceinline__ float pe_radius(float x, float y) {
     return __double2float_rn(__dsqrt_rn(__dadd_rn(__dmul_rn(a, a), __dmul_rn(b, b))));
 }
 
+// x^2 + y^2 in binary64 (the radius before its square root): max over
+// tokens of the radius = the radius of the max of this (sqrt and the
+// rounding to f32 are monotone), so the scale pass takes one square root
+// per pair.
+__device__ __forceinline__ double pe_norm2(float x, float y) {
+    double a = (double)x, b = (double)y;
+    return __dadd_rn(__dmul_rn(a, a), __dmul_rn(b, b));
+}
+
+// rho = rne(clamp(radius(x, y) / s, 0, L)) for finite x, y and s > 0. Fast
+// path in binary32: r' = sqrt(x*x + y*y) is within 2^-21.5 (relative) of the
+// binary64 radius rounded to f32, and t' = r' * RN(1/s) within 2^-13 of
+// RN(radius / s) for t' <= 2^8 (a larger t' clamps to L either way); so t'
+// rounds to the same integer unless it lies within PE_NEAR = 2^-10 of a
+// half-integer, where the exact path decides. The fast path needs max(|x|,
+// |y|) in [2^-60, 2^60] and 1/s normal (no overflow or underflow).
+#define PE_NEAR 0.0009765625f
+__device__ __forceinline__ u32 pe_rho(float x, float y, float s, float rs, float L) {
+    const float mag = fmaxf(fabsf(x), fabsf(y));
+    if (mag >= 8.6736174e-19f && mag <= 1.1529215e18f && rs >= 1.0e-30f && rs <= 1.0e30f) {
+        const float r = __fsqrt_rn(__fmaf_rn(x, x, __fmul_rn(y, y)));
+        const float t = fminf(fmaxf(__fmul_rn(r, rs), 0.0f), L);
+        const float m = __fadd_rn(t, PE_RNE);
+        if (fabsf(fabsf(__fsub_rn(t, __fsub_rn(m, PE_RNE))) - 0.5f) >= PE_NEAR) return __float_as_uint(m) - 0x4b400000u;
+    }
+    const float q = fminf(fmaxf(__fdiv_rn(pe_radius(x, y), s), 0.0f), L);
+    return __float_as_uint(__fadd_rn(q, PE_RNE)) - 0x4b400000u;
+}
+
 __device__ __forceinline__ float pe_dot(float x, float y, float2 u) {
     return __fadd_rn(__fmul_rn(x, u.x), __fmul_rn(y, u.y));
 }
@@ -120,6 +149,33 @@ __device__ __forceinline__ void polar_scale(const EncDesc* __restrict__ descs, c
     const bool adjacent = (d.p2 & 1u) != 0u;
     const u32 r0 = w.y, plane = udiv(r0, T, d.m_tokens);
     const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride);
+    const float L = (float)((1u << d.p1) - 1u);
+    float* scales = reinterpret_cast<float*>(reinterpret_cast<u8*>(d.body) + d.sec_scale);
+    if (pairs <= blockDim.x && blockDim.x % pairs == 0u) {
+        // Each thread keeps one pair j = threadIdx.x % pairs: the max of x^2
+        // + y^2 in a register, then one square root per pair.
+        __shared__ double snorm[BLOCK];
+        const u32 j = threadIdx.x % pairs, dt = blockDim.x / pairs;
+        u32 i1, i2;
+        pe_pair(D, j, adjacent, i1, i2);
+        double mx = 0.0;
+        for (u32 t = threadIdx.x / pairs; t < T; t += dt) {
+            const float x = enc_load<SRC>(src, (u64)t * D + i1), y = enc_load<SRC>(src, (u64)t * D + i2);
+            if (!is_finite(x) || !is_finite(y)) {
+                atomicMin(status, ((u64)d.page << 32) | (r0 + t));
+                continue;
+            }
+            mx = fmax(mx, pe_norm2(x, y));
+        }
+        snorm[threadIdx.x] = mx;
+        __syncthreads();
+        if (threadIdx.x < pairs) {
+            for (u32 k = threadIdx.x + pairs; k < blockDim.x; k += pairs) mx = fmax(mx, snorm[k]);
+            const float r = __double2float_rn(__dsqrt_rn(mx));
+            scales[(u64)plane * pairs + threadIdx.x] = __fdiv_rn(r, L);
+        }
+        return;
+    }
     for (u32 j = threadIdx.x; j < pairs; j += blockDim.x) smax[j] = 0u;
     __syncthreads();
     for (u32 i = threadIdx.x; i < T * pairs; i += blockDim.x) {
@@ -133,8 +189,6 @@ __device__ __forceinline__ void polar_scale(const EncDesc* __restrict__ descs, c
         atomicMax(&smax[j], __float_as_uint(pe_radius(x, y)));
     }
     __syncthreads();
-    const float L = (float)((1u << d.p1) - 1u);
-    float* scales = reinterpret_cast<float*>(reinterpret_cast<u8*>(d.body) + d.sec_scale);
     for (u32 j = threadIdx.x; j < pairs; j += blockDim.x)
         scales[(u64)plane * pairs + j] = __fdiv_rn(__uint_as_float(smax[j]), L);
 }
@@ -142,7 +196,7 @@ __device__ __forceinline__ void polar_scale(const EncDesc* __restrict__ descs, c
 template <int SRC>
 __device__ __forceinline__ void polar_codes(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
                                             u64* status) {
-    __shared__ u16 codes[PE_TILE];
+    __shared__ __align__(16) u16 codes[PE_TILE];
     __shared__ float2 sdirs[256];
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
@@ -155,20 +209,32 @@ __device__ __forceinline__ void polar_codes(const EncDesc* __restrict__ descs, c
     u8* body = reinterpret_cast<u8*>(d.body);
     const float* scales = reinterpret_cast<const float*>(body + d.sec_scale) + (u64)plane * pairs;
     const float2* gdirs = reinterpret_cast<const float2*>(d.side);
+    __shared__ float ssc[PE_MAX_PAIRS], srs[PE_MAX_PAIRS];
     for (u32 k = threadIdx.x; k < ndir; k += blockDim.x) sdirs[k] = gdirs[k];
+    for (u32 k = threadIdx.x; k < pairs; k += blockDim.x) {
+        const float s = scales[k];
+        ssc[k] = s;
+        srs[k] = s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f;
+    }
     __syncthreads();
     (void)status;
+    // (t, j) of element i = threadIdx.x + k * blockDim.x, stepped without
+    // a division.
+    u32 t = threadIdx.x / pairs, j = threadIdx.x - t * pairs;
+    const u32 dt = blockDim.x / pairs, dj = blockDim.x - dt * pairs;
     for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
-        u32 t = i / pairs, j = i - t * pairs, i1, i2;
+        u32 i1, i2;
         pe_pair(D, j, adjacent, i1, i2);
-        float x = enc_load<SRC>(src, (u64)t * D + i1), y = enc_load<SRC>(src, (u64)t * D + i2);
-        u32 rho = 0;
-        float s = scales[j];
-        if (s > 0.0f) {
-            float q = fminf(fmaxf(__fdiv_rn(pe_radius(x, y), s), 0.0f), L);
-            rho = __float_as_uint(__fadd_rn(q, PE_RNE)) - 0x4b400000u;
-        }
+        const float x = enc_load<SRC>(src, t * D + i1), y = enc_load<SRC>(src, t * D + i2);
+        const float s = ssc[j];
+        const u32 rho = s > 0.0f ? pe_rho(x, y, s, srs[j], L) : 0u;
         codes[i] = (u16)(pe_find(x, y, sdirs, ndir, uniform) | (rho << m));
+        t += dt;
+        j += dj;
+        if (j >= pairs) {
+            j -= pairs;
+            t++;
+        }
     }
     __syncthreads();
     enc_pack(codes, n, (u64)r0 * pairs, m + nb, reinterpret_cast<u32*>(body + d.sec_index));
