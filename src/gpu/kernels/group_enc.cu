@@ -178,6 +178,45 @@ __device__ __forceinline__ bool ge_minmax(At at, u32 n, float& mn, float& mx) {
     return true;
 }
 
+// The CPU's hybrid rule: the squared errors of both codings summed in
+// binary64 in element order; symmetric when e_sym <= e_asym.
+template <class At>
+__device__ GE_COLD bool ge_hybrid_exact(At at, u32 n, const GeGroup& s, const GeGroup& a, float L) {
+    double es = 0.0, ea = 0.0;
+    for (u32 i = 0; i < n; i++) {
+        const float x = at(i);
+        es = __dadd_rn(es, ge_err(x, ge_code(s, x, L), s.s, 0.0f, true));
+        ea = __dadd_rn(ea, ge_err(x, ge_code(a, x, L), a.s, a.z, false));
+    }
+    return es <= ea;
+}
+
+// The same decision from binary32 sums: each differs from the exact sum
+// of squares by at most (n + 2) 2^-24 of it (the CPU's binary64 sum by far
+// less), so when the two sums differ by more than (n + 8) 2^-23 of their
+// total the order is the CPU's; otherwise (near-ties, overflow, totals
+// below 2^-90 where underflow is not relative) the binary64 rule is
+// replayed.
+template <class At>
+__device__ __forceinline__ bool ge_hybrid_sym(At at, u32 n, const GeGroup& s, const GeGroup& a, float L) {
+    float fs = 0.0f, fa = 0.0f;
+    for (u32 i = 0; i < n; i++) {
+        const float x = at(i);
+        const u32 qs = ge_code(s, x, L), qa = ge_code(a, x, L);
+        float vs = __fmul_rn(code_f32(qs), s.s);
+        if (x < 0.0f && qs > 0u) vs = -vs;
+        const float va = __fadd_rn(__fmul_rn(code_f32(qa), a.s), a.z);
+        const float es = __fsub_rn(x, vs), ea = __fsub_rn(x, va);
+        fs = __fmaf_rn(es, es, fs);
+        fa = __fmaf_rn(ea, ea, fa);
+    }
+    const float tot = __fadd_rn(fs, fa);
+    if (is_finite(tot) && tot >= 8.0779357e-28f &&
+        fabsf(__fsub_rn(fs, fa)) > __fmul_rn(__fmul_rn((float)(n + 8u), 1.1920929e-7f), tot))
+        return fs < fa;
+    return ge_hybrid_exact(at, n, s, a, L);
+}
+
 // Parameters of a group of `n` values read through `at(i)`; false when the
 // group cannot be coded (non-finite value, f16 overflow).
 template <class At>
@@ -202,16 +241,7 @@ __device__ __forceinline__ bool ge_params(At at, u32 n, u32 mode, float L, GeGro
         if (!ge_f16_ok(sa)) return false;
     }
     bool sym = mode == GE_SYM;
-    if (mode == GE_HYBRID) {
-        const GeGroup a = ge_group(sa, zs, 0u, false), s = ge_group(ss, 0.0f, 0u, true);
-        double es = 0.0, ea = 0.0;
-        for (u32 i = 0; i < n; i++) {
-            float x = at(i);
-            es = __dadd_rn(es, ge_err(x, ge_code(s, x, L), s.s, 0.0f, true));
-            ea = __dadd_rn(ea, ge_err(x, ge_code(a, x, L), a.s, zs, false));
-        }
-        sym = es <= ea;
-    }
+    if (mode == GE_HYBRID) sym = ge_hybrid_sym(at, n, ge_group(ss, 0.0f, 0u, true), ge_group(sa, zs, 0u, false), L);
     g = ge_group(sym ? ss : sa, zs, zbits, sym);
     return true;
 }
