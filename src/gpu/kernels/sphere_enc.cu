@@ -93,6 +93,23 @@ __device__ __forceinline__ float se_norm_flat(const float* row, u32 D) {
     return (float)sqrt(acc);
 }
 
+// gamma of a row from its squares summed in any order (`acc`, binary64) and
+// the smallest non-zero |x_i| (`mn`), when that equals the CPU's index-order
+// sum; -1 otherwise. A source value with `mb` significant bits and
+// 2^e <= |x| is a multiple of 2^(e - mb + 1), so every square (exact in
+// binary64) and every partial sum is a multiple of q = (2^(e_min - mb +
+// 1))^2; while the total is below 2^53 q no partial sum in any order is
+// rounded, so every order gives the exact total (a larger total, or a
+// non-finite or subnormal value, takes the index-order sum). two53_q =
+// 2^(53 - 2 (mb - 1)): 2^39 for bf16, 2^33 for f16, 2^7 for f32 sources.
+__device__ __forceinline__ float se_norm_exact(double acc, float mn, double two53_q) {
+    if (acc == 0.0) return 0.0f;
+    const u32 e = __float_as_uint(mn) & 0x7f800000u;
+    if (e == 0u || e == 0x7f800000u) return -1.0f;
+    const double p = (double)__uint_as_float(e);
+    return acc < __dmul_rn(__dmul_rn(p, p), two53_q) ? (float)sqrt(acc) : -1.0f;
+}
+
 // The factor f of a row: c_D / gamma, or 0 when u is zeroed (gamma == 0 or
 // f not finite; f is never 0 otherwise). Reports a non-finite gamma.
 __device__ __forceinline__ float se_factor(float gamma, float cd, const EncDesc& d, u32 row, u64* status) {
@@ -183,6 +200,7 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
                                                    u64* status) {
     DYN_SHARED(float, xs);
     __shared__ float sf[BLOCK];
+    __shared__ float sgam[BLOCK];
     __shared__ float sb[128];
     __shared__ float slut[64];
     __shared__ __align__(16) float4 sdir[256];
@@ -229,10 +247,28 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
 #pragma unroll
         for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
     }
+    {
+        // The row's squares summed across its lpr lanes in any order
+        // (se_norm_exact says when that is the CPU's sum).
+        double a[4] = {0.0, 0.0, 0.0, 0.0};
+        float mn = __int_as_float(0x7f800000);
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            a[i & 3] = __dadd_rn(a[i & 3], __dmul_rn((double)v[i], (double)v[i]));
+            mn = fminf(mn, v[i] == 0.0f ? __int_as_float(0x7f800000) : fabsf(v[i]));
+        }
+        double acc = __dadd_rn(__dadd_rn(a[0], a[1]), __dadd_rn(a[2], a[3]));
+        for (u32 m = 1; m < lpr; m <<= 1) {
+            acc = __dadd_rn(acc, __shfl_xor_sync(FULL_MASK, acc, (int)m));
+            mn = fminf(mn, __shfl_xor_sync(FULL_MASK, mn, (int)m));
+        }
+        if (live && j == 0u) sgam[rl] = se_norm_exact(acc, mn, SRC == SRC_BF16 ? 549755813888.0 : SRC == SRC_F16 ? 8589934592.0 : 128.0);
+    }
     __syncthreads();
     if (threadIdx.x < nrows) {
         const u32 r = row0 + threadIdx.x;
-        float gamma = se_norm_fast(xs + threadIdx.x * RS, D);
+        float gamma = sgam[threadIdx.x];
+        if (gamma < 0.0f) gamma = se_norm_fast(xs + threadIdx.x * RS, D);
         reinterpret_cast<float*>(body + d.sec_scale)[r] = gamma;
         sf[threadIdx.x] = se_factor(gamma, __uint_as_float(d.p2), d, r, status);
     }
