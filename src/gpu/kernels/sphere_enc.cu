@@ -200,7 +200,6 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
                                                    u64* status) {
     DYN_SHARED(float, xs);
     __shared__ float sf[BLOCK];
-    __shared__ float sgam[BLOCK];
     __shared__ float sb[128];
     __shared__ float slut[64];
     __shared__ __align__(16) float4 sdir[256];
@@ -262,12 +261,13 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
             acc = __dadd_rn(acc, __shfl_xor_sync(FULL_MASK, acc, (int)m));
             mn = fminf(mn, __shfl_xor_sync(FULL_MASK, mn, (int)m));
         }
-        if (live && j == 0u) sgam[rl] = se_norm_exact(acc, mn, SRC == SRC_BF16 ? 549755813888.0 : SRC == SRC_F16 ? 8589934592.0 : 128.0);
+        // sf[row] holds the exact gamma (or -1) until the row's factor.
+        if (live && j == 0u) sf[rl] = se_norm_exact(acc, mn, SRC == SRC_BF16 ? 549755813888.0 : SRC == SRC_F16 ? 8589934592.0 : 128.0);
     }
     __syncthreads();
     if (threadIdx.x < nrows) {
         const u32 r = row0 + threadIdx.x;
-        float gamma = sgam[threadIdx.x];
+        float gamma = sf[threadIdx.x];
         if (gamma < 0.0f) gamma = se_norm_fast(xs + threadIdx.x * RS, D);
         reinterpret_cast<float*>(body + d.sec_scale)[r] = gamma;
         sf[threadIdx.x] = se_factor(gamma, __uint_as_float(d.p2), d, r, status);
