@@ -172,10 +172,12 @@ pub(crate) fn plan_group(
         (CH_TILE / d).max(1)
     };
     // One group per thread (`tok1`) when an item's groups fit the block.
-    let kind = match tokens {
-        true if per_item * d <= spec::BLOCK => "tok1",
-        true => "tok",
-        false => "ch",
+    let kind = if !tokens {
+        "ch"
+    } else if per_item * d <= spec::BLOCK {
+        "tok1"
+    } else {
+        "tok"
     };
     let kernel = enc_choice(
         "group_enc",
