@@ -130,10 +130,10 @@ pub mod spec;
 
 #[cfg(feature = "cuda")]
 mod cuda;
-#[cfg(any(feature = "cuda", test))]
-mod ptx_cache;
 #[doc(hidden)]
 pub mod emu;
+#[cfg(any(feature = "cuda", test))]
+mod ptx_cache;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     DecodePlan, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages, PagedJob,

@@ -25,6 +25,7 @@ use sha2::{Digest, Sha256};
 const MAGIC: &str = "// kvpack ptx cache v1 ";
 
 /// The cache directory, or `None` when caching is off or no home is known.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn dir() -> Option<PathBuf> {
     dir_from(|k| std::env::var_os(k))
 }
@@ -141,7 +142,10 @@ mod tests {
                     .map(|(_, v)| std::ffi::OsString::from(v))
             }
         };
-        assert_eq!(dir_from(env(&[("KVPACK_PTX_CACHE", "0"), ("HOME", "/h")])), None);
+        assert_eq!(
+            dir_from(env(&[("KVPACK_PTX_CACHE", "0"), ("HOME", "/h")])),
+            None
+        );
         assert_eq!(dir_from(env(&[("KVPACK_PTX_CACHE", "")])), None);
         assert_eq!(
             dir_from(env(&[("KVPACK_PTX_CACHE", "/c"), ("HOME", "/h")])),

@@ -544,7 +544,10 @@ fn nvrtc_version() -> String {
 /// [`compile`] through the on-disk PTX cache ([`super::ptx_cache`]):
 /// returns the PTX and, when it came from the cache, the directory and key
 /// of its entry (so that an entry the driver refuses can be forgotten).
-fn compile_cached(src: Source, cc: (i32, i32)) -> Result<(Ptx, Option<(std::path::PathBuf, String)>)> {
+fn compile_cached(
+    src: Source,
+    cc: (i32, i32),
+) -> Result<(Ptx, Option<(std::path::PathBuf, String)>)> {
     use super::ptx_cache;
     let Some(dir) = ptx_cache::dir() else {
         return Ok((compile(src, cc)?, None));
