@@ -2,12 +2,12 @@
 //! order, then the index and trailer of the commit. The same bytes serve as
 //! a random-access file and as a stream.
 
-use std::io::Write;
+use std::io::{Read, Write};
 
 use crate::error::{Error, Result};
 
 use super::index::{Index, IndexEntry, Trailer};
-use super::page::PageFrame;
+use super::page::{PageFrame, PageHeader};
 use super::{FRAME_HEADER_LEN, FileHeader};
 
 /// Writes one commit (a new file, or an append to an existing one).
@@ -97,7 +97,47 @@ impl<W: Write> Writer<W> {
     /// [`Error::Parameter`] when the page breaks layer-major order or leaves
     /// a gap in its tensor's tokens; [`Error::Io`] on write failure.
     pub fn write_page(&mut self, frame: &PageFrame) -> Result<()> {
-        let m = frame.header.meta;
+        self.check_page(&frame.header, frame.bytes.len() as u64)?;
+        self.out.write_all(&frame.bytes).map_err(|e| {
+            Error::io(
+                format!("writing page for tensor {}", frame.header.meta.tensor),
+                e,
+            )
+        })?;
+        self.push_entry(&frame.header, frame.bytes.len() as u64);
+        Ok(())
+    }
+
+    /// Appends the frame of `header` whose stored body is `stored` (its
+    /// `header.stored_len` bytes, CRC in the header): header, body and zero
+    /// padding, written straight from `stored` (no frame buffer). Same
+    /// rules as [`Writer::write_page`].
+    ///
+    /// # Errors
+    /// As [`Writer::write_page`]; [`Error::Parameter`] when `stored` is not
+    /// `header.stored_len` bytes long.
+    pub fn write_parts(&mut self, header: &PageHeader, stored: &[u8]) -> Result<()> {
+        if stored.len() as u64 != header.stored_len {
+            return Err(Error::param("page body length differs from its header"));
+        }
+        let len = header.frame_len(self.align);
+        self.check_page(header, len)?;
+        let pad = len - FRAME_HEADER_LEN as u64 - header.stored_len;
+        let what = || format!("writing page for tensor {}", header.meta.tensor);
+        self.out
+            .write_all(&header.encode())
+            .and_then(|()| self.out.write_all(stored))
+            .and_then(|()| {
+                std::io::copy(&mut std::io::repeat(0).take(pad), &mut self.out).map(|_| ())
+            })
+            .map_err(|e| Error::io(what(), e))?;
+        self.push_entry(header, len);
+        Ok(())
+    }
+
+    /// Checks that a frame of `header`, `len` bytes, may come next.
+    fn check_page(&self, header: &PageHeader, len: u64) -> Result<()> {
+        let m = header.meta;
         let t = m.tensor as usize;
         if t >= self.next_token.len() {
             return Err(Error::param(format!(
@@ -118,24 +158,26 @@ impl<W: Write> Writer<W> {
                 m.token_start, self.next_token[t]
             )));
         }
-        if !(frame.bytes.len() as u64).is_multiple_of(self.align) {
+        if !len.is_multiple_of(self.align) {
             return Err(Error::param("page frame was encoded for another alignment"));
         }
-        self.out
-            .write_all(&frame.bytes)
-            .map_err(|e| Error::io(format!("writing page for tensor {t}"), e))?;
+        Ok(())
+    }
+
+    /// Records a written frame of `header`, `len` bytes.
+    fn push_entry(&mut self, header: &PageHeader, len: u64) {
+        let m = header.meta;
         self.entries.push(IndexEntry {
             offset: self.pos,
-            frame_len: frame.bytes.len() as u64,
+            frame_len: len,
             meta: m,
-            flags: frame.header.flags,
-            body_crc: frame.header.body_crc,
+            flags: header.flags,
+            body_crc: header.body_crc,
         });
-        self.next_token[t] = m.token_start + m.tokens;
+        self.next_token[m.tensor as usize] = m.token_start + m.tokens;
         self.last_tensor = Some(m.tensor);
-        self.pos += frame.bytes.len() as u64;
-        self.bytes_written += frame.bytes.len() as u64;
-        Ok(())
+        self.pos += len;
+        self.bytes_written += len;
     }
 
     /// Bytes written so far (header included for a new file).

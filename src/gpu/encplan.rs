@@ -21,7 +21,28 @@ use crate::plan::PlannedPage;
 
 use super::body::CanonicalBody;
 use super::spec::{EncDesc, KernelChoice, KernelCodec, KernelOptions, magic};
+use crate::compress::EncodedPage;
 use crate::format::Section;
+
+/// Device memory for the buffers an encode planner needs besides the
+/// bodies (side tables, scratch): a backend's (`gpu::backend::Backend`,
+/// of which this is the supertrait).
+pub(crate) trait Place {
+    /// Copies `bytes` to new device memory ([`BODY_ALIGN`]-aligned, kept
+    /// as long as the backend) and returns its address.
+    ///
+    /// # Errors
+    /// [`Error::Device`] (or [`Error::Io`]) when the memory cannot be had.
+    fn place(&mut self, bytes: &[u8]) -> Result<u64>;
+
+    /// New device memory of `len` bytes ([`BODY_ALIGN`]-aligned, kept as
+    /// long as the backend), every byte zero (set on the device: nothing
+    /// is copied); returns its address.
+    ///
+    /// # Errors
+    /// As [`Place::place`].
+    fn zeroed(&mut self, len: usize) -> Result<u64>;
+}
 
 /// Alignment of page bodies in the body buffer, bytes.
 pub const BODY_ALIGN: usize = 256;
@@ -42,14 +63,18 @@ pub struct EncWork {
 }
 
 /// A planned encode. `descs[i].body` is the offset of page `i`'s body in
-/// `host`; the caller rebases it to the device address of the uploaded
-/// `host`.
+/// the bodies buffer (`host_len` bytes, zeroed on the device); the caller
+/// rebases it to the buffer's device address.
 #[derive(Debug, Clone)]
 pub struct EncodeLayout {
-    /// Each page's body layout and its offset in `host`.
+    /// Each page's body layout and its offset in the bodies buffer.
     pub layouts: Vec<(CanonicalBody, usize)>,
-    /// The body templates (section tables filled in, sections zeroed).
-    pub host: Vec<u8>,
+    /// Bytes of the bodies buffer: every body, [`BODY_ALIGN`]-aligned.
+    /// The device buffer starts zeroed and the kernels write the sections;
+    /// the section tables are written on the host
+    /// ([`EncodedBodies::canonical`]), so nothing of the size of the
+    /// output is built or uploaded.
+    pub host_len: usize,
     /// One descriptor per page.
     pub descs: Vec<EncDesc>,
     /// Launches to run once, before the first launch of `works` (they
@@ -108,6 +133,89 @@ pub fn sections(
         .collect()
 }
 
+/// The bodies buffer of an encode, downloaded, with the plan's layouts:
+/// each page's canonical body (section tables written on the host), or
+/// for data-dependent layouts the worst-case body to cut.
+#[derive(Debug, Clone)]
+pub struct EncodedBodies {
+    layouts: Vec<(CanonicalBody, usize)>,
+    cut: Option<SectionCut>,
+    bytes: Vec<u8>,
+}
+
+impl EncodedBodies {
+    /// The downloaded bodies buffer `bytes` of a plan with `layouts` and
+    /// `cut`; writes each body's section table (the device writes only
+    /// the sections into a zeroed buffer).
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] (internal) when `bytes` does not hold every
+    /// body.
+    pub fn new(
+        layouts: Vec<(CanonicalBody, usize)>,
+        cut: Option<SectionCut>,
+        mut bytes: Vec<u8>,
+    ) -> Result<EncodedBodies> {
+        if layouts
+            .iter()
+            .any(|(l, off)| off + l.body_len as usize > bytes.len())
+        {
+            return Err(Error::param("internal: bodies buffer too short"));
+        }
+        if cut.is_none() {
+            for (l, off) in &layouts {
+                l.write_table(&mut bytes[*off..]);
+            }
+        }
+        Ok(EncodedBodies {
+            layouts,
+            cut,
+            bytes,
+        })
+    }
+
+    /// Pages encoded.
+    pub fn len(&self) -> usize {
+        self.layouts.len()
+    }
+
+    /// True when no page was encoded.
+    pub fn is_empty(&self) -> bool {
+        self.layouts.is_empty()
+    }
+
+    /// Page `i` as the frame writer takes it: its canonical body, or the
+    /// sections cut out of a data-dependent body.
+    ///
+    /// # Errors
+    /// The error of the cut (an impossible count written by the device);
+    /// [`Error::Parameter`] (internal) for `i` out of range or over 65535
+    /// sections.
+    pub fn page(&self, i: usize) -> Result<EncodedPage<'_>> {
+        let (l, off) = self
+            .layouts
+            .get(i)
+            .ok_or_else(|| Error::param("internal: encoded page out of range"))?;
+        let body = &self.bytes[*off..*off + l.body_len as usize];
+        match self.cut {
+            Some(c) => (c.cut)(l, body, c.args).map(EncodedPage::Sections),
+            None => Ok(EncodedPage::Body {
+                body,
+                sections: u16::try_from(l.specs.len())
+                    .map_err(|_| Error::param("internal: over 65535 sections"))?,
+            }),
+        }
+    }
+
+    /// The sections of every page, as the CPU encoder returns them.
+    ///
+    /// # Errors
+    /// As [`sections`].
+    pub fn sections(&self) -> Result<Vec<Vec<Section>>> {
+        sections(&self.layouts, self.cut, &self.bytes)
+    }
+}
+
 /// Checks that a page lies inside the tensor; returns its rows.
 pub(crate) fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
     if p.tokens == 0 || u64::from(p.token_start) + u64::from(p.tokens) > u64::from(info.tokens) {
@@ -155,11 +263,11 @@ pub(crate) fn page_desc(
     }
 }
 
-/// Appends a body template, [`BODY_ALIGN`]-aligned; returns its offset.
-pub(crate) fn push_body(host: &mut Vec<u8>, l: &CanonicalBody) -> usize {
-    host.resize(host.len().next_multiple_of(BODY_ALIGN), 0);
-    let off = host.len();
-    host.extend_from_slice(&l.template());
+/// Reserves room for a body of layout `l` at the end of a bodies buffer
+/// of `len` bytes, [`BODY_ALIGN`]-aligned; returns its offset.
+pub(crate) fn push_body(len: &mut usize, l: &CanonicalBody) -> usize {
+    let off = len.next_multiple_of(BODY_ALIGN);
+    *len = off + l.body_len as usize;
     off
 }
 
@@ -186,12 +294,33 @@ pub(crate) struct EncodeJob<'a> {
 pub(crate) fn empty() -> EncodeLayout {
     EncodeLayout {
         layouts: Vec::new(),
-        host: Vec::new(),
+        host_len: 0,
         descs: Vec::new(),
         setup: Vec::new(),
         works: Vec::new(),
         read: 0,
         written: 0,
         cut: None,
+    }
+}
+
+/// A [`Place`] for planner tests: records the length of each buffer and
+/// returns `0x10_0000 * (its number)` as its address.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub(crate) struct Counting {
+    /// The length of each buffer placed, in order.
+    pub sizes: Vec<usize>,
+}
+
+#[cfg(test)]
+impl Place for Counting {
+    fn place(&mut self, bytes: &[u8]) -> Result<u64> {
+        self.zeroed(bytes.len())
+    }
+
+    fn zeroed(&mut self, len: usize) -> Result<u64> {
+        self.sizes.push(len);
+        Ok(0x10_0000 * self.sizes.len() as u64)
     }
 }

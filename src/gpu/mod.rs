@@ -119,6 +119,8 @@ pub mod encplan;
 #[doc(hidden)]
 pub mod family;
 pub mod host;
+#[cfg(test)]
+mod hostcost;
 pub(crate) mod hqmq_cells;
 pub mod paged;
 #[doc(hidden)]

@@ -10,13 +10,13 @@
 //! a device, so it is tested without CUDA.
 
 pub use super::addr::{PagedAddr, PagedStrides};
+use super::encplan::EncodedBodies;
 use super::spec::{DstSpec, Grid, KernelChoice, KernelCodec, PageDesc, PageGeom, page_desc};
 use crate::cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use crate::codec::Codec;
-use crate::compress::{CompressOptions, CompressReport};
+use crate::compress::{CompressOptions, CompressReport, EncodedPage};
 use crate::decode::Archive;
 use crate::error::{Error, Result};
-use crate::format::Section;
 use crate::plan::PlannedPage;
 
 /// How a paged KV cache tensor is laid out (the layouts vLLM's attention
@@ -618,21 +618,50 @@ pub fn prepare_on_gpu(
     super::family::group_enc::norm_entry(codec, &infos[0], stats.as_deref()).map(Some)
 }
 
-/// The sections of every page of `pages`, in order, from
-/// `encode(tensor, its pages in plan order, codec)` called once per tensor
-/// with `codec` for its codec pages and once with `raw` for its window
-/// pages (when it has some).
+/// The encoded pages of a layer: the bodies of each `(tensor, codec)`
+/// group of pages and where each page of the plan is among them.
+#[derive(Debug)]
+pub struct PagedBodies {
+    groups: Vec<EncodedBodies>,
+    /// `(group, index in the group)` of each page of the plan.
+    at: Vec<(usize, usize)>,
+}
+
+impl PagedBodies {
+    /// Page `i` of the plan, as the frame writer takes it.
+    ///
+    /// # Errors
+    /// As [`EncodedBodies::page`]; [`Error::Parameter`] (internal) for a
+    /// page no group encoded.
+    pub fn page(&self, i: usize) -> Result<EncodedPage<'_>> {
+        let &(g, k) = self
+            .at
+            .get(i)
+            .ok_or_else(|| Error::param("internal: page out of range"))?;
+        self.groups
+            .get(g)
+            .ok_or_else(|| Error::param("internal: page not encoded"))?
+            .page(k)
+    }
+}
+
+/// Every page of `pages` encoded by `encode(tensor, its pages in plan
+/// order, codec)`, called once per tensor with `codec` for its codec pages
+/// and once with `raw` for its window pages (when it has some).
 ///
 /// # Errors
 /// The error of `encode`; [`Error::Parameter`] when it returns the wrong
 /// number of pages.
-pub fn sections_by_tensor(
+pub fn bodies_by_tensor(
     pages: &[PlannedPage],
     tensors: usize,
     codec: &dyn Codec,
-    mut encode: impl FnMut(usize, &[PlannedPage], &dyn Codec) -> Result<Vec<Vec<Section>>>,
-) -> Result<Vec<Vec<Section>>> {
-    let mut sections = vec![Vec::new(); pages.len()];
+    mut encode: impl FnMut(usize, &[PlannedPage], &dyn Codec) -> Result<EncodedBodies>,
+) -> Result<PagedBodies> {
+    let mut out = PagedBodies {
+        groups: Vec::new(),
+        at: vec![(usize::MAX, 0); pages.len()],
+    };
     for t in 0..tensors {
         for raw in [false, true] {
             let (at, mine): (Vec<usize>, Vec<PlannedPage>) = pages
@@ -651,32 +680,28 @@ pub fn sections_by_tensor(
                     "internal: encoder returned the wrong page count",
                 ));
             }
-            for (i, s) in at.into_iter().zip(got) {
-                sections[i] = s;
+            for (k, i) in at.into_iter().enumerate() {
+                out.at[i] = (out.groups.len(), k);
             }
+            out.groups.push(got);
         }
     }
-    Ok(sections)
+    Ok(out)
 }
 
 /// The kvpack file of one layer whose pages `pages` (the plan of `infos`)
-/// were encoded on the GPU into `sections` (one list per page), written
-/// to `out`.
+/// were encoded on the GPU into `bodies`, written to `out`.
 ///
 /// # Errors
 /// As [`crate::compress::write_encoded`].
-pub fn file_from_sections<W: std::io::Write + Send>(
+pub fn file_from_bodies<W: std::io::Write + Send>(
     infos: Vec<TensorInfo>,
     codec: &dyn Codec,
     opts: &CompressOptions,
     pages: &[PlannedPage],
-    sections: Vec<Vec<Section>>,
+    bodies: &PagedBodies,
     out: W,
 ) -> Result<(W, CompressReport)> {
-    let sections: Vec<std::sync::Mutex<Option<Vec<Section>>>> = sections
-        .into_iter()
-        .map(|s| std::sync::Mutex::new(Some(s)))
-        .collect();
     crate::compress::write_encoded(
         infos,
         &Default::default(),
@@ -684,13 +709,7 @@ pub fn file_from_sections<W: std::io::Write + Send>(
         codec,
         opts,
         pages,
-        &|i| {
-            sections[i]
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take()
-                .ok_or_else(|| Error::param("internal: page sections used twice"))
-        },
+        &|i| bodies.page(i),
         out,
     )
 }

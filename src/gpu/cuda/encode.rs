@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::format::Section;
 use crate::gpu::backend::{Launch, check_encode_status, place_encode};
 use crate::gpu::body::CanonicalBody;
-use crate::gpu::encplan::SectionCut;
+use crate::gpu::encplan::{EncodedBodies, SectionCut};
 use crate::plan::PlannedPage;
 
 /// A prepared encode of some pages of one tensor: page bodies (section
@@ -141,6 +141,16 @@ impl EncodePlan<'_> {
     /// [`Error::Device`] for a CUDA failure.
     pub fn sections(&self) -> Result<Vec<Vec<Section>>> {
         crate::gpu::encplan::sections(&self.layouts, self.cut, &self.bodies.to_vec()?)
+    }
+
+    /// Downloads the encoded pages with their layouts (what
+    /// [`crate::gpu::paged::file_from_bodies`] frames without cutting
+    /// canonical bodies into sections).
+    ///
+    /// # Errors
+    /// [`Error::Device`] for a CUDA failure.
+    pub fn download(&self) -> Result<EncodedBodies> {
+        EncodedBodies::new(self.layouts.clone(), self.cut, self.bodies.to_vec()?)
     }
 
     /// The device buffer holding the encoded page bodies (each a canonical

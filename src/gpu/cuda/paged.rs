@@ -262,13 +262,13 @@ impl Gpu {
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
             return crate::gpu::paged::file_from_host(infos, host, codec, opts, out);
         }
-        let sections = crate::gpu::paged::sections_by_tensor(&pages, 2, codec, |t, mine, c| {
+        let bodies = crate::gpu::paged::bodies_by_tensor(&pages, 2, codec, |t, mine, c| {
             let plan = self.plan_encode(&gathered[t], &infos[t], c, mine)?;
             plan.launch()?;
             plan.finish()?;
-            plan.sections()
+            plan.download()
         })?;
-        crate::gpu::paged::file_from_sections(infos, codec, opts, &pages, sections, out)
+        crate::gpu::paged::file_from_bodies(infos, codec, opts, &pages, &bodies, out)
     }
 }
 

@@ -6,6 +6,7 @@ use super::{Gpu, GpuBuffer};
 use crate::error::{Error, Result};
 use crate::gpu::backend::{Backend, Launch};
 use crate::gpu::decplan::BODY_ALIGN;
+use crate::gpu::encplan::Place;
 
 /// The buffers placed for one plan on one device.
 pub(crate) struct Stage<'g> {
@@ -48,7 +49,7 @@ pub(crate) fn launch_all(gpu: &Gpu, launches: &[Launch]) -> Result<()> {
     Ok(())
 }
 
-impl Backend for Stage<'_> {
+impl Place for Stage<'_> {
     fn place(&mut self, bytes: &[u8]) -> Result<u64> {
         let buf = if bytes.is_empty() {
             self.gpu.upload(&[0u8; BODY_ALIGN])?
@@ -60,6 +61,16 @@ impl Backend for Stage<'_> {
         Ok(at)
     }
 
+    fn zeroed(&mut self, len: usize) -> Result<u64> {
+        // Allocated and cleared on the stream (a memset): no copy, no wait.
+        let buf = self.gpu.alloc::<u8>(len.max(BODY_ALIGN))?;
+        let at = buf.device_ptr();
+        self.bufs.push(buf);
+        Ok(at)
+    }
+}
+
+impl Backend for Stage<'_> {
     fn launch(&mut self, launches: &[Launch]) -> Result<()> {
         launch_all(self.gpu, launches)
     }

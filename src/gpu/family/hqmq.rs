@@ -16,7 +16,7 @@ use super::f32_bytes;
 use super::{GpuFamily, OUTS, at, bad_params, offset, section};
 use crate::gpu::body::{CanonicalBody, SectionSpec};
 use crate::gpu::encplan::{
-    EncWork, EncodeJob, EncodeLayout, SectionCut, empty, page_rows, push_body,
+    EncWork, EncodeJob, EncodeLayout, Place, SectionCut, empty, page_rows, push_body,
 };
 use crate::gpu::hqmq_cells;
 use crate::gpu::spec::{
@@ -241,11 +241,7 @@ impl GpuFamily for Family {
     /// symbols to the front, the OUTLIERS table), on worst-case bodies cut
     /// by [`med_sections`]. For `S <=` [`hqmq_cells::MAX_S`] a setup
     /// launch builds the search's cell index once.
-    fn plan_encode(
-        &self,
-        job: &EncodeJob<'_>,
-        place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-    ) -> Result<EncodeLayout> {
+    fn plan_encode(&self, job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
         let EncodeJob {
             src,
             info,
@@ -267,7 +263,7 @@ impl GpuFamily for Family {
         if let Some(gr) = cells {
             table.extend_from_slice(&hqmq_cells::region(gr, info.heads));
         }
-        let side = place(&table)?;
+        let side = place.place(&table)?;
         drop(table);
         let mut p = empty();
         let kernel = |name: String, grid| KernelChoice {
@@ -294,22 +290,26 @@ impl GpuFamily for Family {
             });
         }
         // Per page: u32 symbols, then with +med the header (u32 n_out, f32
-        // C, f32 tau per plane).
-        let mut scratch_host = Vec::new();
-        let mut scratch_at = Vec::new();
+        // C, f32 tau per plane). Without +med nothing in it is read before
+        // the kernels write it: zeroed on the device, not uploaded.
+        let header = if med { 8 + 4 * planes as usize } else { 0 };
+        let mut scratch_at = Vec::with_capacity(pages.len());
+        let mut len = 0usize;
         for pg in pages {
-            let rows = page_rows(info, pg)?;
-            scratch_at.push(scratch_host.len() as u64);
-            scratch_host.resize(scratch_host.len() + 4 * rows as usize * nc as usize, 0);
-            if med {
-                scratch_host.extend_from_slice(&[0; 4]);
-                scratch_host.extend_from_slice(&c.unwrap_or(1.0).to_le_bytes());
-                scratch_host.resize(scratch_host.len() + 4 * planes as usize, 0);
-            }
+            scratch_at.push(len as u64);
+            len += 4 * page_rows(info, pg)? as usize * nc as usize + header;
         }
-        scratch_host.resize(scratch_host.len().max(4), 0);
-        let scratch = place(&scratch_host)?;
-        drop(scratch_host);
+        let scratch = if med {
+            let mut host = vec![0u8; len.max(4)];
+            let c = c.unwrap_or(1.0).to_le_bytes();
+            for (pg, &at) in pages.iter().zip(&scratch_at) {
+                let h = at as usize + 4 * page_rows(info, pg)? as usize * nc as usize;
+                host[h + 4..h + 8].copy_from_slice(&c);
+            }
+            place.place(&host)?
+        } else {
+            place.zeroed(len.max(4))?
+        };
         let sfx = src_suffix(info.dtype);
         let search = kernel(
             format!("encode_hqmq_{sfx}"),
@@ -356,7 +356,7 @@ impl GpuFamily for Family {
                 specs.push(spec(SectionKind::Outliers, 0, ElemType::Bytes, len, len));
             }
             let l = CanonicalBody::new(specs)?;
-            let off = push_body(&mut p.host, &l);
+            let off = push_body(&mut p.host_len, &l);
             p.read += u64::from(rows) * u64::from(d) * esize;
             p.written += u64::from(2 * rows) + low_len + high_len;
             p.descs.push(EncDesc {
@@ -503,17 +503,14 @@ mod tests {
                 raw: false,
             },
         ];
-        let mut placed = Vec::new();
+        let mut placed = crate::gpu::encplan::Counting::default();
         let l = super::super::plan_encode(
             0x1000,
             &info,
             c.as_ref(),
             &pages,
             KernelOptions::default(),
-            &mut |b| {
-                placed.push(b.len());
-                Ok(0x10_0000 * placed.len() as u64)
-            },
+            &mut placed,
         )
         .unwrap();
         assert_eq!(l.works.len(), 2);
@@ -523,7 +520,7 @@ mod tests {
         // The codebooks then the cell index (grid 20 for S = 24), the
         // scratch; the cell build covers 3 heads x 20^3 boxes.
         let region = hqmq_cells::region(20, 3).len();
-        assert_eq!(placed, [3 * 25 * 24 * 16 + region, 4 * 3 * 70 * 16]);
+        assert_eq!(placed.sizes, [3 * 25 * 24 * 16 + region, 4 * 3 * 70 * 16]);
         assert_eq!(l.setup.len(), 1);
         assert_eq!(
             l.setup[0].items.len(),

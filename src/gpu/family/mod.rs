@@ -45,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, SectionKind};
 
 use super::body::{CanonicalBody, SectionSpec};
-use super::encplan::{EncodeJob, EncodeLayout};
+use super::encplan::{EncodeJob, EncodeLayout, Place};
 use super::spec::{Grid, KernelChoice, KernelCodec, KernelOptions, OutType};
 use crate::plan::PlannedPage;
 
@@ -168,11 +168,7 @@ pub(crate) trait GpuFamily: Sync {
     /// [`Error::Unsupported`] without a GPU encoder (the default);
     /// [`Error::Parameter`] for pages the codec cannot encode; the errors
     /// of `place`.
-    fn plan_encode(
-        &self,
-        job: &EncodeJob<'_>,
-        _place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-    ) -> Result<EncodeLayout> {
+    fn plan_encode(&self, job: &EncodeJob<'_>, _place: &mut dyn Place) -> Result<EncodeLayout> {
         Err(Error::Unsupported(format!(
             "no GPU encoder for {} yet; encode it on the CPU",
             job.codec.name()
@@ -289,13 +285,13 @@ pub fn canonical_body_len(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u6
 /// [`Error::Parameter`] for a page outside the tensor or a codec that
 /// cannot encode it; [`Error::Unsupported`] for codecs without a GPU
 /// encoder (`gpu_encodes` is false); the errors of `place`.
-pub fn plan_encode(
+pub(crate) fn plan_encode(
     src: u64,
     info: &TensorInfo,
     codec: &dyn Codec,
     pages: &[PlannedPage],
     opts: KernelOptions,
-    place: &mut dyn FnMut(&[u8]) -> Result<u64>,
+    place: &mut dyn Place,
 ) -> Result<EncodeLayout> {
     codec.check(info)?;
     let kc = KernelCodec::of(codec, info)?;

@@ -1,0 +1,209 @@
+//! Host-side cost of a paged encode (`Gpu::encode_paged`) without a GPU:
+//! the device-independent steps of one Llama-3-8B layer (K and V, 8 kv
+//! heads, 32768 tokens, head_dim 128, bf16, 256-token pages) timed on a
+//! backend that only keeps what it is given in host memory. Run with
+//! `cargo test --release --lib gpu::hostcost -- --ignored --nocapture`
+//! (`KVPACK_HOSTCOST_CODECS=int4,bdr128` picks codecs,
+//! `KVPACK_HOSTCOST_RUNS=3` repeats each). Prints wall and process CPU
+//! milliseconds (all threads) per step: planning and placing (what the
+//! CUDA backend uploads), the bodies after their download (section
+//! tables, cuts) and the file (frames, CRCs, writing into a `Vec`).
+
+use std::time::Instant;
+
+use super::backend::{Backend, Launch, place_encode};
+use super::encplan::{EncodedBodies, Place};
+use super::paged::{self, PagedShape};
+use super::spec::KernelOptions;
+use crate::cache::DType;
+use crate::compress::CompressOptions;
+use crate::error::Result;
+
+/// Device memory as host vectors; counts what a CUDA backend would do.
+#[derive(Default)]
+struct Fake {
+    bufs: Vec<Vec<u8>>,
+    placed: usize,
+    bytes: usize,
+}
+
+impl Fake {
+    fn push(&mut self, b: Vec<u8>) -> u64 {
+        self.bufs.push(b);
+        ((self.bufs.len() as u64) << 40) | 0x100
+    }
+}
+
+impl Place for Fake {
+    fn place(&mut self, bytes: &[u8]) -> Result<u64> {
+        self.placed += 1;
+        self.bytes += bytes.len();
+        Ok(self.push(bytes.to_vec()))
+    }
+
+    fn zeroed(&mut self, len: usize) -> Result<u64> {
+        self.placed += 1;
+        Ok(self.push(vec![0; len]))
+    }
+}
+
+impl Backend for Fake {
+    fn launch(&mut self, _launches: &[Launch]) -> Result<()> {
+        Ok(())
+    }
+
+    fn read(&mut self, addr: u64, len: usize) -> Result<Vec<u8>> {
+        let (i, o) = (
+            (addr >> 40) as usize - 1,
+            (addr & 0xff_ffff_ffff) as usize - 0x100,
+        );
+        Ok(self.bufs[i][o..o + len].to_vec())
+    }
+}
+
+/// Wall and process CPU time since its start, milliseconds.
+struct Clock(Instant, f64);
+
+fn cpu_ms() -> f64 {
+    let mut t = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid clock id and a valid out pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut t) };
+    t.tv_sec as f64 * 1e3 + t.tv_nsec as f64 / 1e6
+}
+
+impl Clock {
+    fn start() -> Clock {
+        Clock(Instant::now(), cpu_ms())
+    }
+
+    /// `[wall, cpu]` ms.
+    fn ms(&self) -> [f64; 2] {
+        [self.0.elapsed().as_secs_f64() * 1e3, cpu_ms() - self.1]
+    }
+}
+
+fn add(a: &mut [f64; 2], b: [f64; 2]) {
+    a[0] += b[0];
+    a[1] += b[1];
+}
+
+#[test]
+#[ignore = "timing harness: run with --ignored --nocapture"]
+fn paged_encode_host_cost() {
+    let shape = PagedShape {
+        num_blocks: 2048,
+        block_size: 16,
+        kv_heads: 8,
+        head_dim: 128,
+    };
+    let tokens = 32768;
+    let opts = CompressOptions::default();
+    let list = std::env::var("KVPACK_HOSTCOST_CODECS").unwrap_or_else(|_| {
+        "int4,bdr128,hqmq:s96r4,hqmq:s96r4+med3,kivi:2,innerq:k2v2,polar:m4n4,turbo:b3,octopus:b3"
+            .into()
+    });
+    let runs: usize = std::env::var("KVPACK_HOSTCOST_RUNS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(3);
+    println!(
+        "wall / CPU ms (all threads) | codec | plan+place | uploads | uploaded MB | bodies | file | total | file into a new Vec | file MB |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut sink = vec![1u8; 200 << 20];
+    sink.clear();
+    for name in list.split(',').flat_map(|n| std::iter::repeat_n(n, runs)) {
+        let codec = crate::codec::parse(name).unwrap();
+        let all = Clock::start();
+        let infos = paged::layer_infos(&shape, DType::Bf16, 0, tokens);
+        let pages = crate::plan::plan(&infos, &[0, 0], opts.layout).unwrap();
+        let prepared = match super::family::sphere::prepare_shapes(codec.as_ref(), &infos).unwrap()
+        {
+            Some(c) => Some(c),
+            None => paged::prepare_on_gpu(codec.as_ref(), &infos, &pages, &opts, |body| {
+                super::backend::key_amax(&mut Fake::default(), 0x1000, &infos[0], body).map(Some)
+            })
+            .unwrap(),
+        };
+        let codec = prepared.as_deref().unwrap_or(codec.as_ref());
+        assert!(
+            paged::encodes_on_gpu(&infos, &pages, codec, &opts),
+            "{name}"
+        );
+        let (mut plan, mut cut) = ([0.0; 2], [0.0; 2]);
+        let mut fake = Fake::default();
+        let bodies = paged::bodies_by_tensor(&pages, 2, codec, |t, mine, c| {
+            let t0 = Clock::start();
+            let placed = place_encode(
+                &mut fake,
+                0x1000,
+                &infos[t],
+                c,
+                mine,
+                KernelOptions::default(),
+            )?;
+            add(&mut plan, t0.ms());
+            // The download of the bodies, then the tables (or the cut).
+            let t0 = Clock::start();
+            let bodies = vec![0u8; placed.bodies_len];
+            let s = EncodedBodies::new(placed.layouts, placed.cut, bodies);
+            add(&mut cut, t0.ms());
+            s
+        })
+        .unwrap();
+        // Into a buffer of the right size already in memory (as `out=` of
+        // the Python call), then into a new `Vec` (the `bytes` it returns).
+        let t0 = Clock::start();
+        let (mut file, _) =
+            paged::file_from_bodies(infos.clone(), codec, &opts, &pages, &bodies, sink).unwrap();
+        let file_ms = t0.ms();
+        let t0 = Clock::start();
+        drop(paged::file_from_bodies(infos, codec, &opts, &pages, &bodies, Vec::new()).unwrap());
+        let vec_ms = t0.ms();
+        let len = file.len();
+        file.clear();
+        sink = file;
+        let mut total = all.ms();
+        total[0] -= vec_ms[0];
+        total[1] -= vec_ms[1];
+        let f = |x: [f64; 2]| format!("{:.1} / {:.1}", x[0], x[1]);
+        println!(
+            "| {name} | {} | {} | {:.1} | {} | {} | {} | {} | {:.1} |",
+            f(plan),
+            fake.placed,
+            fake.bytes as f64 / 1e6,
+            f(cut),
+            f(file_ms),
+            f(total),
+            f(vec_ms),
+            len as f64 / 1e6
+        );
+    }
+}
+
+#[test]
+#[ignore = "timing harness: run with --ignored --nocapture"]
+fn hqmq_tables_cost() {
+    let infos = paged::layer_infos(
+        &PagedShape {
+            num_blocks: 2048,
+            block_size: 16,
+            kv_heads: 8,
+            head_dim: 128,
+        },
+        DType::Bf16,
+        0,
+        32768,
+    );
+    let c = crate::codec::parse("hqmq:s96r4").unwrap();
+    let t0 = Clock::start();
+    let t = super::family::hqmq::encode_table(c.as_ref(), &infos[0], 96).unwrap();
+    println!("encode_table {:?} {}", t0.ms(), t.len());
+    let t0 = Clock::start();
+    let g = super::hqmq_cells::grid(96).unwrap();
+    let r = super::hqmq_cells::region(g, 8);
+    println!("region {:?} {}", t0.ms(), r.len());
+}
