@@ -173,9 +173,9 @@ pub(crate) struct PlacedEncode {
 }
 
 /// Plans the encode of `pages` of `info` (source at device address `src`)
-/// with `codec` ([`super::family::plan_encode`]) and places body
-/// templates, descriptors, work lists, scratch, side tables and the status
-/// word on `b`.
+/// with `codec` ([`super::family::plan_encode`]) and places the bodies
+/// buffer (zeroed on the device), descriptors, work lists, scratch, side
+/// tables and the status word on `b`.
 ///
 /// # Errors
 /// As [`super::family::plan_encode`] and [`Place::place`].

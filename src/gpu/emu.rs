@@ -461,7 +461,7 @@ impl Emulator {
         let s = u64::from_le_bytes(run.read(plan.status, 8)?.try_into().expect("8 bytes"));
         check_encode_status(s, info, pages)?;
         let bodies = run.read(plan.bodies, plan.bodies_len)?;
-        EncodedBodies::new(plan.layouts, plan.cut, bodies)
+        EncodedBodies::new(plan.layouts, plan.cut, Box::new(bodies))
     }
 }
 

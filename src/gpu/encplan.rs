@@ -1,4 +1,4 @@
-//! Device-independent planning of a GPU encode: page body templates,
+//! Device-independent planning of a GPU encode: page body layouts,
 //! descriptors ([`EncDesc`]) and the work lists of each kernel launch. The
 //! per-codec part is each family's `gpu::family::GpuFamily::plan_encode`
 //! (`int{b}` / `bdr{h}`: one kernel, `family/affine.rs`; `hqmq`: a search
@@ -133,14 +133,41 @@ pub fn sections(
         .collect()
 }
 
+/// Host memory holding a downloaded bodies buffer (a `Vec`, or the CUDA
+/// backend's pinned staging).
+pub trait HostBytes: Send + Sync {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+    /// The bytes, writable.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl HostBytes for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
 /// The bodies buffer of an encode, downloaded, with the plan's layouts:
 /// each page's canonical body (section tables written on the host), or
 /// for data-dependent layouts the worst-case body to cut.
-#[derive(Debug, Clone)]
 pub struct EncodedBodies {
     layouts: Vec<(CanonicalBody, usize)>,
     cut: Option<SectionCut>,
-    bytes: Vec<u8>,
+    bytes: Box<dyn HostBytes>,
+}
+
+impl std::fmt::Debug for EncodedBodies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EncodedBodies")
+            .field("pages", &self.layouts.len())
+            .field("bytes", &self.bytes.bytes().len())
+            .finish()
+    }
 }
 
 impl EncodedBodies {
@@ -154,17 +181,18 @@ impl EncodedBodies {
     pub fn new(
         layouts: Vec<(CanonicalBody, usize)>,
         cut: Option<SectionCut>,
-        mut bytes: Vec<u8>,
+        mut bytes: Box<dyn HostBytes>,
     ) -> Result<EncodedBodies> {
+        let b = bytes.bytes_mut();
         if layouts
             .iter()
-            .any(|(l, off)| off + l.body_len as usize > bytes.len())
+            .any(|(l, off)| off + l.body_len as usize > b.len())
         {
             return Err(Error::param("internal: bodies buffer too short"));
         }
         if cut.is_none() {
             for (l, off) in &layouts {
-                l.write_table(&mut bytes[*off..]);
+                l.write_table(&mut b[*off..]);
             }
         }
         Ok(EncodedBodies {
@@ -196,7 +224,7 @@ impl EncodedBodies {
             .layouts
             .get(i)
             .ok_or_else(|| Error::param("internal: encoded page out of range"))?;
-        let body = &self.bytes[*off..*off + l.body_len as usize];
+        let body = &self.bytes.bytes()[*off..*off + l.body_len as usize];
         match self.cut {
             Some(c) => (c.cut)(l, body, c.args).map(EncodedPage::Sections),
             None => Ok(EncodedPage::Body {
@@ -212,7 +240,7 @@ impl EncodedBodies {
     /// # Errors
     /// As [`sections`].
     pub fn sections(&self) -> Result<Vec<Vec<Section>>> {
-        sections(&self.layouts, self.cut, &self.bytes)
+        sections(&self.layouts, self.cut, self.bytes.bytes())
     }
 }
 
@@ -232,7 +260,7 @@ pub(crate) fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
 }
 
 /// The descriptor fields every encode kernel reads, for page `page` (`rows`
-/// rows, body template at offset `body` of the plan's host buffer) of a
+/// rows, body at offset `body` of the plan's bodies buffer) of a
 /// tensor `info` whose elements start at device address `src`, cut into
 /// `upr` units per row; the codec-specific fields (sections, side table,
 /// scratch, parameters) are zero.

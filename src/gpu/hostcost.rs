@@ -149,7 +149,7 @@ fn paged_encode_host_cost() {
             // The download of the bodies, then the tables (or the cut).
             let t0 = Clock::start();
             let bodies = vec![0u8; placed.bodies_len];
-            let s = EncodedBodies::new(placed.layouts, placed.cut, bodies);
+            let s = EncodedBodies::new(placed.layouts, placed.cut, Box::new(bodies));
             add(&mut cut, t0.ms());
             s
         })
@@ -206,4 +206,92 @@ fn hqmq_tables_cost() {
     let g = super::hqmq_cells::grid(96).unwrap();
     let r = super::hqmq_cells::region(g, 8);
     println!("region {:?} {}", t0.ms(), r.len());
+}
+
+/// The host side of `Gpu::decode_paged` for one Llama-3-8B layer (as in
+/// [`paged_encode_host_cost`]) compressed on the CPU: staging (CRC and
+/// page checks), the descriptor tables (twice: sizing, then placed) and
+/// the fill of the staging image. `KVPACK_HOSTCOST_DECODE=int4,kivi:2`
+/// picks codecs.
+#[test]
+#[ignore = "timing harness: run with --ignored --nocapture"]
+fn paged_decode_host_cost() {
+    use crate::cache::{Kind, KvCache, Tensor, TensorData};
+    use crate::gpu::decplan::PagedImage;
+    use crate::gpu::spec::OutType;
+    let shape = PagedShape {
+        num_blocks: 2048,
+        block_size: 16,
+        kv_heads: 8,
+        head_dim: 128,
+    };
+    let tokens = 32768;
+    let infos = paged::layer_infos(&shape, DType::Bf16, 0, tokens);
+    let tensors = infos
+        .iter()
+        .enumerate()
+        .map(|(k, i)| {
+            let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ k as u64;
+            let v = (0..i.elements())
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    half::bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                })
+                .collect();
+            Tensor::new(i.clone(), TensorData::Bf16(v)).unwrap()
+        })
+        .collect();
+    let cache = KvCache {
+        tensors,
+        ..Default::default()
+    };
+    let ids: Vec<i64> = (0..i64::from(shape.num_blocks)).rev().collect();
+    let list = std::env::var("KVPACK_HOSTCOST_DECODE")
+        .unwrap_or_else(|_| "int4,bdr128,kivi:2,polar:m4n4,turbo:b3,hqmq:s96r4".into());
+    println!("wall / CPU ms | codec | stage (CRC, checks) | tables x2 | fill | total | file MB |");
+    println!("|---|---|---|---|---|---|---|");
+    let mut image = vec![1u8; 200 << 20];
+    for name in list.split(',') {
+        let codec = crate::codec::parse(name).unwrap();
+        let (file, _) = crate::compress::compress(
+            &cache,
+            codec.as_ref(),
+            &CompressOptions::default(),
+            Vec::new(),
+            &|_| {},
+        )
+        .unwrap();
+        for _ in 0..2 {
+            let archive = crate::decode::Archive::open(&file).unwrap();
+            let all = Clock::start();
+            let img = PagedImage::new(&archive, 0, &shape, &ids).unwrap();
+            let stage = all.ms();
+            let t0 = Clock::start();
+            let target = |k: Kind| {
+                let (off, len, addr) = shape.image_target(paged::PagedLayout::FlashAttn, k);
+                (0x10_0000_0000 + 2 * off, len, addr)
+            };
+            let opts = KernelOptions::default();
+            let tlen = img.tables(0, target, OutType::Bf16, opts).unwrap().0.len();
+            let (tables, _, _) = img
+                .tables(0x20_0000_0000, target, OutType::Bf16, opts)
+                .unwrap();
+            let tab = t0.ms();
+            let t0 = Clock::start();
+            img.fill(&mut image[..img.fixed]);
+            image[img.fixed..img.fixed + tlen].copy_from_slice(&tables);
+            let fill = t0.ms();
+            let f = |x: [f64; 2]| format!("{:.1} / {:.1}", x[0], x[1]);
+            println!(
+                "| {name} | {} | {} | {} | {} | {:.1} |",
+                f(stage),
+                f(tab),
+                f(fill),
+                f(all.ms()),
+                file.len() as f64 / 1e6
+            );
+        }
+    }
 }

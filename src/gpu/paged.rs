@@ -645,9 +645,91 @@ impl PagedBodies {
     }
 }
 
+/// The pages of one tensor a paged encode encodes together: its codec
+/// pages (`raw` false) or its window pages (`raw` true, encoded as `raw`),
+/// their indices in the plan and the pages.
+#[derive(Debug, Clone)]
+pub struct PageGroup {
+    /// The tensor.
+    pub tensor: usize,
+    /// Window pages (encoded as `raw`)?
+    pub raw: bool,
+    /// Index in the plan of each page.
+    pub at: Vec<usize>,
+    /// The pages, in plan order.
+    pub pages: Vec<PlannedPage>,
+}
+
+impl PageGroup {
+    /// The codec of the group: `codec`, or `raw` for window pages.
+    pub fn codec<'c>(&self, codec: &'c dyn Codec) -> &'c dyn Codec {
+        if self.raw {
+            &crate::codec::raw::Raw
+        } else {
+            codec
+        }
+    }
+}
+
+/// The groups of `pages` (of `tensors` tensors), per tensor its codec
+/// pages then its window pages (empty groups left out).
+pub fn page_groups(pages: &[PlannedPage], tensors: usize) -> Vec<PageGroup> {
+    let mut out = Vec::new();
+    for t in 0..tensors {
+        for raw in [false, true] {
+            let (at, mine): (Vec<usize>, Vec<PlannedPage>) = pages
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| p.tensor == t as u32 && p.raw == raw)
+                .map(|(i, p)| (i, *p))
+                .unzip();
+            if !mine.is_empty() {
+                out.push(PageGroup {
+                    tensor: t,
+                    raw,
+                    at,
+                    pages: mine,
+                });
+            }
+        }
+    }
+    out
+}
+
+impl PagedBodies {
+    /// The bodies of `groups` (of a plan of `pages` pages), `bodies[i]`
+    /// those of `groups[i]`.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] (internal) when a group's bodies hold another
+    /// number of pages than it.
+    pub fn new(
+        pages: usize,
+        groups: &[PageGroup],
+        bodies: Vec<EncodedBodies>,
+    ) -> Result<PagedBodies> {
+        let mut at = vec![(usize::MAX, 0); pages];
+        if groups.len() != bodies.len() {
+            return Err(Error::param("internal: one set of bodies per page group"));
+        }
+        for (g, (group, b)) in groups.iter().zip(&bodies).enumerate() {
+            if b.len() != group.pages.len() {
+                return Err(Error::param(
+                    "internal: encoder returned the wrong page count",
+                ));
+            }
+            for (k, &i) in group.at.iter().enumerate() {
+                if let Some(slot) = at.get_mut(i) {
+                    *slot = (g, k);
+                }
+            }
+        }
+        Ok(PagedBodies { groups: bodies, at })
+    }
+}
+
 /// Every page of `pages` encoded by `encode(tensor, its pages in plan
-/// order, codec)`, called once per tensor with `codec` for its codec pages
-/// and once with `raw` for its window pages (when it has some).
+/// order, codec)`, called for each of its [`page_groups`] in order.
 ///
 /// # Errors
 /// The error of `encode`; [`Error::Parameter`] when it returns the wrong
@@ -658,35 +740,12 @@ pub fn bodies_by_tensor(
     codec: &dyn Codec,
     mut encode: impl FnMut(usize, &[PlannedPage], &dyn Codec) -> Result<EncodedBodies>,
 ) -> Result<PagedBodies> {
-    let mut out = PagedBodies {
-        groups: Vec::new(),
-        at: vec![(usize::MAX, 0); pages.len()],
-    };
-    for t in 0..tensors {
-        for raw in [false, true] {
-            let (at, mine): (Vec<usize>, Vec<PlannedPage>) = pages
-                .iter()
-                .enumerate()
-                .filter(|(_, p)| p.tensor == t as u32 && p.raw == raw)
-                .map(|(i, p)| (i, *p))
-                .unzip();
-            if mine.is_empty() {
-                continue;
-            }
-            let c: &dyn Codec = if raw { &crate::codec::raw::Raw } else { codec };
-            let got = encode(t, &mine, c)?;
-            if got.len() != mine.len() {
-                return Err(Error::param(
-                    "internal: encoder returned the wrong page count",
-                ));
-            }
-            for (k, i) in at.into_iter().enumerate() {
-                out.at[i] = (out.groups.len(), k);
-            }
-            out.groups.push(got);
-        }
-    }
-    Ok(out)
+    let groups = page_groups(pages, tensors);
+    let bodies = groups
+        .iter()
+        .map(|g| encode(g.tensor, &g.pages, g.codec(codec)))
+        .collect::<Result<Vec<_>>>()?;
+    PagedBodies::new(pages.len(), &groups, bodies)
 }
 
 /// The kvpack file of one layer whose pages `pages` (the plan of `infos`)

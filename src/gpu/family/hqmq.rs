@@ -441,11 +441,10 @@ pub(crate) fn med_sections(l: &CanonicalBody, body: &[u8], args: [u64; 4]) -> Re
     let [e, o, g, _] = args;
     let groups =
         Groups::new(o, g as u32).ok_or_else(|| Error::param("internal: hqmq digit grouping"))?;
-    let mut s = l.sections(body);
-    assert_eq!(s.len(), 4, "hqmq+med layout");
-    let n = s[1].count as usize;
-    let t = &s[3].data;
-    let n_out = u32::from_le_bytes(t[0..4].try_into().expect("4 bytes")) as usize;
+    assert_eq!(l.specs.len(), 4, "hqmq+med layout");
+    let n = l.specs[1].count as usize;
+    let t = l.offsets[3] as usize;
+    let n_out = u32::from_le_bytes(body[t..t + 4].try_into().expect("4 bytes")) as usize;
     let bitmap = n.div_ceil(8);
     let pos = if 4 * n_out <= bitmap {
         4 * n_out
@@ -453,21 +452,33 @@ pub(crate) fn med_sections(l: &CanonicalBody, body: &[u8], args: [u64; 4]) -> Re
         bitmap
     };
     let table = 12 + pos + 8 * n_out;
-    if n_out > n || table > t.len() {
+    if n_out > n || table > l.specs[3].len as usize {
         return Err(Error::param(format!(
             "internal: GPU hqmq outlier count {n_out} of {n} chunks"
         )));
     }
+    // Only the bytes the cut keeps are copied.
     let n_in = n - n_out;
-    s[1].count = n_in as u32;
-    s[1].data
-        .truncate(crate::kernels::bitpack::packed_len(n_in, e as u32));
+    let low = crate::kernels::bitpack::packed_len(n_in, e as u32);
     let high = groups.packed_len(n_in);
-    s[2].count = high as u32;
-    s[2].data.truncate(high);
-    s[3].data.truncate(table);
-    s[3].count = table as u32;
-    Ok(s)
+    let keep = [
+        (l.specs[0].count, l.specs[0].len as usize),
+        (n_in as u32, low),
+        (high as u32, high),
+        (table as u32, table),
+    ];
+    Ok(l.specs
+        .iter()
+        .zip(&l.offsets)
+        .zip(keep)
+        .map(|((s, &at), (count, len))| Section {
+            kind: s.kind,
+            stream: s.stream,
+            elem: s.elem,
+            count,
+            data: body[at as usize..at as usize + len].to_vec(),
+        })
+        .collect())
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@
 //! parameter block, the checked section offsets of a page, the kernel that
 //! decodes it and its grid, the codec parameters its descriptor carries,
 //! the sections of its canonical body (the one statement of its page
-//! layout here: the body length and the encode templates follow from it),
+//! layout here: the body length and the encode body layouts follow from it),
 //! the side table, the kernel names it may ask for and, for the families
 //! with a GPU encoder, the encode plan.
 //!
@@ -116,7 +116,7 @@ pub(crate) trait GpuFamily: Sync {
     /// where the body depends on the data: the hqmq `+med` outlier table
     /// and inlier streams). The one statement of a family's page layout
     /// on the GPU side: `canonical_body_len` (staging of zstd pages) and
-    /// the encode templates derive from it, and `tests/conformance.rs`
+    /// the encode body layouts derive from it, and `tests/conformance.rs`
     /// checks it against the pages the CPU writes for every registry
     /// example.
     ///
@@ -160,7 +160,7 @@ pub(crate) trait GpuFamily: Sync {
         true
     }
 
-    /// Plans a GPU encode (page body templates, descriptors, launches);
+    /// Plans a GPU encode (page body layouts, descriptors, launches);
     /// scratch buffers and side tables are placed through `place`, which
     /// returns their device address.
     ///
