@@ -42,6 +42,50 @@ pub(crate) trait Place {
     /// # Errors
     /// As [`Place::place`].
     fn zeroed(&mut self, len: usize) -> Result<u64>;
+
+    /// New device memory of `len` bytes (at least `bytes.len()`): `bytes`,
+    /// then zeros (cleared on the device; only `bytes` is copied); returns
+    /// its address. The default builds the whole buffer on the host.
+    ///
+    /// # Errors
+    /// As [`Place::place`].
+    fn place_padded(&mut self, bytes: &[u8], len: usize) -> Result<u64> {
+        let mut host = bytes.to_vec();
+        host.resize(len.max(bytes.len()), 0);
+        self.place(&host)
+    }
+
+    /// [`Place::zeroed`] memory with the little-endian u32 `value` at each
+    /// byte offset of `at` (4-aligned, ascending, each `+ 4 <= len`); the
+    /// default builds the bytes on the host and places them.
+    ///
+    /// # Errors
+    /// As [`Place::place`]; [`Error::Parameter`] (internal) for offsets
+    /// that break the rules.
+    fn zeroed_with(&mut self, len: usize, value: u32, at: &[usize]) -> Result<u64> {
+        check_words(len, at)?;
+        let mut host = vec![0u8; len];
+        for &o in at {
+            host[o..o + 4].copy_from_slice(&value.to_le_bytes());
+        }
+        self.place(&host)
+    }
+}
+
+/// Checks the offsets of [`Place::zeroed_with`].
+///
+/// # Errors
+/// [`Error::Parameter`] (internal) for an offset not 4-aligned, not above
+/// the previous one, or past `len - 4`.
+pub(crate) fn check_words(len: usize, at: &[usize]) -> Result<()> {
+    let bad = at
+        .iter()
+        .enumerate()
+        .any(|(i, &o)| !o.is_multiple_of(4) || o + 4 > len || (i > 0 && o <= at[i - 1]));
+    if bad {
+        return Err(Error::param("internal: u32 offsets of a zeroed buffer"));
+    }
+    Ok(())
 }
 
 /// Alignment of page bodies in the body buffer, bytes.

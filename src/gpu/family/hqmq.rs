@@ -260,10 +260,15 @@ impl GpuFamily for Family {
         let c = Hqmq::from_params(&codec.params())?.outlier_multiplier;
         let mut table = encode_table(codec, info, s)?;
         let cells = hqmq_cells::grid(s).filter(|_| !pages.is_empty());
+        let mut lists = 0;
         if let Some(gr) = cells {
-            table.extend_from_slice(&hqmq_cells::region(gr, info.heads));
+            let (head, n) = hqmq_cells::region_head(gr, info.heads);
+            table.extend_from_slice(&head);
+            lists = n;
         }
-        let side = place.place(&table)?;
+        // The cell lists (zero until the setup launch fills them) are
+        // cleared on the device, not uploaded.
+        let side = place.place_padded(&table, table.len() + lists)?;
         drop(table);
         let mut p = empty();
         let kernel = |name: String, grid| KernelChoice {
@@ -300,13 +305,15 @@ impl GpuFamily for Family {
             len += 4 * page_rows(info, pg)? as usize * nc as usize + header;
         }
         let scratch = if med {
-            let mut host = vec![0u8; len.max(4)];
-            let c = c.unwrap_or(1.0).to_le_bytes();
-            for (pg, &at) in pages.iter().zip(&scratch_at) {
-                let h = at as usize + 4 * page_rows(info, pg)? as usize * nc as usize;
-                host[h + 4..h + 8].copy_from_slice(&c);
-            }
-            place.place(&host)?
+            // Each page header's C (the rest is zero).
+            let at = pages
+                .iter()
+                .zip(&scratch_at)
+                .map(|(pg, &at)| {
+                    Ok(at as usize + 4 * page_rows(info, pg)? as usize * nc as usize + 4)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            place.zeroed_with(len.max(4), c.unwrap_or(1.0).to_bits(), &at)?
         } else {
             place.zeroed(len.max(4))?
         };
