@@ -118,7 +118,9 @@ pub fn unit_products() -> [u8; 576] {
 /// `heads` kv heads and grid `g`: u32 `g`, u32 cells, 8 zero bytes, the
 /// 576-byte [`unit_products`], the [`columns`] (padded to 16 bytes), then
 /// per kv head the zeroed lists ([`CELL_CAP`] u16 per cell) that
-/// `encode_hqmq_cells` fills.
+/// `encode_hqmq_cells` fills (the encoder places [`region_head`] and
+/// clears the lists on the device).
+#[cfg(test)]
 pub fn region(g: u32, heads: u32) -> Vec<u8> {
     let (mut out, lists) = region_head(g, heads);
     out.resize(out.len() + lists, 0);
