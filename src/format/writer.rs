@@ -244,3 +244,66 @@ impl<W: Write> Writer<W> {
         Ok((self.out, trailer))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{DType, Kind, TensorInfo};
+    use crate::format::{CodecEntry, PageMeta, Section, SectionKind, VERSION_MAJOR};
+
+    /// A frame written from its canonical body ([`Writer::write_parts`])
+    /// is the frame [`PageFrame::encode`] makes of its sections, for both
+    /// alignments (64: no padding; 4096: padded), and so is the file.
+    #[test]
+    fn frames_from_bodies_equal_frames_from_sections() {
+        let sections = vec![
+            Section::f32s(SectionKind::Scale, 0, &[1.5, -2.0, 3.25]),
+            Section::packed(SectionKind::Index, 0, 3, 7, vec![0xa5, 0x3c, 0x7e]),
+        ];
+        for align_log2 in [6u8, 12] {
+            let header = FileHeader {
+                version_major: VERSION_MAJOR,
+                version_minor: 0,
+                align_log2,
+                tensors: vec![TensorInfo {
+                    name: "k".into(),
+                    layer: 0,
+                    kind: Kind::Key,
+                    dtype: DType::Bf16,
+                    batch: 1,
+                    heads: 1,
+                    tokens: 4,
+                    head_dim: 8,
+                }],
+                codecs: vec![CodecEntry {
+                    id: crate::codec::raw::ID,
+                    params: Vec::new(),
+                }],
+                metadata: Default::default(),
+                page_tokens: 4,
+                sink_tokens: 0,
+                recent_tokens: 0,
+            };
+            let meta = PageMeta {
+                tensor: 0,
+                token_start: 0,
+                tokens: 4,
+                codec: 0,
+            };
+            let align = 1u64 << align_log2;
+            let frame = PageFrame::encode(meta, &sections, None, align).unwrap();
+            let body =
+                &frame.bytes[crate::format::FRAME_HEADER_LEN..][..frame.header.body_len as usize];
+            let h = PageFrame::body_header(meta, body, 2).unwrap();
+            assert_eq!(h, frame.header);
+            let from = PageFrame::from_body(meta, body, 2, None, align).unwrap();
+            assert_eq!(from, frame);
+            let mut a = Writer::new(Vec::new(), &header).unwrap();
+            a.write_page(&frame).unwrap();
+            let mut b = Writer::new(Vec::new(), &header).unwrap();
+            b.write_parts(&h, body).unwrap();
+            assert!(b.write_parts(&h, &body[1..]).is_err());
+            assert_eq!(a.commit(&[]).unwrap().0, b.commit(&[]).unwrap().0);
+        }
+    }
+}

@@ -152,10 +152,10 @@ impl EncodePlan<'_> {
     /// [`Error::Device`] for a CUDA failure.
     pub fn download(&self) -> Result<EncodedBodies> {
         let n = self.bodies.len();
+        self.gpu.ctx().bind_to_thread().map_err(cuda_err("bind"))?;
         let mut staging = self.gpu.take_pinned(n)?;
         let host = staging.as_mut_slice().map_err(cuda_err("pinned buffer"))?;
         let ptr = host.as_mut_ptr();
-        self.gpu.ctx().bind_to_thread().map_err(cuda_err("bind"))?;
         // SAFETY: `n` bytes of the bodies buffer into the first `n` bytes
         // of the pinned staging (at least `n` long); the stream is
         // synchronized before they are read.

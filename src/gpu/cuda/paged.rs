@@ -221,6 +221,12 @@ impl Gpu {
     /// enqueued (stream synchronizes of this handle's stream, so also for
     /// the work the caller enqueued there before; never the device).
     ///
+    /// Host side: the page bodies are written by the kernels into a buffer
+    /// cleared on the device, downloaded into pinned staging, and framed
+    /// (section tables, CRCs on all threads) straight into `out`. With the
+    /// environment variable `KVPACK_GPU_TIMING` set, the wall time of each
+    /// stage is printed to stderr.
+    ///
     /// # Errors
     /// [`Error::Parameter`] when `num_tokens` is 0, the block table is too
     /// short, out of range or repeats a block, or the codec cannot encode
