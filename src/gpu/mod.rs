@@ -130,6 +130,8 @@ pub mod spec;
 
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(any(feature = "cuda", test))]
+mod ptx_cache;
 #[doc(hidden)]
 pub mod emu;
 #[cfg(feature = "cuda")]
