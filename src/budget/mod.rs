@@ -398,15 +398,8 @@ fn fixed_bytes(cache: &CacheView<'_>, cands: &[Candidate], opts: &CompressOption
     Ok((h + index + 64) as f64)
 }
 
-fn measure(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Measured> {
-    if cache.tensors.is_empty() {
-        return Err(Error::param("the cache has no K/V tensors"));
-    }
-    let plain = Layout {
-        sink: 0,
-        recent: 0,
-        ..opts.layout
-    };
+/// The planner's candidate codec names for the head_dims of `cache`.
+fn planner_names(cache: &CacheView<'_>) -> Vec<String> {
     let mut dims: Vec<u32> = cache.tensors.iter().map(|t| t.info.head_dim).collect();
     dims.sort_unstable();
     dims.dedup();
@@ -420,20 +413,52 @@ fn measure(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Measured> {
             }
         }
     }
-    let candidates = names
-        .iter()
-        .map(|n| {
-            let c = crate::codec::parse(n)?;
-            let codec = match c.prepare(cache, &plain)? {
-                Some(p) => p,
-                None => c,
-            };
-            let hqmq = (codec.id() == crate::codec::hqmq::ID)
-                .then(|| Hqmq::from_params(&codec.params()))
-                .transpose()?;
-            Ok(Candidate { codec, hqmq })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    names
+}
+
+/// Prepares the codec `name` for `cache` (statistics of codecs that take
+/// them, e.g. InnerQ's key normalization).
+fn candidate(cache: &CacheView<'_>, plain: &Layout, name: &str) -> Result<Candidate> {
+    let c = crate::codec::parse(name)?;
+    let codec = match c.prepare(cache, plain)? {
+        Some(p) => p,
+        None => c,
+    };
+    let hqmq = (codec.id() == crate::codec::hqmq::ID)
+        .then(|| Hqmq::from_params(&codec.params()))
+        .transpose()?;
+    Ok(Candidate { codec, hqmq })
+}
+
+fn measure(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Measured> {
+    measure_names(cache, opts, &planner_names(cache), false)
+}
+
+/// Measures the codecs `names` on every tensor of `cache`; with
+/// `skip_unfit`, a name whose codec cannot be prepared for this cache (a
+/// block larger than head_dim, say) is left out instead of failing.
+fn measure_names(
+    cache: &CacheView<'_>,
+    opts: &CompressOptions,
+    names: &[String],
+    skip_unfit: bool,
+) -> Result<Measured> {
+    if cache.tensors.is_empty() {
+        return Err(Error::param("the cache has no K/V tensors"));
+    }
+    let plain = Layout {
+        sink: 0,
+        recent: 0,
+        ..opts.layout
+    };
+    let mut candidates = Vec::new();
+    for n in names {
+        match candidate(cache, &plain, n) {
+            Ok(c) => candidates.push(c),
+            Err(_) if skip_unfit => {}
+            Err(e) => return Err(e),
+        }
+    }
     // Layers: consecutive tensors of one layer index.
     let mut layers: Vec<Vec<usize>> = Vec::new();
     for (i, t) in cache.tensors.iter().enumerate() {
@@ -680,14 +705,25 @@ pub struct UniformPoint {
     pub distortion_v: f64,
 }
 
-/// The planner's measurements of every candidate codec applied to every
-/// tensor without windows (candidates that cannot code some tensor are
-/// left out).
+/// The planner's distortion measure of single codecs applied uniformly to
+/// every tensor without windows: the planner's candidates and every
+/// registered codec family's example parameter sets (the ones the
+/// conformance suite runs), so the report shows every codec next to the
+/// planner. Codecs that cannot code some tensor of `cache` (e.g. `bdr128`
+/// on head_dim 64) are left out.
 ///
 /// # Errors
 /// As [`plan`].
 pub fn uniform_points(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Vec<UniformPoint>> {
-    let m = measure(cache, opts)?;
+    let mut names = planner_names(cache);
+    for f in crate::codec::registry::FAMILIES {
+        for e in f.examples {
+            if !names.iter().any(|n| n == e.name) {
+                names.push(e.name.to_string());
+            }
+        }
+    }
+    let m = measure_names(cache, opts, &names, true)?;
     let mut out = Vec::new();
     'cand: for (c, cand) in m.candidates.iter().enumerate() {
         let (mut bytes, mut d, mut dk, mut dv) = (m.fixed, 0.0, 0.0, 0.0);
