@@ -12,7 +12,8 @@ use crate::cache::{KvCache, TensorData, TensorInfo};
 use crate::codec::{Codec, PageIn, raw::Raw};
 use crate::error::{Error, Result};
 use crate::format::{
-    CodecEntry, FileHeader, PageFrame, PageMeta, Reader, Section, Trailer, VERSION_MAJOR, Writer,
+    CodecEntry, FileHeader, PageFrame, PageHeader, PageMeta, Reader, Section, Trailer,
+    VERSION_MAJOR, Writer,
 };
 use crate::plan::{Layout, PlannedPage, plan};
 use crate::view::{CacheView, Strides, TensorView};
@@ -129,13 +130,22 @@ fn page_frame(
     slot: usize,
     opts: &CompressOptions,
 ) -> Result<PageFrame> {
-    let meta = PageMeta {
+    PageFrame::encode(
+        page_meta(p, slot),
+        sections,
+        opts.zstd_level,
+        1 << opts.align_log2,
+    )
+}
+
+/// The frame header fields of planned page `p` encoded by codec `slot`.
+fn page_meta(p: &PlannedPage, slot: usize) -> PageMeta {
+    PageMeta {
         tensor: p.tensor,
         token_start: p.token_start,
         tokens: p.tokens,
         codec: slot as u16,
-    };
-    PageFrame::encode(meta, sections, opts.zstd_level, 1 << opts.align_log2)
+    }
 }
 
 /// Source bytes of planned page `p`.
@@ -494,9 +504,35 @@ impl FilePlan {
     }
 }
 
+/// A page encoded elsewhere (e.g. on the GPU), as [`write_encoded`] takes
+/// it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EncodedPage<'a> {
+    /// Its sections.
+    Sections(Vec<Section>),
+    /// Its canonical body (format/SPEC.md 6.2: section table, sections
+    /// 64-aligned, zero padding), the body [`PageFrame::encode`] lays out
+    /// for its sections, and the number of sections: framed without
+    /// re-laying it out.
+    Body {
+        /// The body bytes.
+        body: &'a [u8],
+        /// Sections in the body's table.
+        sections: u16,
+    },
+}
+
+/// A page of [`write_encoded`] ready to write.
+enum Framed<'a> {
+    /// A whole frame.
+    Frame(PageFrame),
+    /// The header of an uncompressed frame and its body.
+    Parts(PageHeader, &'a [u8]),
+}
+
 /// Writes a new kvpack file of tensors `infos` whose pages were encoded
-/// elsewhere (e.g. on the GPU): `sections(i)` returns the sections of
-/// `pages[i]` as `codec`'s encoder would (for window pages, as `raw`'s).
+/// elsewhere (e.g. on the GPU): `sections(i)` returns `pages[i]` encoded
+/// as `codec`'s encoder would (for window pages, as `raw`'s).
 /// `pages` must be the plan of `infos` under `opts.layout`; `codec` must
 /// be prepared already (it is written as given: [`Codec::prepare`] is not
 /// called) and `opts.raw_fallback` be off. Frames (and zstd) are built on
@@ -507,14 +543,14 @@ impl FilePlan {
 /// [`Error::Parameter`] when `pages` is not that plan or `raw_fallback` is
 /// set; the error of `sections`; [`Error::Io`] when writing fails.
 #[allow(clippy::too_many_arguments)]
-pub fn write_encoded<W: Write + Send>(
+pub fn write_encoded<'a, W: Write + Send>(
     infos: Vec<TensorInfo>,
     metadata: &BTreeMap<String, String>,
     token_ids: &[u32],
     codec: &dyn Codec,
     opts: &CompressOptions,
     pages: &[PlannedPage],
-    sections: &(dyn Fn(usize) -> Result<Vec<Section>> + Sync),
+    sections: &(dyn Fn(usize) -> Result<EncodedPage<'a>> + Sync),
     out: W,
 ) -> Result<(W, CompressReport)> {
     let start = Instant::now();
@@ -540,9 +576,26 @@ pub fn write_encoded<W: Write + Send>(
         source_bytes / pages.len().max(1) as u64,
         |&i| {
             let slot = if pages[i].raw { raw_slot } else { 0 };
-            page_frame(&pages[i], &sections(i)?, slot, opts)
+            let meta = page_meta(&pages[i], slot);
+            Ok(match sections(i)? {
+                EncodedPage::Sections(s) => Framed::Frame(page_frame(&pages[i], &s, slot, opts)?),
+                // Uncompressed bodies are written straight from `body`.
+                EncodedPage::Body { body, sections } if opts.zstd_level.is_none() => {
+                    Framed::Parts(PageFrame::body_header(meta, body, sections)?, body)
+                }
+                EncodedPage::Body { body, sections } => Framed::Frame(PageFrame::from_body(
+                    meta,
+                    body,
+                    sections,
+                    opts.zstd_level,
+                    1 << opts.align_log2,
+                )?),
+            })
         },
-        |frame| w.write_page(&frame),
+        |framed| match framed {
+            Framed::Frame(f) => w.write_page(&f),
+            Framed::Parts(h, body) => w.write_parts(&h, body),
+        },
     )?;
     let (out, trailer) = w.commit(token_ids)?;
     Ok((

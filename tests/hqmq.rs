@@ -413,6 +413,39 @@ fn fast_search_equals_exhaustive_on_the_fixture() {
     assert_eq!(mismatches, 0);
 }
 
+/// Encoding with a shared direction search (`Hqmq::encode_shared`, used by
+/// the budget planner) gives exactly the sections of a plain encode, for
+/// configurations of one `S` sharing a search and when `S` or the seed
+/// changes between calls, on every tensor of the real fixture.
+#[test]
+fn shared_search_encodes_equal_plain_encodes_on_the_fixture() {
+    let fx = fixture();
+    let names = [
+        "hqmq:s96r4",
+        "hqmq:s96r6",
+        "hqmq:s96r4+med3",
+        "hqmq:s24r3",
+        "hqmq:s24r3+med3",
+        "hqmq:s96r5+med2",
+        "hqmq:s96r5:seed3",
+    ];
+    let codecs: Vec<Hqmq> = names.iter().map(|n| parse_name(n).unwrap()).collect();
+    for t in &fx.cache.tensors {
+        let page = kvpack::codec::PageIn {
+            tensor: &t.info,
+            token_start: 0,
+            tokens: t.info.tokens,
+            planes: vec![t.data.as_elems()],
+        };
+        let mut shared = None;
+        for (n, h) in names.iter().zip(&codecs) {
+            let plain = kvpack::codec::Codec::encode(h, &page).unwrap();
+            let with = h.encode_shared(&page, &mut shared).unwrap();
+            assert_eq!(plain, with, "{}: {n}", t.info.name);
+        }
+    }
+}
+
 fn eval(fx: &kvpack::io::safetensors::Loaded, name: &str) -> Evaluation {
     let c = kvpack::codec::parse(name).unwrap();
     evaluate(fx, c.as_ref(), &CompressOptions::default()).unwrap()

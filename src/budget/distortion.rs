@@ -169,14 +169,14 @@ impl HeadContext {
     /// every slot coded.
     pub fn value_deltas(&self, head: Head<'_>, v_hat: &[f32]) -> Vec<f32> {
         let (n, d) = (self.n, self.d);
+        let diff: Vec<f32> = v_hat.iter().zip(head.v).map(|(a, b)| a - b).collect();
         let mut out = vec![0.0f32; self.proxies.len() * d];
         for q in 0..self.proxies.len() {
             let o = &mut out[q * d..(q + 1) * d];
             for j in 0..n {
                 let p = self.probs[q * n + j];
-                let (a, b) = (&v_hat[j * d..(j + 1) * d], &head.v[j * d..(j + 1) * d]);
-                for k in 0..d {
-                    o[k] += p * (a[k] - b[k]);
+                for (o, e) in o.iter_mut().zip(&diff[j * d..(j + 1) * d]) {
+                    *o += p * e;
                 }
             }
         }

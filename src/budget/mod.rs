@@ -28,13 +28,16 @@ mod allocate;
 mod candidates;
 pub mod distortion;
 mod sample;
+mod timing;
 
+use std::collections::BTreeMap;
 use std::io::Write;
 
 use rayon::prelude::*;
 
 use crate::cache::{Kind, TensorInfo};
 use crate::codec::Codec;
+use crate::codec::hqmq::{Directions, Hqmq};
 use crate::compress::{CompressOptions, CompressReport, compress_mixed};
 use crate::error::{Error, Result};
 use crate::format::{CodecEntry, FileHeader, VERSION_MAJOR};
@@ -92,6 +95,10 @@ impl Plan {
 #[derive(Debug)]
 struct Candidate {
     codec: Box<dyn Codec>,
+    /// The same codec when it is an `hqmq` configuration: its sample
+    /// encodes share the direction search with the other `hqmq`
+    /// candidates of equal `S` and seed.
+    hqmq: Option<Hqmq>,
 }
 
 /// Operating points of one tensor: `(candidate, sink)` per point.
@@ -183,20 +190,30 @@ struct Trials {
 fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials> {
     let tv = &cache.tensors[t];
     let sample = Sample::of(tv.info.tokens);
-    let rows = load_rows(tv, &sample);
+    let rows = timing::time(timing::Section::Sample, || load_rows(tv, &sample));
     let n = sample.len();
-    let trips = cands
-        .iter()
-        .map(|c| {
-            if c.codec.check(&tv.info).is_err() || n == 0 {
-                return Ok(None);
-            }
-            if c.codec.id() == crate::codec::raw::ID {
-                return Ok(Some(None));
-            }
-            round_trip(c.codec.as_ref(), &tv.info, &rows, n).map(|r| Some(Some(r)))
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let trips = timing::time(timing::Section::RoundTrip, || {
+        // Direction searches of the sample page per hqmq (S, seed).
+        let mut shared: BTreeMap<(u32, u64), Option<Directions>> = BTreeMap::new();
+        cands
+            .iter()
+            .map(|c| {
+                if c.codec.check(&tv.info).is_err() || n == 0 {
+                    return Ok(None);
+                }
+                if c.codec.id() == crate::codec::raw::ID {
+                    return Ok(Some(None));
+                }
+                let mut encode = |page: &crate::codec::PageIn<'_>| match &c.hqmq {
+                    Some(h) => {
+                        h.encode_shared(page, shared.entry((h.secondaries, h.seed)).or_default())
+                    }
+                    None => c.codec.encode(page),
+                };
+                round_trip(c.codec.as_ref(), &mut encode, &tv.info, &rows, n).map(|r| Some(Some(r)))
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
     Ok(Trials {
         sample,
         rows,
@@ -234,6 +251,23 @@ fn layer_points(
         }
         _ => None,
     };
+    // The reference attention of each kv head, shared by K and V.
+    let contexts: Option<Vec<HeadContext>> = pair.map(|_| {
+        timing::time(timing::Section::Distortion, || {
+            let (d, n) = (infos[0].head_dim as usize, tr[0].sample.len());
+            let scale = attn_scale(cache, infos[0].head_dim);
+            (0..infos[0].planes())
+                .map(|p| {
+                    let r = p * n * d..(p + 1) * n * d;
+                    let h = Head {
+                        k: &tr[0].rows[r.clone()],
+                        v: &tr[1].rows[r],
+                    };
+                    HeadContext::new(h, n, d, &tr[0].sample.weights, scale)
+                })
+                .collect()
+        })
+    });
     let mut out = Vec::new();
     for (i, &t) in ts.iter().enumerate() {
         let info = infos[i];
@@ -244,18 +278,7 @@ fn layer_points(
             points: Vec::new(),
             choice: Vec::new(),
         };
-        let contexts: Option<Vec<HeadContext>> = pair.map(|_| {
-            let scale = attn_scale(cache, info.head_dim);
-            (0..info.planes())
-                .map(|p| {
-                    let h = Head {
-                        k: &tr[0].rows[p * plane..(p + 1) * plane],
-                        v: &tr[1].rows[p * plane..(p + 1) * plane],
-                    };
-                    HeadContext::new(h, n, d, &tr[0].sample.weights, scale)
-                })
-                .collect()
-        });
+        let scale = attn_scale(cache, info.head_dim);
         for (c, trip) in tr[i].trips.iter().enumerate() {
             let Some(trip) = trip else { continue };
             let sinks: &[u32] = if trip.is_none() {
@@ -263,48 +286,67 @@ fn layer_points(
             } else {
                 candidates::SINKS
             };
-            // Per plane error pieces shared by every sink.
             let hat = trip.as_ref().map(|r| &r.rows[..]);
-            for &sink in sinks {
-                let exact = exact_rows(&tr[i].sample, sink);
-                let distortion = match (hat, &contexts) {
-                    (None, _) => 0.0,
-                    (Some(hat), Some(ctx)) => {
-                        let scale = attn_scale(cache, info.head_dim);
-                        let (mut num, mut den) = (0.0, 0.0);
-                        for (p, cx) in ctx.iter().enumerate() {
+            // Per plane error pieces shared by every sink.
+            let deltas: Vec<Vec<f32>> = match (hat, &contexts) {
+                (Some(hat), Some(ctx)) => timing::time(timing::Section::Distortion, || {
+                    ctx.iter()
+                        .enumerate()
+                        .map(|(p, cx)| {
                             let r = p * plane..(p + 1) * plane;
                             let h = Head {
                                 k: &tr[0].rows[r.clone()],
                                 v: &tr[1].rows[r.clone()],
                             };
-                            den += cx.energy();
-                            num += if info.kind == Kind::Key {
-                                cx.key_error(&cx.key_deltas(h, &hat[r], scale), exact)
+                            if info.kind == Kind::Key {
+                                cx.key_deltas(h, &hat[r], scale)
                             } else {
-                                let dv = cx.value_deltas(h, &hat[r.clone()]);
-                                cx.value_error(h, &hat[r], &dv, exact)
-                            };
+                                cx.value_deltas(h, &hat[r])
+                            }
+                        })
+                        .collect()
+                }),
+                _ => Vec::new(),
+            };
+            for &sink in sinks {
+                let exact = exact_rows(&tr[i].sample, sink);
+                let distortion =
+                    timing::time(timing::Section::Distortion, || match (hat, &contexts) {
+                        (None, _) => 0.0,
+                        (Some(hat), Some(ctx)) => {
+                            let (mut num, mut den) = (0.0, 0.0);
+                            for (p, cx) in ctx.iter().enumerate() {
+                                let r = p * plane..(p + 1) * plane;
+                                let h = Head {
+                                    k: &tr[0].rows[r.clone()],
+                                    v: &tr[1].rows[r.clone()],
+                                };
+                                den += cx.energy();
+                                num += if info.kind == Kind::Key {
+                                    cx.key_error(&deltas[p], exact)
+                                } else {
+                                    cx.value_error(h, &hat[r], &deltas[p], exact)
+                                };
+                            }
+                            if den > 0.0 { num / den } else { num }
                         }
-                        if den > 0.0 { num / den } else { num }
-                    }
-                    (Some(hat), None) => {
-                        let (mut num, mut den) = (0.0, 0.0);
-                        for p in 0..info.planes() {
-                            let r = p * plane..(p + 1) * plane;
-                            let (e, s) = distortion::weighted_mse(
-                                &tr[i].rows[r.clone()],
-                                &hat[r],
-                                &tr[i].sample.weights,
-                                d,
-                                exact,
-                            );
-                            num += e;
-                            den += s;
+                        (Some(hat), None) => {
+                            let (mut num, mut den) = (0.0, 0.0);
+                            for p in 0..info.planes() {
+                                let r = p * plane..(p + 1) * plane;
+                                let (e, s) = distortion::weighted_mse(
+                                    &tr[i].rows[r.clone()],
+                                    &hat[r],
+                                    &tr[i].sample.weights,
+                                    d,
+                                    exact,
+                                );
+                                num += e;
+                                den += s;
+                            }
+                            if den > 0.0 { num / den } else { num }
                         }
-                        if den > 0.0 { num / den } else { num }
-                    }
-                };
+                    });
                 points.points.push(Point {
                     bytes: tensor_bytes(info, trip.as_ref(), n, sink, opts),
                     distortion,
@@ -356,15 +398,8 @@ fn fixed_bytes(cache: &CacheView<'_>, cands: &[Candidate], opts: &CompressOption
     Ok((h + index + 64) as f64)
 }
 
-fn measure(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Measured> {
-    if cache.tensors.is_empty() {
-        return Err(Error::param("the cache has no K/V tensors"));
-    }
-    let plain = Layout {
-        sink: 0,
-        recent: 0,
-        ..opts.layout
-    };
+/// The planner's candidate codec names for the head_dims of `cache`.
+fn planner_names(cache: &CacheView<'_>) -> Vec<String> {
     let mut dims: Vec<u32> = cache.tensors.iter().map(|t| t.info.head_dim).collect();
     dims.sort_unstable();
     dims.dedup();
@@ -378,17 +413,52 @@ fn measure(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Measured> {
             }
         }
     }
-    let candidates = names
-        .iter()
-        .map(|n| {
-            let c = crate::codec::parse(n)?;
-            let codec = match c.prepare(cache, &plain)? {
-                Some(p) => p,
-                None => c,
-            };
-            Ok(Candidate { codec })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    names
+}
+
+/// Prepares the codec `name` for `cache` (statistics of codecs that take
+/// them, e.g. InnerQ's key normalization).
+fn candidate(cache: &CacheView<'_>, plain: &Layout, name: &str) -> Result<Candidate> {
+    let c = crate::codec::parse(name)?;
+    let codec = match c.prepare(cache, plain)? {
+        Some(p) => p,
+        None => c,
+    };
+    let hqmq = (codec.id() == crate::codec::hqmq::ID)
+        .then(|| Hqmq::from_params(&codec.params()))
+        .transpose()?;
+    Ok(Candidate { codec, hqmq })
+}
+
+fn measure(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Measured> {
+    measure_names(cache, opts, &planner_names(cache), false)
+}
+
+/// Measures the codecs `names` on every tensor of `cache`; with
+/// `skip_unfit`, a name whose codec cannot be prepared for this cache (a
+/// block larger than head_dim, say) is left out instead of failing.
+fn measure_names(
+    cache: &CacheView<'_>,
+    opts: &CompressOptions,
+    names: &[String],
+    skip_unfit: bool,
+) -> Result<Measured> {
+    if cache.tensors.is_empty() {
+        return Err(Error::param("the cache has no K/V tensors"));
+    }
+    let plain = Layout {
+        sink: 0,
+        recent: 0,
+        ..opts.layout
+    };
+    let mut candidates = Vec::new();
+    for n in names {
+        match candidate(cache, &plain, n) {
+            Ok(c) => candidates.push(c),
+            Err(_) if skip_unfit => {}
+            Err(e) => return Err(e),
+        }
+    }
     // Layers: consecutive tensors of one layer index.
     let mut layers: Vec<Vec<usize>> = Vec::new();
     for (i, t) in cache.tensors.iter().enumerate() {
@@ -521,6 +591,7 @@ pub fn compress_budget<W: Write + Send>(
     let start = std::time::Instant::now();
     let m = measure(cache, opts)?;
     let (buf, mut report, plan) = m.write(cache, bits, opts, progress)?;
+    timing::report();
     out.write_all(&buf)
         .map_err(|e| Error::io("writing the planned file", e))?;
     report.seconds = start.elapsed().as_secs_f64();
@@ -540,7 +611,7 @@ impl Measured {
         let budget = bits * cache.elements() as f64 / 8.0;
         let mut slack = 0.0;
         for _ in 0..4 {
-            let p = self.plan(cache, bits, slack)?;
+            let p = timing::time(timing::Section::Allocate, || self.plan(cache, bits, slack))?;
             let refs: Vec<&dyn Codec> = p.codecs.iter().map(|c| c.as_ref()).collect();
             let layouts: Vec<Layout> = p
                 .tensors
@@ -552,16 +623,18 @@ impl Measured {
                 })
                 .collect();
             let label = format!("plan:{bits}");
-            let (buf, report) = compress_mixed(
-                cache,
-                &refs,
-                &p.slots,
-                &layouts,
-                &label,
-                opts,
-                Vec::new(),
-                progress,
-            )?;
+            let (buf, report) = timing::time(timing::Section::Encode, || {
+                compress_mixed(
+                    cache,
+                    &refs,
+                    &p.slots,
+                    &layouts,
+                    &label,
+                    opts,
+                    Vec::new(),
+                    progress,
+                )
+            })?;
             let len = buf.len() as f64;
             if len <= budget {
                 return Ok((buf, report, p));
@@ -632,14 +705,25 @@ pub struct UniformPoint {
     pub distortion_v: f64,
 }
 
-/// The planner's measurements of every candidate codec applied to every
-/// tensor without windows (candidates that cannot code some tensor are
-/// left out).
+/// The planner's distortion measure of single codecs applied uniformly to
+/// every tensor without windows: the planner's candidates and every
+/// registered codec family's example parameter sets (the ones the
+/// conformance suite runs), so the report shows every codec next to the
+/// planner. Codecs that cannot code some tensor of `cache` (e.g. `bdr128`
+/// on head_dim 64) are left out.
 ///
 /// # Errors
 /// As [`plan`].
 pub fn uniform_points(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Vec<UniformPoint>> {
-    let m = measure(cache, opts)?;
+    let mut names = planner_names(cache);
+    for f in crate::codec::registry::FAMILIES {
+        for e in f.examples {
+            if !names.iter().any(|n| n == e.name) {
+                names.push(e.name.to_string());
+            }
+        }
+    }
+    let m = measure_names(cache, opts, &names, true)?;
     let mut out = Vec::new();
     'cand: for (c, cand) in m.candidates.iter().enumerate() {
         let (mut bytes, mut d, mut dk, mut dv) = (m.fixed, 0.0, 0.0, 0.0);

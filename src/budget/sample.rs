@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use crate::cache::{DType, ElemsMut, TensorInfo};
 use crate::codec::{Codec, PageIn, PageOut};
 use crate::error::{Error, Location, Result};
-use crate::format::{Limits, PageFrame, PageHeader, PageMeta, PageView};
+use crate::format::{Limits, PageFrame, PageHeader, PageMeta, PageView, Section};
 use crate::view::TensorView;
 
 /// Leading cache slots always in the sample (each stands for itself), so
@@ -81,12 +81,14 @@ pub(crate) struct RoundTrip {
 }
 
 /// Encodes `rows` (`[planes, n, head_dim]`, f32) as one page of a tensor
-/// shaped like `info` with `n` tokens, and decodes it again.
+/// shaped like `info` with `n` tokens by `encode` (the encoder of `codec`),
+/// and decodes it again with `codec`.
 ///
 /// # Errors
 /// The codec's encode or decode error.
 pub(crate) fn round_trip(
     codec: &dyn Codec,
+    encode: &mut dyn FnMut(&PageIn<'_>) -> Result<Vec<Section>>,
     info: &TensorInfo,
     rows: &[f32],
     n: usize,
@@ -105,7 +107,7 @@ pub(crate) fn round_trip(
             .map(crate::cache::Elems::F32)
             .collect(),
     };
-    let sections = codec.encode(&page)?;
+    let sections = encode(&page)?;
     let payload = sections.iter().map(|s| s.data.len() as u64).sum();
     let meta = PageMeta {
         tensor: 0,

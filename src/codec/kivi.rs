@@ -165,13 +165,13 @@ impl Kivi {
             planes * tokens * head_dim,
         )?;
         expect_section_count(page, 3)?;
-        for g in 0..n {
+        let bad = [scales, zeros]
+            .into_iter()
+            .filter_map(pagebuf::first_non_finite_f16)
+            .min();
+        if let Some(g) = bad {
             let (s, z) = (pagebuf::f16_at(scales, g), pagebuf::f16_at(zeros, g));
-            if !(s.is_finite() && z.is_finite()) {
-                return Err(
-                    page.error(format!("group {g}: scale {s} or zero point {z} not finite"))
-                );
-            }
+            return Err(page.error(format!("group {g}: scale {s} or zero point {z} not finite")));
         }
         Ok(KiviPage {
             groups,

@@ -99,6 +99,14 @@ pub fn f16_at(bytes: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32()
 }
 
+/// The index of the first of the little-endian binary16 values in `bytes`
+/// that is infinite or NaN (exponent bits all ones), checked on the bits.
+pub fn first_non_finite_f16(bytes: &[u8]) -> Option<usize> {
+    bytes
+        .chunks_exact(2)
+        .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00)
+}
+
 /// Reads little-endian u32 number `i` of `bytes`.
 ///
 /// # Panics
@@ -106,4 +114,26 @@ pub fn f16_at(bytes: &[u8], i: usize) -> f32 {
 #[inline]
 pub fn u32_at(bytes: &[u8], i: usize) -> u32 {
     u32::from_le_bytes(bytes[4 * i..4 * i + 4].try_into().expect("4 bytes"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_finite_f16_found_on_the_bits() {
+        let bytes = |v: &[f32]| -> Vec<u8> {
+            v.iter()
+                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                .collect()
+        };
+        let finite = [65504.0, -0.0, 6e-8, -1.5, 0.0];
+        assert_eq!(first_non_finite_f16(&bytes(&finite)), None);
+        for (bad, at) in [(f32::INFINITY, 3), (f32::NEG_INFINITY, 0), (f32::NAN, 4)] {
+            let mut v = finite;
+            v[at] = bad;
+            assert_eq!(first_non_finite_f16(&bytes(&v)), Some(at), "{bad}");
+            assert!(!f16_at(&bytes(&v), at).is_finite());
+        }
+    }
 }

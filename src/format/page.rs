@@ -51,7 +51,7 @@ impl PageHeader {
         (FRAME_HEADER_LEN as u64 + self.stored_len).next_multiple_of(align)
     }
 
-    fn encode(&self) -> [u8; FRAME_HEADER_LEN] {
+    pub(crate) fn encode(&self) -> [u8; FRAME_HEADER_LEN] {
         let mut v = Vec::with_capacity(FRAME_HEADER_LEN);
         v.extend_from_slice(&PAGE_MAGIC);
         v.put_u32(self.meta.tensor);
@@ -190,6 +190,67 @@ impl PageFrame {
         }
         let mut bytes = vec![0u8; FRAME_HEADER_LEN];
         section::encode_body_into(&mut bytes, sections)?;
+        let n_sections =
+            u16::try_from(sections.len()).map_err(|_| Error::param("more than 65535 sections"))?;
+        Self::finish(meta, bytes, n_sections, zstd_level, align)
+    }
+
+    /// A frame around `body`, a canonical page body (format/SPEC.md 6.2)
+    /// of `n_sections` sections already laid out (for example by a GPU
+    /// encoder): the frame [`PageFrame::encode`] makes of its sections. The
+    /// body is copied once and not re-checked.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for a page of zero tokens; [`Error::Io`] if
+    /// zstd fails.
+    pub fn from_body(
+        meta: PageMeta,
+        body: &[u8],
+        n_sections: u16,
+        zstd_level: Option<i32>,
+        align: u64,
+    ) -> Result<PageFrame> {
+        if meta.tokens == 0 {
+            return Err(Error::param("a page must hold at least one token"));
+        }
+        let mut bytes = Vec::with_capacity(
+            (FRAME_HEADER_LEN + body.len())
+                .next_multiple_of(usize::try_from(align).unwrap_or(1).max(1)),
+        );
+        bytes.resize(FRAME_HEADER_LEN, 0);
+        bytes.extend_from_slice(body);
+        Self::finish(meta, bytes, n_sections, zstd_level, align)
+    }
+
+    /// The header of the uncompressed frame of `body`, a canonical page
+    /// body of `n_sections` sections ([`PageFrame::from_body`] without
+    /// zstd, without building the frame: [`super::Writer::write_parts`]
+    /// writes it from `body`).
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for a page of zero tokens.
+    pub fn body_header(meta: PageMeta, body: &[u8], n_sections: u16) -> Result<PageHeader> {
+        if meta.tokens == 0 {
+            return Err(Error::param("a page must hold at least one token"));
+        }
+        Ok(PageHeader {
+            meta,
+            flags: 0,
+            n_sections,
+            stored_len: body.len() as u64,
+            body_len: body.len() as u64,
+            body_crc: crc32(&[body]),
+        })
+    }
+
+    /// The frame of `bytes` (room for the header, then the body).
+    fn finish(
+        meta: PageMeta,
+        mut bytes: Vec<u8>,
+        n_sections: u16,
+        zstd_level: Option<i32>,
+        align: u64,
+    ) -> Result<PageFrame> {
         let body_len = (bytes.len() - FRAME_HEADER_LEN) as u64;
         let mut flags = 0;
         if let Some(level) = zstd_level {
@@ -205,8 +266,7 @@ impl PageFrame {
         let header = PageHeader {
             meta,
             flags,
-            n_sections: u16::try_from(sections.len())
-                .map_err(|_| Error::param("more than 65535 sections"))?,
+            n_sections,
             stored_len,
             body_len,
             body_crc: crc32(&[&bytes[FRAME_HEADER_LEN..]]),

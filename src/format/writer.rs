@@ -2,12 +2,12 @@
 //! order, then the index and trailer of the commit. The same bytes serve as
 //! a random-access file and as a stream.
 
-use std::io::Write;
+use std::io::{Read, Write};
 
 use crate::error::{Error, Result};
 
 use super::index::{Index, IndexEntry, Trailer};
-use super::page::PageFrame;
+use super::page::{PageFrame, PageHeader};
 use super::{FRAME_HEADER_LEN, FileHeader};
 
 /// Writes one commit (a new file, or an append to an existing one).
@@ -97,7 +97,47 @@ impl<W: Write> Writer<W> {
     /// [`Error::Parameter`] when the page breaks layer-major order or leaves
     /// a gap in its tensor's tokens; [`Error::Io`] on write failure.
     pub fn write_page(&mut self, frame: &PageFrame) -> Result<()> {
-        let m = frame.header.meta;
+        self.check_page(&frame.header, frame.bytes.len() as u64)?;
+        self.out.write_all(&frame.bytes).map_err(|e| {
+            Error::io(
+                format!("writing page for tensor {}", frame.header.meta.tensor),
+                e,
+            )
+        })?;
+        self.push_entry(&frame.header, frame.bytes.len() as u64);
+        Ok(())
+    }
+
+    /// Appends the frame of `header` whose stored body is `stored` (its
+    /// `header.stored_len` bytes, CRC in the header): header, body and zero
+    /// padding, written straight from `stored` (no frame buffer). Same
+    /// rules as [`Writer::write_page`].
+    ///
+    /// # Errors
+    /// As [`Writer::write_page`]; [`Error::Parameter`] when `stored` is not
+    /// `header.stored_len` bytes long.
+    pub fn write_parts(&mut self, header: &PageHeader, stored: &[u8]) -> Result<()> {
+        if stored.len() as u64 != header.stored_len {
+            return Err(Error::param("page body length differs from its header"));
+        }
+        let len = header.frame_len(self.align);
+        self.check_page(header, len)?;
+        let pad = len - FRAME_HEADER_LEN as u64 - header.stored_len;
+        let what = || format!("writing page for tensor {}", header.meta.tensor);
+        self.out
+            .write_all(&header.encode())
+            .and_then(|()| self.out.write_all(stored))
+            .and_then(|()| {
+                std::io::copy(&mut std::io::repeat(0).take(pad), &mut self.out).map(|_| ())
+            })
+            .map_err(|e| Error::io(what(), e))?;
+        self.push_entry(header, len);
+        Ok(())
+    }
+
+    /// Checks that a frame of `header`, `len` bytes, may come next.
+    fn check_page(&self, header: &PageHeader, len: u64) -> Result<()> {
+        let m = header.meta;
         let t = m.tensor as usize;
         if t >= self.next_token.len() {
             return Err(Error::param(format!(
@@ -118,24 +158,26 @@ impl<W: Write> Writer<W> {
                 m.token_start, self.next_token[t]
             )));
         }
-        if !(frame.bytes.len() as u64).is_multiple_of(self.align) {
+        if !len.is_multiple_of(self.align) {
             return Err(Error::param("page frame was encoded for another alignment"));
         }
-        self.out
-            .write_all(&frame.bytes)
-            .map_err(|e| Error::io(format!("writing page for tensor {t}"), e))?;
+        Ok(())
+    }
+
+    /// Records a written frame of `header`, `len` bytes.
+    fn push_entry(&mut self, header: &PageHeader, len: u64) {
+        let m = header.meta;
         self.entries.push(IndexEntry {
             offset: self.pos,
-            frame_len: frame.bytes.len() as u64,
+            frame_len: len,
             meta: m,
-            flags: frame.header.flags,
-            body_crc: frame.header.body_crc,
+            flags: header.flags,
+            body_crc: header.body_crc,
         });
-        self.next_token[t] = m.token_start + m.tokens;
+        self.next_token[m.tensor as usize] = m.token_start + m.tokens;
         self.last_tensor = Some(m.tensor);
-        self.pos += frame.bytes.len() as u64;
-        self.bytes_written += frame.bytes.len() as u64;
-        Ok(())
+        self.pos += len;
+        self.bytes_written += len;
     }
 
     /// Bytes written so far (header included for a new file).
@@ -200,5 +242,68 @@ impl<W: Write> Writer<W> {
         self.out.flush().map_err(|e| Error::io("flushing", e))?;
         sync(&mut self.out).map_err(|e| Error::io("syncing the trailer", e))?;
         Ok((self.out, trailer))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{DType, Kind, TensorInfo};
+    use crate::format::{CodecEntry, PageMeta, Section, SectionKind, VERSION_MAJOR};
+
+    /// A frame written from its canonical body ([`Writer::write_parts`])
+    /// is the frame [`PageFrame::encode`] makes of its sections, for both
+    /// alignments (64: no padding; 4096: padded), and so is the file.
+    #[test]
+    fn frames_from_bodies_equal_frames_from_sections() {
+        let sections = vec![
+            Section::f32s(SectionKind::Scale, 0, &[1.5, -2.0, 3.25]),
+            Section::packed(SectionKind::Index, 0, 3, 7, vec![0xa5, 0x3c, 0x7e]),
+        ];
+        for align_log2 in [6u8, 12] {
+            let header = FileHeader {
+                version_major: VERSION_MAJOR,
+                version_minor: 0,
+                align_log2,
+                tensors: vec![TensorInfo {
+                    name: "k".into(),
+                    layer: 0,
+                    kind: Kind::Key,
+                    dtype: DType::Bf16,
+                    batch: 1,
+                    heads: 1,
+                    tokens: 4,
+                    head_dim: 8,
+                }],
+                codecs: vec![CodecEntry {
+                    id: crate::codec::raw::ID,
+                    params: Vec::new(),
+                }],
+                metadata: Default::default(),
+                page_tokens: 4,
+                sink_tokens: 0,
+                recent_tokens: 0,
+            };
+            let meta = PageMeta {
+                tensor: 0,
+                token_start: 0,
+                tokens: 4,
+                codec: 0,
+            };
+            let align = 1u64 << align_log2;
+            let frame = PageFrame::encode(meta, &sections, None, align).unwrap();
+            let body =
+                &frame.bytes[crate::format::FRAME_HEADER_LEN..][..frame.header.body_len as usize];
+            let h = PageFrame::body_header(meta, body, 2).unwrap();
+            assert_eq!(h, frame.header);
+            let from = PageFrame::from_body(meta, body, 2, None, align).unwrap();
+            assert_eq!(from, frame);
+            let mut a = Writer::new(Vec::new(), &header).unwrap();
+            a.write_page(&frame).unwrap();
+            let mut b = Writer::new(Vec::new(), &header).unwrap();
+            b.write_parts(&h, body).unwrap();
+            assert!(b.write_parts(&h, &body[1..]).is_err());
+            assert_eq!(a.commit(&[]).unwrap().0, b.commit(&[]).unwrap().0);
+        }
     }
 }

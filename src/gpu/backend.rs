@@ -15,7 +15,7 @@ use crate::plan::PlannedPage;
 
 use super::body::CanonicalBody;
 use super::decplan::{Args, BODY_ALIGN, Staged, add_page, group_args, pack_groups};
-use super::encplan::EncodeLayout;
+use super::encplan::{EncodeLayout, Place};
 use super::spec::{DstSpec, KernelChoice, KernelOptions, OutType, PageGeom};
 
 /// One kernel launch: `blocks` blocks of `kernel` over the descriptors at
@@ -31,14 +31,8 @@ pub(crate) struct Launch {
 }
 
 /// Device memory and kernel launches, as the planning needs them.
-pub(crate) trait Backend {
-    /// Copies `bytes` to new device memory ([`BODY_ALIGN`]-aligned, kept
-    /// as long as the backend) and returns its address.
-    ///
-    /// # Errors
-    /// [`Error::Device`] (or [`Error::Io`]) when the memory cannot be had.
-    fn place(&mut self, bytes: &[u8]) -> Result<u64>;
-
+/// Placing memory ([`Place`]) is the supertrait.
+pub(crate) trait Backend: Place {
     /// Runs `launches` in order (a launch sees the writes of the ones
     /// before it).
     ///
@@ -60,7 +54,7 @@ pub(crate) trait Backend {
 /// buffer's address and length.
 ///
 /// # Errors
-/// As [`super::side::for_archive`] and [`Backend::place`].
+/// As [`super::side::for_archive`] and [`Place::place`].
 #[allow(clippy::type_complexity)]
 pub(crate) fn place_pages(
     b: &mut dyn Backend,
@@ -118,7 +112,7 @@ pub(crate) struct PlacedDecode {
 /// # Errors
 /// [`Error::Parameter`] for a destination too small for its tensor;
 /// [`Error::Unsupported`] for a shape no kernel takes; as
-/// [`Backend::place`].
+/// [`Place::place`].
 pub(crate) fn place_decode(
     b: &mut dyn Backend,
     pages: &[(u32, PageGeom, u64)],
@@ -179,12 +173,12 @@ pub(crate) struct PlacedEncode {
 }
 
 /// Plans the encode of `pages` of `info` (source at device address `src`)
-/// with `codec` ([`super::family::plan_encode`]) and places body
-/// templates, descriptors, work lists, scratch, side tables and the status
-/// word on `b`.
+/// with `codec` ([`super::family::plan_encode`]) and places the bodies
+/// buffer (zeroed on the device), descriptors, work lists, scratch, side
+/// tables and the status word on `b`.
 ///
 /// # Errors
-/// As [`super::family::plan_encode`] and [`Backend::place`].
+/// As [`super::family::plan_encode`] and [`Place::place`].
 pub(crate) fn place_encode(
     b: &mut dyn Backend,
     src: u64,
@@ -193,7 +187,7 @@ pub(crate) fn place_encode(
     pages: &[PlannedPage],
     opts: KernelOptions,
 ) -> Result<PlacedEncode> {
-    let layout = super::family::plan_encode(src, info, codec, pages, opts, &mut |x| b.place(x))?;
+    let layout = super::family::plan_encode(src, info, codec, pages, opts, b)?;
     place_layout(b, layout)
 }
 
@@ -201,10 +195,10 @@ pub(crate) fn place_encode(
 /// planning).
 ///
 /// # Errors
-/// As [`Backend::place`].
+/// As [`Place::place`].
 fn place_layout(b: &mut dyn Backend, mut layout: EncodeLayout) -> Result<PlacedEncode> {
-    layout.host.resize(layout.host.len().max(BODY_ALIGN), 0);
-    let bodies = b.place(&layout.host)?;
+    let bodies_len = layout.host_len.max(BODY_ALIGN);
+    let bodies = b.zeroed(bodies_len)?;
     for d in &mut layout.descs {
         d.body += bodies;
     }
@@ -243,7 +237,7 @@ fn place_layout(b: &mut dyn Backend, mut layout: EncodeLayout) -> Result<PlacedE
         cut: layout.cut,
         setup,
         bodies,
-        bodies_len: layout.host.len(),
+        bodies_len,
         launches,
         status,
         read: layout.read,
@@ -258,7 +252,7 @@ fn place_layout(b: &mut dyn Backend, mut layout: EncodeLayout) -> Result<PlacedE
 ///
 /// # Errors
 /// [`Error::Parameter`] naming the row of a NaN or infinity; as
-/// [`Backend::place`], [`Backend::launch`] and [`Backend::read`].
+/// [`Place::place`], [`Backend::launch`] and [`Backend::read`].
 pub(crate) fn key_amax(
     b: &mut dyn Backend,
     src: u64,

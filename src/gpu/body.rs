@@ -56,9 +56,20 @@ impl CanonicalBody {
     /// The body with its section table filled in and every section zeroed.
     pub fn template(&self) -> Vec<u8> {
         let mut b = vec![0u8; self.body_len as usize];
+        self.write_table(&mut b);
+        b
+    }
+
+    /// Writes the section table (its first `16 * specs.len()` bytes) into
+    /// `body`, which then is the canonical body of the sections it holds
+    /// when the padding between them is zero.
+    ///
+    /// # Panics
+    /// If `body` is shorter than the table.
+    pub fn write_table(&self, body: &mut [u8]) {
         for (i, (s, &off)) in self.specs.iter().zip(&self.offsets).enumerate() {
             let (code, bits) = s.elem.code_bits();
-            let e = &mut b[16 * i..16 * (i + 1)];
+            let e = &mut body[16 * i..16 * (i + 1)];
             e[0] = s.kind.code();
             e[1] = s.stream;
             e[2] = code;
@@ -67,7 +78,6 @@ impl CanonicalBody {
             e[8..12].copy_from_slice(&off.to_le_bytes());
             e[12..16].copy_from_slice(&s.len.to_le_bytes());
         }
-        b
     }
 
     /// The sections of an encoded body, in table order.

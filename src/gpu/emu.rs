@@ -24,6 +24,7 @@ use super::backend::{
     Backend, Launch, check_encode_status, place_decode, place_encode, place_pages,
 };
 use super::decplan::{Args, PagedImage, Staged, check_status, group_args, stage_page};
+use super::encplan::{EncodedBodies, Place};
 use super::paged::{self, PagedLayout, PagedShape};
 use super::spec::{DstSpec, KernelOptions};
 use super::{HostLayout, OutType, POISON, host, sources};
@@ -54,6 +55,13 @@ impl Arena {
             .resize(self.bytes.len().next_multiple_of(ALIGN), 0);
         let at = self.bytes.len();
         self.bytes.extend_from_slice(b);
+        BASE + at as u64
+    }
+
+    /// Places `len` zero bytes (aligned); returns their address.
+    fn zeroed(&mut self, len: usize) -> u64 {
+        let at = self.bytes.len().next_multiple_of(ALIGN);
+        self.bytes.resize(at + len, 0);
         BASE + at as u64
     }
 
@@ -411,10 +419,10 @@ impl Emulator {
             .zip(host)
             .map(|(i, v)| paged::host_tensor(i, v))
             .collect::<Result<Vec<_>>>()?;
-        let sections = paged::sections_by_tensor(&pages, 2, codec, |t, mine, c| {
-            self.encode_tensor(&tensors[t], c, mine)
+        let bodies = paged::bodies_by_tensor(&pages, 2, codec, |t, mine, c| {
+            self.encode_bodies(&tensors[t], c, mine)
         })?;
-        paged::file_from_sections(infos, codec, opts, &pages, sections, Vec::new())
+        paged::file_from_bodies(infos, codec, opts, &pages, &bodies, Vec::new())
     }
 
     /// [`super::Device::encode_tensor`] through the emulated kernels.
@@ -428,6 +436,16 @@ impl Emulator {
         codec: &dyn Codec,
         pages: &[PlannedPage],
     ) -> Result<Vec<Vec<Section>>> {
+        self.encode_bodies(tensor, codec, pages)?.sections()
+    }
+
+    /// [`Emulator::encode_tensor`] returning the downloaded bodies.
+    fn encode_bodies(
+        &self,
+        tensor: &Tensor,
+        codec: &dyn Codec,
+        pages: &[PlannedPage],
+    ) -> Result<EncodedBodies> {
         let info = &tensor.info;
         let mut arena = Arena { bytes: Vec::new() };
         let src = match &tensor.data {
@@ -443,7 +461,7 @@ impl Emulator {
         let s = u64::from_le_bytes(run.read(plan.status, 8)?.try_into().expect("8 bytes"));
         check_encode_status(s, info, pages)?;
         let bodies = run.read(plan.bodies, plan.bodies_len)?;
-        super::encplan::sections(&plan.layouts, plan.cut, &bodies)
+        EncodedBodies::new(plan.layouts, plan.cut, Box::new(bodies))
     }
 }
 
@@ -453,11 +471,17 @@ struct EmuRun<'e> {
     arena: Arena,
 }
 
-impl Backend for EmuRun<'_> {
+impl Place for EmuRun<'_> {
     fn place(&mut self, bytes: &[u8]) -> Result<u64> {
         Ok(self.arena.place(bytes))
     }
 
+    fn zeroed(&mut self, len: usize) -> Result<u64> {
+        Ok(self.arena.zeroed(len))
+    }
+}
+
+impl Backend for EmuRun<'_> {
     fn launch(&mut self, launches: &[Launch]) -> Result<()> {
         self.emu.run(&mut self.arena, launches)
     }

@@ -1,4 +1,4 @@
-//! Device-independent planning of a GPU encode: page body templates,
+//! Device-independent planning of a GPU encode: page body layouts,
 //! descriptors ([`EncDesc`]) and the work lists of each kernel launch. The
 //! per-codec part is each family's `gpu::family::GpuFamily::plan_encode`
 //! (`int{b}` / `bdr{h}`: one kernel, `family/affine.rs`; `hqmq`: a search
@@ -21,7 +21,72 @@ use crate::plan::PlannedPage;
 
 use super::body::CanonicalBody;
 use super::spec::{EncDesc, KernelChoice, KernelCodec, KernelOptions, magic};
+use crate::compress::EncodedPage;
 use crate::format::Section;
+
+/// Device memory for the buffers an encode planner needs besides the
+/// bodies (side tables, scratch): a backend's (`gpu::backend::Backend`,
+/// of which this is the supertrait).
+pub(crate) trait Place {
+    /// Copies `bytes` to new device memory ([`BODY_ALIGN`]-aligned, kept
+    /// as long as the backend) and returns its address.
+    ///
+    /// # Errors
+    /// [`Error::Device`] (or [`Error::Io`]) when the memory cannot be had.
+    fn place(&mut self, bytes: &[u8]) -> Result<u64>;
+
+    /// New device memory of `len` bytes ([`BODY_ALIGN`]-aligned, kept as
+    /// long as the backend), every byte zero (set on the device: nothing
+    /// is copied); returns its address.
+    ///
+    /// # Errors
+    /// As [`Place::place`].
+    fn zeroed(&mut self, len: usize) -> Result<u64>;
+
+    /// New device memory of `len` bytes (at least `bytes.len()`): `bytes`,
+    /// then zeros (cleared on the device; only `bytes` is copied); returns
+    /// its address. The default builds the whole buffer on the host.
+    ///
+    /// # Errors
+    /// As [`Place::place`].
+    fn place_padded(&mut self, bytes: &[u8], len: usize) -> Result<u64> {
+        let mut host = bytes.to_vec();
+        host.resize(len.max(bytes.len()), 0);
+        self.place(&host)
+    }
+
+    /// [`Place::zeroed`] memory with the little-endian u32 `value` at each
+    /// byte offset of `at` (4-aligned, ascending, each `+ 4 <= len`); the
+    /// default builds the bytes on the host and places them.
+    ///
+    /// # Errors
+    /// As [`Place::place`]; [`Error::Parameter`] (internal) for offsets
+    /// that break the rules.
+    fn zeroed_with(&mut self, len: usize, value: u32, at: &[usize]) -> Result<u64> {
+        check_words(len, at)?;
+        let mut host = vec![0u8; len];
+        for &o in at {
+            host[o..o + 4].copy_from_slice(&value.to_le_bytes());
+        }
+        self.place(&host)
+    }
+}
+
+/// Checks the offsets of [`Place::zeroed_with`].
+///
+/// # Errors
+/// [`Error::Parameter`] (internal) for an offset not 4-aligned, not above
+/// the previous one, or past `len - 4`.
+pub(crate) fn check_words(len: usize, at: &[usize]) -> Result<()> {
+    let bad = at
+        .iter()
+        .enumerate()
+        .any(|(i, &o)| !o.is_multiple_of(4) || o + 4 > len || (i > 0 && o <= at[i - 1]));
+    if bad {
+        return Err(Error::param("internal: u32 offsets of a zeroed buffer"));
+    }
+    Ok(())
+}
 
 /// Alignment of page bodies in the body buffer, bytes.
 pub const BODY_ALIGN: usize = 256;
@@ -42,14 +107,18 @@ pub struct EncWork {
 }
 
 /// A planned encode. `descs[i].body` is the offset of page `i`'s body in
-/// `host`; the caller rebases it to the device address of the uploaded
-/// `host`.
+/// the bodies buffer (`host_len` bytes, zeroed on the device); the caller
+/// rebases it to the buffer's device address.
 #[derive(Debug, Clone)]
 pub struct EncodeLayout {
-    /// Each page's body layout and its offset in `host`.
+    /// Each page's body layout and its offset in the bodies buffer.
     pub layouts: Vec<(CanonicalBody, usize)>,
-    /// The body templates (section tables filled in, sections zeroed).
-    pub host: Vec<u8>,
+    /// Bytes of the bodies buffer: every body, [`BODY_ALIGN`]-aligned.
+    /// The device buffer starts zeroed and the kernels write the sections;
+    /// the section tables are written on the host
+    /// ([`EncodedBodies::canonical`]), so nothing of the size of the
+    /// output is built or uploaded.
+    pub host_len: usize,
     /// One descriptor per page.
     pub descs: Vec<EncDesc>,
     /// Launches to run once, before the first launch of `works` (they
@@ -108,6 +177,117 @@ pub fn sections(
         .collect()
 }
 
+/// Host memory holding a downloaded bodies buffer (a `Vec`, or the CUDA
+/// backend's pinned staging).
+pub trait HostBytes: Send + Sync {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+    /// The bytes, writable.
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl HostBytes for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
+/// The bodies buffer of an encode, downloaded, with the plan's layouts:
+/// each page's canonical body (section tables written on the host), or
+/// for data-dependent layouts the worst-case body to cut.
+pub struct EncodedBodies {
+    layouts: Vec<(CanonicalBody, usize)>,
+    cut: Option<SectionCut>,
+    bytes: Box<dyn HostBytes>,
+}
+
+impl std::fmt::Debug for EncodedBodies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EncodedBodies")
+            .field("pages", &self.layouts.len())
+            .field("bytes", &self.bytes.bytes().len())
+            .finish()
+    }
+}
+
+impl EncodedBodies {
+    /// The downloaded bodies buffer `bytes` of a plan with `layouts` and
+    /// `cut`; writes each body's section table (the device writes only
+    /// the sections into a zeroed buffer).
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] (internal) when `bytes` does not hold every
+    /// body.
+    pub fn new(
+        layouts: Vec<(CanonicalBody, usize)>,
+        cut: Option<SectionCut>,
+        mut bytes: Box<dyn HostBytes>,
+    ) -> Result<EncodedBodies> {
+        let b = bytes.bytes_mut();
+        if layouts
+            .iter()
+            .any(|(l, off)| off + l.body_len as usize > b.len())
+        {
+            return Err(Error::param("internal: bodies buffer too short"));
+        }
+        if cut.is_none() {
+            for (l, off) in &layouts {
+                l.write_table(&mut b[*off..]);
+            }
+        }
+        Ok(EncodedBodies {
+            layouts,
+            cut,
+            bytes,
+        })
+    }
+
+    /// Pages encoded.
+    pub fn len(&self) -> usize {
+        self.layouts.len()
+    }
+
+    /// True when no page was encoded.
+    pub fn is_empty(&self) -> bool {
+        self.layouts.is_empty()
+    }
+
+    /// Page `i` as the frame writer takes it: its canonical body, or the
+    /// sections cut out of a data-dependent body.
+    ///
+    /// # Errors
+    /// The error of the cut (an impossible count written by the device);
+    /// [`Error::Parameter`] (internal) for `i` out of range or over 65535
+    /// sections.
+    pub fn page(&self, i: usize) -> Result<EncodedPage<'_>> {
+        let (l, off) = self
+            .layouts
+            .get(i)
+            .ok_or_else(|| Error::param("internal: encoded page out of range"))?;
+        let body = &self.bytes.bytes()[*off..*off + l.body_len as usize];
+        match self.cut {
+            Some(c) => (c.cut)(l, body, c.args).map(EncodedPage::Sections),
+            None => Ok(EncodedPage::Body {
+                body,
+                sections: u16::try_from(l.specs.len())
+                    .map_err(|_| Error::param("internal: over 65535 sections"))?,
+            }),
+        }
+    }
+
+    /// The sections of every page, as the CPU encoder returns them.
+    ///
+    /// # Errors
+    /// As [`sections`].
+    pub fn sections(&self) -> Result<Vec<Vec<Section>>> {
+        sections(&self.layouts, self.cut, self.bytes.bytes())
+    }
+}
+
 /// Checks that a page lies inside the tensor; returns its rows.
 pub(crate) fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
     if p.tokens == 0 || u64::from(p.token_start) + u64::from(p.tokens) > u64::from(info.tokens) {
@@ -124,7 +304,7 @@ pub(crate) fn page_rows(info: &TensorInfo, p: &PlannedPage) -> Result<u32> {
 }
 
 /// The descriptor fields every encode kernel reads, for page `page` (`rows`
-/// rows, body template at offset `body` of the plan's host buffer) of a
+/// rows, body at offset `body` of the plan's bodies buffer) of a
 /// tensor `info` whose elements start at device address `src`, cut into
 /// `upr` units per row; the codec-specific fields (sections, side table,
 /// scratch, parameters) are zero.
@@ -155,11 +335,11 @@ pub(crate) fn page_desc(
     }
 }
 
-/// Appends a body template, [`BODY_ALIGN`]-aligned; returns its offset.
-pub(crate) fn push_body(host: &mut Vec<u8>, l: &CanonicalBody) -> usize {
-    host.resize(host.len().next_multiple_of(BODY_ALIGN), 0);
-    let off = host.len();
-    host.extend_from_slice(&l.template());
+/// Reserves room for a body of layout `l` at the end of a bodies buffer
+/// of `len` bytes, [`BODY_ALIGN`]-aligned; returns its offset.
+pub(crate) fn push_body(len: &mut usize, l: &CanonicalBody) -> usize {
+    let off = len.next_multiple_of(BODY_ALIGN);
+    *len = off + l.body_len as usize;
     off
 }
 
@@ -186,12 +366,33 @@ pub(crate) struct EncodeJob<'a> {
 pub(crate) fn empty() -> EncodeLayout {
     EncodeLayout {
         layouts: Vec::new(),
-        host: Vec::new(),
+        host_len: 0,
         descs: Vec::new(),
         setup: Vec::new(),
         works: Vec::new(),
         read: 0,
         written: 0,
         cut: None,
+    }
+}
+
+/// A [`Place`] for planner tests: records the length of each buffer and
+/// returns `0x10_0000 * (its number)` as its address.
+#[cfg(test)]
+#[derive(Debug, Default)]
+pub(crate) struct Counting {
+    /// The length of each buffer placed, in order.
+    pub sizes: Vec<usize>,
+}
+
+#[cfg(test)]
+impl Place for Counting {
+    fn place(&mut self, bytes: &[u8]) -> Result<u64> {
+        self.zeroed(bytes.len())
+    }
+
+    fn zeroed(&mut self, len: usize) -> Result<u64> {
+        self.sizes.push(len);
+        Ok(0x10_0000 * self.sizes.len() as u64)
     }
 }

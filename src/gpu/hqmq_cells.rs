@@ -118,8 +118,18 @@ pub fn unit_products() -> [u8; 576] {
 /// `heads` kv heads and grid `g`: u32 `g`, u32 cells, 8 zero bytes, the
 /// 576-byte [`unit_products`], the [`columns`] (padded to 16 bytes), then
 /// per kv head the zeroed lists ([`CELL_CAP`] u16 per cell) that
-/// `encode_hqmq_cells` fills.
+/// `encode_hqmq_cells` fills (the encoder places [`region_head`] and
+/// clears the lists on the device).
+#[cfg(test)]
 pub fn region(g: u32, heads: u32) -> Vec<u8> {
+    let (mut out, lists) = region_head(g, heads);
+    out.resize(out.len() + lists, 0);
+    out
+}
+
+/// [`region`] without its zeroed lists: the bytes before them and the
+/// lists' length in bytes (for placing the zeros on the device).
+pub fn region_head(g: u32, heads: u32) -> (Vec<u8>, usize) {
     let (cols, cells) = columns(g);
     let mut out = Vec::new();
     for v in [g, cells, 0, 0] {
@@ -130,11 +140,7 @@ pub fn region(g: u32, heads: u32) -> Vec<u8> {
         out.extend_from_slice(&c.to_le_bytes());
     }
     out.resize(out.len().next_multiple_of(16), 0);
-    out.resize(
-        out.len() + heads as usize * cells as usize * CELL_CAP * 2,
-        0,
-    );
-    out
+    (out, heads as usize * cells as usize * CELL_CAP * 2)
 }
 
 #[cfg(test)]

@@ -95,7 +95,7 @@
 //!    the kernel name and grid (`decode_kernel`), the descriptor parameters
 //!    (`desc_params`), the sections of its canonical body in the order
 //!    the CPU encoder writes them (`body_sections`: the staging bound and
-//!    the encode templates derive from it), the side table
+//!    the encode body layouts derive from it), the side table
 //!    it needs (`side_table`: codebooks, sign vectors, factors), its kernel
 //!    names (`kernel_names`) and, with a GPU encoder, `encodes` and
 //!    `plan_encode`. Register it in `gpu/family/mod.rs`: `mod <family>;`,
@@ -119,6 +119,8 @@ pub mod encplan;
 #[doc(hidden)]
 pub mod family;
 pub mod host;
+#[cfg(test)]
+mod hostcost;
 pub(crate) mod hqmq_cells;
 pub mod paged;
 #[doc(hidden)]
@@ -132,6 +134,8 @@ pub mod spec;
 mod cuda;
 #[doc(hidden)]
 pub mod emu;
+#[cfg(any(feature = "cuda", test))]
+mod ptx_cache;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     DecodePlan, EncodePlan, FileDecoder, GatherPlan, Gpu, GpuBuffer, GpuElem, GpuPages, PagedJob,

@@ -10,13 +10,13 @@
 //! a device, so it is tested without CUDA.
 
 pub use super::addr::{PagedAddr, PagedStrides};
+use super::encplan::EncodedBodies;
 use super::spec::{DstSpec, Grid, KernelChoice, KernelCodec, PageDesc, PageGeom, page_desc};
 use crate::cache::{DType, Kind, KvCache, Tensor, TensorData, TensorInfo};
 use crate::codec::Codec;
-use crate::compress::{CompressOptions, CompressReport};
+use crate::compress::{CompressOptions, CompressReport, EncodedPage};
 use crate::decode::Archive;
 use crate::error::{Error, Result};
-use crate::format::Section;
 use crate::plan::PlannedPage;
 
 /// How a paged KV cache tensor is laid out (the layouts vLLM's attention
@@ -618,21 +618,63 @@ pub fn prepare_on_gpu(
     super::family::group_enc::norm_entry(codec, &infos[0], stats.as_deref()).map(Some)
 }
 
-/// The sections of every page of `pages`, in order, from
-/// `encode(tensor, its pages in plan order, codec)` called once per tensor
-/// with `codec` for its codec pages and once with `raw` for its window
-/// pages (when it has some).
-///
-/// # Errors
-/// The error of `encode`; [`Error::Parameter`] when it returns the wrong
-/// number of pages.
-pub fn sections_by_tensor(
-    pages: &[PlannedPage],
-    tensors: usize,
-    codec: &dyn Codec,
-    mut encode: impl FnMut(usize, &[PlannedPage], &dyn Codec) -> Result<Vec<Vec<Section>>>,
-) -> Result<Vec<Vec<Section>>> {
-    let mut sections = vec![Vec::new(); pages.len()];
+/// The encoded pages of a layer: the bodies of each `(tensor, codec)`
+/// group of pages and where each page of the plan is among them.
+#[derive(Debug)]
+pub struct PagedBodies {
+    groups: Vec<EncodedBodies>,
+    /// `(group, index in the group)` of each page of the plan.
+    at: Vec<(usize, usize)>,
+}
+
+impl PagedBodies {
+    /// Page `i` of the plan, as the frame writer takes it.
+    ///
+    /// # Errors
+    /// As [`EncodedBodies::page`]; [`Error::Parameter`] (internal) for a
+    /// page no group encoded.
+    pub fn page(&self, i: usize) -> Result<EncodedPage<'_>> {
+        let &(g, k) = self
+            .at
+            .get(i)
+            .ok_or_else(|| Error::param("internal: page out of range"))?;
+        self.groups
+            .get(g)
+            .ok_or_else(|| Error::param("internal: page not encoded"))?
+            .page(k)
+    }
+}
+
+/// The pages of one tensor a paged encode encodes together: its codec
+/// pages (`raw` false) or its window pages (`raw` true, encoded as `raw`),
+/// their indices in the plan and the pages.
+#[derive(Debug, Clone)]
+pub struct PageGroup {
+    /// The tensor.
+    pub tensor: usize,
+    /// Window pages (encoded as `raw`)?
+    pub raw: bool,
+    /// Index in the plan of each page.
+    pub at: Vec<usize>,
+    /// The pages, in plan order.
+    pub pages: Vec<PlannedPage>,
+}
+
+impl PageGroup {
+    /// The codec of the group: `codec`, or `raw` for window pages.
+    pub fn codec<'c>(&self, codec: &'c dyn Codec) -> &'c dyn Codec {
+        if self.raw {
+            &crate::codec::raw::Raw
+        } else {
+            codec
+        }
+    }
+}
+
+/// The groups of `pages` (of `tensors` tensors), per tensor its codec
+/// pages then its window pages (empty groups left out).
+pub fn page_groups(pages: &[PlannedPage], tensors: usize) -> Vec<PageGroup> {
+    let mut out = Vec::new();
     for t in 0..tensors {
         for raw in [false, true] {
             let (at, mine): (Vec<usize>, Vec<PlannedPage>) = pages
@@ -641,42 +683,84 @@ pub fn sections_by_tensor(
                 .filter(|(_, p)| p.tensor == t as u32 && p.raw == raw)
                 .map(|(i, p)| (i, *p))
                 .unzip();
-            if mine.is_empty() {
-                continue;
+            if !mine.is_empty() {
+                out.push(PageGroup {
+                    tensor: t,
+                    raw,
+                    at,
+                    pages: mine,
+                });
             }
-            let c: &dyn Codec = if raw { &crate::codec::raw::Raw } else { codec };
-            let got = encode(t, &mine, c)?;
-            if got.len() != mine.len() {
+        }
+    }
+    out
+}
+
+impl PagedBodies {
+    /// The bodies of `groups` (of a plan of `pages` pages), `bodies[i]`
+    /// those of `groups[i]`.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] (internal) when a group's bodies hold another
+    /// number of pages than it.
+    pub fn new(
+        pages: usize,
+        groups: &[PageGroup],
+        bodies: Vec<EncodedBodies>,
+    ) -> Result<PagedBodies> {
+        let mut at = vec![(usize::MAX, 0); pages];
+        if groups.len() != bodies.len() {
+            return Err(Error::param("internal: one set of bodies per page group"));
+        }
+        for (g, (group, b)) in groups.iter().zip(&bodies).enumerate() {
+            if b.len() != group.pages.len() {
                 return Err(Error::param(
                     "internal: encoder returned the wrong page count",
                 ));
             }
-            for (i, s) in at.into_iter().zip(got) {
-                sections[i] = s;
+            for (k, &i) in group.at.iter().enumerate() {
+                if let Some(slot) = at.get_mut(i) {
+                    *slot = (g, k);
+                }
             }
         }
+        Ok(PagedBodies { groups: bodies, at })
     }
-    Ok(sections)
+}
+
+/// Every page of `pages` encoded by `encode(tensor, its pages in plan
+/// order, codec)`, called for each of its [`page_groups`] in order.
+///
+/// # Errors
+/// The error of `encode`; [`Error::Parameter`] when it returns the wrong
+/// number of pages.
+pub fn bodies_by_tensor(
+    pages: &[PlannedPage],
+    tensors: usize,
+    codec: &dyn Codec,
+    mut encode: impl FnMut(usize, &[PlannedPage], &dyn Codec) -> Result<EncodedBodies>,
+) -> Result<PagedBodies> {
+    let groups = page_groups(pages, tensors);
+    let bodies = groups
+        .iter()
+        .map(|g| encode(g.tensor, &g.pages, g.codec(codec)))
+        .collect::<Result<Vec<_>>>()?;
+    PagedBodies::new(pages.len(), &groups, bodies)
 }
 
 /// The kvpack file of one layer whose pages `pages` (the plan of `infos`)
-/// were encoded on the GPU into `sections` (one list per page), written
-/// to `out`.
+/// were encoded on the GPU into `bodies`, written to `out`.
 ///
 /// # Errors
 /// As [`crate::compress::write_encoded`].
-pub fn file_from_sections<W: std::io::Write + Send>(
+pub fn file_from_bodies<W: std::io::Write + Send>(
     infos: Vec<TensorInfo>,
     codec: &dyn Codec,
     opts: &CompressOptions,
     pages: &[PlannedPage],
-    sections: Vec<Vec<Section>>,
+    bodies: &PagedBodies,
     out: W,
 ) -> Result<(W, CompressReport)> {
-    let sections: Vec<std::sync::Mutex<Option<Vec<Section>>>> = sections
-        .into_iter()
-        .map(|s| std::sync::Mutex::new(Some(s)))
-        .collect();
     crate::compress::write_encoded(
         infos,
         &Default::default(),
@@ -684,13 +768,7 @@ pub fn file_from_sections<W: std::io::Write + Send>(
         codec,
         opts,
         pages,
-        &|i| {
-            sections[i]
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take()
-                .ok_or_else(|| Error::param("internal: page sections used twice"))
-        },
+        &|i| bodies.page(i),
         out,
     )
 }

@@ -311,6 +311,14 @@ impl EncodePlan<'_> {
         match self.gpu.never {}
     }
 
+    /// The encoded bodies with their layouts.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn download(&self) -> Result<crate::gpu::encplan::EncodedBodies> {
+        match self.gpu.never {}
+    }
+
     /// The device buffer of encoded bodies.
     pub fn bodies(&self) -> &GpuBuffer<u8> {
         match self.gpu.never {}

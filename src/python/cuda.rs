@@ -307,8 +307,17 @@ pub fn cuda_encode_paged<'py>(
             .py_err()?;
         return Ok((super::report_dict(py, &report)?, None, Some(w.pos)));
     }
+    // Files are at most about the bf16/fp16 source (raw, plus headers):
+    // reserved up front, a growing Vec's copies are spared (capacity never
+    // written is never backed by memory).
+    let s = cache.shape();
+    let reserve =
+        2 * s.kv_heads as usize * num_tokens as usize * s.head_dim as usize * 2 + (1 << 20);
     let (file, report) = py
-        .detach(|| gpu.encode_paged(&cache, &block_ids, num_tokens, c, layer, &opts, Vec::new()))
+        .detach(|| {
+            let out = Vec::with_capacity(reserve);
+            gpu.encode_paged(&cache, &block_ids, num_tokens, c, layer, &opts, out)
+        })
         .py_err()?;
     Ok((
         super::report_dict(py, &report)?,

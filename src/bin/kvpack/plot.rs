@@ -4,7 +4,6 @@
 //! with a TrueType font found on the system (or `$KVPACK_FONT`); without one
 //! the command fails with exit 2 and says so, before writing anything.
 
-use std::io::Write;
 use std::path::Path;
 
 use anyhow::{Context, Result, bail};

@@ -189,8 +189,38 @@ fn check_ranges(secondaries: u32, radius_bits: u8) -> Result<()> {
     Ok(())
 }
 
-/// `(E, O)` with `24 S 2^b = O 2^E` and `O` odd (`S >= 1`).
+/// The direction index of every chunk of one page, as the search of a
+/// configuration with `S` secondaries and `seed` found it
+/// ([`Hqmq::encode_shared`]).
+#[derive(Debug, Clone, Default)]
+pub struct Directions {
+    secondaries: u32,
+    seed: u64,
+    js: Vec<u32>,
+}
+
 impl Hqmq {
+    /// Encodes `page` exactly as [`Codec::encode`] does, sharing the
+    /// direction search (most of an encode) between configurations: when
+    /// `shared` holds the directions of a configuration with the same `S`
+    /// and seed for as many chunks, they are used, else the search is done
+    /// and stored in `shared`. Radius bits and outlier extraction do not
+    /// change the directions, so `hqmq:s96r4`, `hqmq:s96r6` and
+    /// `hqmq:s96r4+med3` encoding one page share one search (the budget
+    /// planner tries them all on each tensor's sample). The caller passes
+    /// one `shared` per page: directions of another page with as many
+    /// chunks would be taken as they are.
+    ///
+    /// # Errors
+    /// As [`Codec::encode`].
+    pub fn encode_shared(
+        &self,
+        page: &PageIn<'_>,
+        shared: &mut Option<Directions>,
+    ) -> Result<Vec<Section>> {
+        page::encode(self, page, Some(shared))
+    }
+
     /// Rebuilds the codec from its parameter block (format/codecs/hqmq.md):
     /// the codec's one reader of it, used by its registry entry and the GPU
     /// staging.
@@ -203,6 +233,7 @@ impl Hqmq {
     }
 }
 
+/// `(E, O)` with `24 S 2^b = O 2^E` and `O` odd (`S >= 1`).
 pub(crate) fn symbol_split(s: u32, b: u8) -> (u32, u64) {
     let m = (24 * u64::from(s)) << b;
     let e = m.trailing_zeros();
@@ -241,7 +272,7 @@ impl Codec for Hqmq {
     }
 
     fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
-        page::encode(self, page)
+        page::encode(self, page, None)
     }
 
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {

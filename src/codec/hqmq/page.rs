@@ -19,7 +19,7 @@ use crate::kernels::bitpack;
 
 use super::super::outliers::OutlierTable;
 use super::super::{PageIn, PageOut, expect_section, expect_section_count};
-use super::{Hqmq, search};
+use super::{Directions, Hqmq, search};
 
 /// `1.5 * 2^23`: `(t + M) - M` rounds `t` in `[0, 2^22]` to the nearest
 /// integer, ties to even.
@@ -40,8 +40,15 @@ fn f16_ceil(v: f32) -> Option<f16> {
     h.is_finite().then_some(h)
 }
 
-/// Encodes one page (format/codecs/hqmq.md "Encoding").
-pub(super) fn encode(h: &Hqmq, page: &PageIn<'_>) -> Result<Vec<Section>> {
+/// Encodes one page (format/codecs/hqmq.md "Encoding"). With `shared`,
+/// the direction search is taken from it when it holds one of `h`'s `S`
+/// and seed for as many chunks, else done and stored there
+/// ([`super::Hqmq::encode_shared`]).
+pub(super) fn encode(
+    h: &Hqmq,
+    page: &PageIn<'_>,
+    shared: Option<&mut Option<Directions>>,
+) -> Result<Vec<Section>> {
     let info = page.tensor;
     let d = page.head_dim();
     if !d.is_multiple_of(4) {
@@ -145,22 +152,46 @@ pub(super) fn encode(h: &Hqmq, page: &PageIn<'_>) -> Result<Vec<Section>> {
 
     // Direction search, one codebook per (layer, kv head, K|V). Outlier
     // chunks are searched too (their result is unused): simpler than
-    // compacting, and they are a few percent.
-    let mut js = vec![0u32; n];
-    for p in 0..planes {
-        let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
-        let span = p * per_plane..(p + 1) * per_plane;
-        search::search(
-            &cb,
-            [
-                &xs[0][span.clone()],
-                &xs[1][span.clone()],
-                &xs[2][span.clone()],
-                &xs[3][span.clone()],
-            ],
-            &mut js[span],
-        );
-    }
+    // compacting, and they are a few percent. Radius bits and outlier
+    // extraction do not change it.
+    let search_all = || {
+        let mut js = vec![0u32; n];
+        for p in 0..planes {
+            let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
+            let span = p * per_plane..(p + 1) * per_plane;
+            search::search(
+                &cb,
+                [
+                    &xs[0][span.clone()],
+                    &xs[1][span.clone()],
+                    &xs[2][span.clone()],
+                    &xs[3][span.clone()],
+                ],
+                &mut js[span],
+            );
+        }
+        js
+    };
+    let fresh;
+    let js: &[u32] = match shared {
+        None => {
+            fresh = search_all();
+            &fresh
+        }
+        Some(slot) => {
+            let fits = |d: &Directions| {
+                d.secondaries == h.secondaries && d.seed == h.seed && d.js.len() == n
+            };
+            if !slot.as_ref().is_some_and(fits) {
+                *slot = Some(Directions {
+                    secondaries: h.secondaries,
+                    seed: h.seed,
+                    js: search_all(),
+                });
+            }
+            &slot.as_ref().expect("directions just stored").js
+        }
+    };
 
     // Radius levels (format/codecs/hqmq.md encoding rule 5).
     let mut qs = vec![0u32; n];

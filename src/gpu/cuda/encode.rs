@@ -8,19 +8,20 @@
 use std::marker::PhantomData;
 
 use super::stage::{Stage, launch_all};
-use super::{Gpu, GpuBuffer, GpuElem};
+use super::{Gpu, GpuBuffer, GpuElem, cuda_err};
 use crate::cache::TensorInfo;
 use crate::codec::Codec;
 use crate::error::{Error, Result};
 use crate::format::Section;
 use crate::gpu::backend::{Launch, check_encode_status, place_encode};
 use crate::gpu::body::CanonicalBody;
-use crate::gpu::encplan::SectionCut;
+use crate::gpu::encplan::{EncodedBodies, HostBytes, SectionCut};
 use crate::plan::PlannedPage;
+use cudarc::driver::{PinnedHostSlice, result};
 
-/// A prepared encode of some pages of one tensor: page bodies (section
-/// tables filled in) on the device, descriptors and work lists, scratch
-/// and side tables where the codec needs them. Launch it as often as
+/// A prepared encode of some pages of one tensor: a zeroed bodies buffer
+/// on the device for the kernels' sections, descriptors and work lists,
+/// scratch and side tables where the codec needs them. Launch it as often as
 /// needed; the source stays borrowed.
 pub struct EncodePlan<'a> {
     gpu: Gpu,
@@ -143,10 +144,50 @@ impl EncodePlan<'_> {
         crate::gpu::encplan::sections(&self.layouts, self.cut, &self.bodies.to_vec()?)
     }
 
-    /// The device buffer holding the encoded page bodies (each a canonical
-    /// body, format/SPEC.md 6.2, at [`EncodePlan::body_range`]; for
-    /// `hqmq+med` a body in the worst-case layout, whose sections
-    /// [`EncodePlan::sections`] cuts to their lengths).
+    /// Downloads the encoded pages with their layouts (what
+    /// [`crate::gpu::paged::file_from_bodies`] frames without cutting
+    /// canonical bodies into sections).
+    ///
+    /// # Errors
+    /// [`Error::Device`] for a CUDA failure.
+    pub fn download(&self) -> Result<EncodedBodies> {
+        let n = self.bodies.len();
+        self.gpu.ctx().bind_to_thread().map_err(cuda_err("bind"))?;
+        let mut staging = self.gpu.take_pinned(n)?;
+        let host = staging.as_mut_slice().map_err(cuda_err("pinned buffer"))?;
+        let ptr = host.as_mut_ptr();
+        // SAFETY: `n` bytes of the bodies buffer into the first `n` bytes
+        // of the pinned staging (at least `n` long); the stream is
+        // synchronized before they are read.
+        let copied = unsafe {
+            result::memcpy_dtoh_async(
+                &mut host[..n],
+                self.bodies.device_ptr(),
+                self.gpu.stream().cu_stream(),
+            )
+        }
+        .map_err(cuda_err("device-to-host copy"))
+        .and_then(|()| self.gpu.synchronize());
+        if let Err(e) = copied {
+            // A copy may still be writing into it: never reused or freed.
+            std::mem::forget(staging);
+            return Err(e);
+        }
+        let bytes = Pinned {
+            gpu: self.gpu.clone(),
+            staging: Some(staging),
+            ptr,
+            len: n,
+        };
+        EncodedBodies::new(self.layouts.clone(), self.cut, Box::new(bytes))
+    }
+
+    /// The device buffer holding the encoded page bodies (each at
+    /// [`EncodePlan::body_range`], laid out as a canonical body,
+    /// format/SPEC.md 6.2, whose section table is left zero: the host
+    /// writes it, [`EncodePlan::download`]; for `hqmq+med` a body in the
+    /// worst-case layout, whose sections [`EncodePlan::sections`] cuts to
+    /// their lengths).
     pub fn bodies(&self) -> &GpuBuffer<u8> {
         &self.bodies
     }
@@ -173,5 +214,42 @@ impl EncodePlan<'_> {
     /// per launch of the plan.
     pub fn bytes(&self) -> (u64, u64) {
         (self.read, self.written)
+    }
+}
+
+/// Downloaded bodies in a pinned staging buffer of the pool, returned to
+/// it when dropped.
+struct Pinned {
+    gpu: Gpu,
+    staging: Option<PinnedHostSlice<u8>>,
+    /// The staging's first byte.
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: `ptr` points into `staging`, which this value owns alone
+// (`PinnedHostSlice` is Send and Sync); shared access only reads.
+unsafe impl Send for Pinned {}
+// SAFETY: as for Send.
+unsafe impl Sync for Pinned {}
+
+impl HostBytes for Pinned {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `len` bytes of the live staging, written by a completed
+        // copy (the stream was synchronized).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, through the unique borrow of `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if let Some(s) = self.staging.take() {
+            self.gpu.give_pinned(s);
+        }
     }
 }

@@ -268,11 +268,20 @@ impl Gpu {
         if let Some(module) = m.get(src.name) {
             return Ok(module.clone());
         }
-        let ptx = compile(src, self.info().compute_capability)?;
-        let module = self
-            .ctx()
-            .load_module(ptx)
-            .map_err(cuda_err(&format!("loading module {}", src.name)))?;
+        let cc = self.info().compute_capability;
+        let (ptx, cached) = compile_cached(src, cc)?;
+        let module = match (self.ctx().load_module(ptx), cached) {
+            (Ok(module), _) => module,
+            // A cached entry the driver refuses (another driver, a damaged
+            // file): forget it and compile afresh.
+            (Err(_), Some((dir, key))) => {
+                super::ptx_cache::forget(&dir, src.name, &key);
+                self.ctx()
+                    .load_module(compile(src, cc)?)
+                    .map_err(cuda_err(&format!("loading module {}", src.name)))?
+            }
+            (Err(e), None) => return Err(cuda_err(&format!("loading module {}", src.name))(e)),
+        };
         m.insert(src.name, module.clone());
         Ok(module)
     }
@@ -498,10 +507,10 @@ impl Gpu {
     }
 }
 
-/// Compiles a source with NVRTC for compute capability `cc`, without fused
-/// multiply-add contraction and without flush-to-zero.
-fn compile(src: Source, cc: (i32, i32)) -> Result<Ptx> {
-    let opts = CompileOptions {
+/// NVRTC options for compute capability `cc`: no fused multiply-add
+/// contraction, no flush-to-zero, IEEE division and square root.
+fn compile_options(cc: (i32, i32)) -> CompileOptions {
+    CompileOptions {
         fmad: Some(false),
         ftz: Some(false),
         prec_div: Some(true),
@@ -512,9 +521,47 @@ fn compile(src: Source, cc: (i32, i32)) -> Result<Ptx> {
             "--std=c++17".into(),
         ],
         ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(src.full_text(), opts)
+    }
+}
+
+/// Compiles a source with NVRTC for compute capability `cc` (see
+/// [`compile_options`]).
+fn compile(src: Source, cc: (i32, i32)) -> Result<Ptx> {
+    cudarc::nvrtc::compile_ptx_with_opts(src.full_text(), compile_options(cc))
         .map_err(|e| Error::device(format!("NVRTC compiling {}.cu", src.name), format!("{e:?}")))
+}
+
+/// The NVRTC library's version, `"nvrtc MAJOR.MINOR"` (part of the PTX
+/// cache key).
+fn nvrtc_version() -> String {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: nvrtcVersion writes two ints through the pointers given,
+    // which point at live locals; it needs no other state.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    format!("nvrtc {major}.{minor} ({r:?})")
+}
+
+/// [`compile`] through the on-disk PTX cache ([`super::ptx_cache`]):
+/// returns the PTX and, when it came from the cache, the directory and key
+/// of its entry (so that an entry the driver refuses can be forgotten).
+fn compile_cached(
+    src: Source,
+    cc: (i32, i32),
+) -> Result<(Ptx, Option<(std::path::PathBuf, String)>)> {
+    use super::ptx_cache;
+    let Some(dir) = ptx_cache::dir() else {
+        return Ok((compile(src, cc)?, None));
+    };
+    let opts = compile_options(cc);
+    let described = format!("{opts:?}");
+    let text = src.full_text();
+    let key = ptx_cache::key(&nvrtc_version(), &[described], &text);
+    if let Some(ptx) = ptx_cache::load(&dir, src.name, &key) {
+        return Ok((Ptx::from_src(ptx), Some((dir, key))));
+    }
+    let ptx = compile(src, cc)?;
+    ptx_cache::store(&dir, src.name, &key, &ptx.to_src());
+    Ok((ptx, None))
 }
 
 /// Compiles every kernel source with NVRTC for compute capability `cc`

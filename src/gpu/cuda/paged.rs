@@ -221,6 +221,12 @@ impl Gpu {
     /// enqueued (stream synchronizes of this handle's stream, so also for
     /// the work the caller enqueued there before; never the device).
     ///
+    /// Host side: the page bodies are written by the kernels into a buffer
+    /// cleared on the device, downloaded into pinned staging, and framed
+    /// (section tables, CRCs on all threads) straight into `out`. With the
+    /// environment variable `KVPACK_GPU_TIMING` set, the wall time of each
+    /// stage is printed to stderr.
+    ///
     /// # Errors
     /// [`Error::Parameter`] when `num_tokens` is 0, the block table is too
     /// short, out of range or repeats a block, or the codec cannot encode
@@ -240,6 +246,7 @@ impl Gpu {
         if num_tokens == 0 {
             return Err(Error::param("encode_paged needs at least one token"));
         }
+        let mut clock = Stages::new();
         let shape = cache.shape();
         let infos = crate::gpu::paged::layer_infos(&shape, cache.dtype(), layer, num_tokens);
         let slots = self.upload(&slot_mapping(block_ids, &shape, num_tokens)?)?;
@@ -247,11 +254,12 @@ impl Gpu {
         let gathered = [self.alloc_uninit::<u16>(n)?, self.alloc_uninit::<u16>(n)?];
         let gather = self.plan_gather(cache, &slots, num_tokens, [&gathered[0], &gathered[1]])?;
         gather.launch()?;
-        gather.finish()?;
+        clock.mark("gather planned, launched");
         let pages = crate::plan::plan(&infos, &[0, 0], opts.layout)?;
         let prepared = match crate::gpu::family::sphere::prepare_shapes(codec, &infos)? {
             Some(c) => Some(c),
             None => crate::gpu::paged::prepare_on_gpu(codec, &infos, &pages, opts, |body| {
+                gather.finish()?;
                 let mut stage = super::stage::Stage::new(self);
                 crate::gpu::backend::key_amax(&mut stage, gathered[0].device_ptr(), &infos[0], body)
                     .map(Some)
@@ -259,16 +267,86 @@ impl Gpu {
         };
         let codec = prepared.as_deref().unwrap_or(codec);
         if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
+            gather.finish()?;
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
             return crate::gpu::paged::file_from_host(infos, host, codec, opts, out);
         }
-        let sections = crate::gpu::paged::sections_by_tensor(&pages, 2, codec, |t, mine, c| {
-            let plan = self.plan_encode(&gathered[t], &infos[t], c, mine)?;
-            plan.launch()?;
-            plan.finish()?;
-            plan.sections()
-        })?;
-        crate::gpu::paged::file_from_sections(infos, codec, opts, &pages, sections, out)
+        clock.mark("codec prepared");
+        // Every group planned and launched before the first wait, so the
+        // host plans the next while the device encodes the last.
+        let groups = crate::gpu::paged::page_groups(&pages, 2);
+        let plans = groups
+            .iter()
+            .map(|g| {
+                let plan = self.plan_encode(
+                    &gathered[g.tensor],
+                    &infos[g.tensor],
+                    g.codec(codec),
+                    &g.pages,
+                )?;
+                plan.launch()?;
+                Ok(plan)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        clock.mark("encodes planned, launched");
+        gather.finish()?;
+        let bodies = plans
+            .iter()
+            .map(|p| {
+                p.finish()?;
+                p.download()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        clock.mark("kernels done, bodies downloaded");
+        let bodies = crate::gpu::paged::PagedBodies::new(pages.len(), &groups, bodies)?;
+        let r = crate::gpu::paged::file_from_bodies(infos, codec, opts, &pages, &bodies, out);
+        clock.mark("file written");
+        clock.print();
+        r
+    }
+}
+
+/// Wall-clock stages of one call, printed to stderr when the environment
+/// variable `KVPACK_GPU_TIMING` is set (a profiling aid for the host side
+/// of [`Gpu::encode_paged`] on a device).
+struct Stages {
+    on: bool,
+    last: std::time::Instant,
+    marks: Vec<(&'static str, f64)>,
+}
+
+impl Stages {
+    fn new() -> Stages {
+        Stages {
+            on: std::env::var_os("KVPACK_GPU_TIMING").is_some(),
+            last: std::time::Instant::now(),
+            marks: Vec::new(),
+        }
+    }
+
+    /// Ends the stage `what`.
+    fn mark(&mut self, what: &'static str) {
+        if self.on {
+            let now = std::time::Instant::now();
+            self.marks
+                .push((what, (now - self.last).as_secs_f64() * 1e3));
+            self.last = now;
+        }
+    }
+
+    fn print(&self) {
+        if self.on {
+            let total: f64 = self.marks.iter().map(|m| m.1).sum();
+            let parts: Vec<String> = self
+                .marks
+                .iter()
+                .map(|(w, ms)| format!("{w} {ms:.3}"))
+                .collect();
+            eprintln!(
+                "kvpack encode_paged ms: {} | total {total:.3}",
+                parts.join(" | ")
+            );
+        }
     }
 }
 

@@ -6,6 +6,8 @@ use super::{Gpu, GpuBuffer};
 use crate::error::{Error, Result};
 use crate::gpu::backend::{Backend, Launch};
 use crate::gpu::decplan::BODY_ALIGN;
+use crate::gpu::encplan::{Place, check_words};
+use cudarc::driver::{result, sys};
 
 /// The buffers placed for one plan on one device.
 pub(crate) struct Stage<'g> {
@@ -48,7 +50,7 @@ pub(crate) fn launch_all(gpu: &Gpu, launches: &[Launch]) -> Result<()> {
     Ok(())
 }
 
-impl Backend for Stage<'_> {
+impl Place for Stage<'_> {
     fn place(&mut self, bytes: &[u8]) -> Result<u64> {
         let buf = if bytes.is_empty() {
             self.gpu.upload(&[0u8; BODY_ALIGN])?
@@ -60,6 +62,66 @@ impl Backend for Stage<'_> {
         Ok(at)
     }
 
+    fn zeroed(&mut self, len: usize) -> Result<u64> {
+        // Allocated and cleared on the stream (a memset): no copy, no wait.
+        let buf = self.gpu.alloc::<u8>(len.max(BODY_ALIGN))?;
+        let at = buf.device_ptr();
+        self.bufs.push(buf);
+        Ok(at)
+    }
+
+    fn place_padded(&mut self, bytes: &[u8], len: usize) -> Result<u64> {
+        let buf = self.gpu.alloc::<u8>(len.max(bytes.len()).max(BODY_ALIGN))?;
+        let at = buf.device_ptr();
+        self.bufs.push(buf);
+        if !bytes.is_empty() {
+            // SAFETY: `bytes.len()` bytes into the buffer just allocated
+            // (at least that long, cleared first on the same stream); the
+            // stream is synchronized before `bytes` may be freed.
+            unsafe { result::memcpy_htod_async(at, bytes, self.gpu.stream().cu_stream()) }
+                .map_err(super::cuda_err("host-to-device copy"))?;
+            self.gpu.synchronize()?;
+        }
+        Ok(at)
+    }
+
+    fn zeroed_with(&mut self, len: usize, value: u32, at: &[usize]) -> Result<u64> {
+        check_words(len, at)?;
+        let base = self.zeroed(len)?;
+        // One strided 32-bit memset per run of offsets with equal spacing
+        // (every full page, then the last), after the clear on the stream.
+        let mut i = 0;
+        while i < at.len() {
+            let pitch = at.get(i + 1).map_or(4, |&n| n - at[i]);
+            let mut rows = 1;
+            while at
+                .get(i + rows)
+                .is_some_and(|&n| n - at[i + rows - 1] == pitch)
+            {
+                rows += 1;
+            }
+            // SAFETY: `rows` words `pitch` bytes apart from `base + at[i]`,
+            // each inside the `len` bytes just allocated (check_words), on
+            // the stream the buffer was allocated and cleared on.
+            unsafe {
+                sys::cuMemsetD2D32Async(
+                    base + at[i] as u64,
+                    pitch,
+                    value,
+                    1,
+                    rows,
+                    self.gpu.stream().cu_stream(),
+                )
+            }
+            .result()
+            .map_err(super::cuda_err("memset"))?;
+            i += rows;
+        }
+        Ok(base)
+    }
+}
+
+impl Backend for Stage<'_> {
     fn launch(&mut self, launches: &[Launch]) -> Result<()> {
         launch_all(self.gpu, launches)
     }

@@ -10,7 +10,7 @@ use crate::format::{ElemType, PageView, SectionKind};
 use super::{GpuFamily, OUTS, at, section};
 use crate::gpu::body::{CanonicalBody, SectionSpec};
 use crate::gpu::encplan::{
-    EncWork, EncodeJob, EncodeLayout, empty, page_desc, page_rows, push_body,
+    EncWork, EncodeJob, EncodeLayout, Place, empty, page_desc, page_rows, push_body,
 };
 use crate::gpu::spec::{
     self, DEC_UNITS_W32, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions,
@@ -168,11 +168,7 @@ impl GpuFamily for Family {
     }
 
     /// One kernel writing SCALE, ZERO and INDEX.
-    fn plan_encode(
-        &self,
-        job: &EncodeJob<'_>,
-        _place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-    ) -> Result<EncodeLayout> {
+    fn plan_encode(&self, job: &EncodeJob<'_>, _place: &mut dyn Place) -> Result<EncodeLayout> {
         let EncodeJob {
             src,
             info,
@@ -191,7 +187,7 @@ impl GpuFamily for Family {
             let rows = page_rows(info, pg)?;
             let sections = self.body_sections(kc, rows.into(), pg.tokens.into(), d.into())?;
             let cl = CanonicalBody::new(sections)?;
-            let off = push_body(&mut p.host, &cl);
+            let off = push_body(&mut p.host_len, &cl);
             p.read += u64::from(rows) * u64::from(d) * esize;
             p.written += cl.specs.iter().map(|s| u64::from(s.len)).sum::<u64>();
             let upr = d.checked_div(kernel.grid.unit()).unwrap_or(0);

@@ -25,7 +25,7 @@ use crate::plan::PlannedPage;
 
 use super::section;
 use crate::gpu::body::CanonicalBody;
-use crate::gpu::encplan::{EncWork, EncodeJob, EncodeLayout, empty, page_rows, push_body};
+use crate::gpu::encplan::{EncWork, EncodeJob, EncodeLayout, Place, empty, page_rows, push_body};
 use crate::gpu::spec::{self, EncDesc, Grid, KernelChoice, KernelCodec, src_suffix};
 
 /// Elements of a row run staged per block by the polar kernel
@@ -125,10 +125,7 @@ pub(crate) fn work(kernel: KernelChoice, items: Vec<[u32; 2]>) -> EncWork {
 
 /// `kivi` and `innerq` pages: one kernel writing every section.
 /// `kivi` and `innerq` pages: one kernel writing every section.
-pub(crate) fn plan_group(
-    job: &EncodeJob<'_>,
-    place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-) -> Result<EncodeLayout> {
+pub(crate) fn plan_group(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
     let EncodeJob {
         src,
         info,
@@ -158,7 +155,7 @@ pub(crate) fn plan_group(
             .factors_for(info)
             .map_err(|m| Error::param(format!("{} ({}): {m}", info.name, info.describe())))?
             .ok_or_else(|| Error::param("internal: normalized keys without factors"))?;
-        place(bytemuck::cast_slice(&e.factors))?
+        place.place(bytemuck::cast_slice(&e.factors))?
     } else {
         0
     };
@@ -208,7 +205,7 @@ pub(crate) fn plan_group(
         }
         specs.push(section(SectionKind::Index, 0, ElemType::Packed(bits), el)?);
         let l = CanonicalBody::new(specs)?;
-        let off = push_body(&mut p.host, &l);
+        let off = push_body(&mut p.host_len, &l);
         p.read += el * esize;
         p.written += l.specs.iter().map(|s| u64::from(s.len)).sum::<u64>();
         let hybrid = l.specs.len() == 4;
@@ -243,7 +240,7 @@ pub(crate) fn plan_key_amax(
     let n = u64::from(info.heads) * u64::from(info.head_dim);
     let l = CanonicalBody::new(vec![section(SectionKind::Aux, 0, ElemType::U32, n)?])?;
     let mut p = empty();
-    let off = push_body(&mut p.host, &l);
+    let off = push_body(&mut p.host_len, &l);
     let mut items = Vec::new();
     for (i, pg) in pages.iter().enumerate() {
         let rows = page_rows(info, pg)?;

@@ -16,7 +16,7 @@ use super::f32_bytes;
 use super::{GpuFamily, OUTS, at, bad_params, offset, section};
 use crate::gpu::body::{CanonicalBody, SectionSpec};
 use crate::gpu::encplan::{
-    EncWork, EncodeJob, EncodeLayout, SectionCut, empty, page_rows, push_body,
+    EncWork, EncodeJob, EncodeLayout, Place, SectionCut, empty, page_rows, push_body,
 };
 use crate::gpu::hqmq_cells;
 use crate::gpu::spec::{
@@ -241,11 +241,7 @@ impl GpuFamily for Family {
     /// symbols to the front, the OUTLIERS table), on worst-case bodies cut
     /// by [`med_sections`]. For `S <=` [`hqmq_cells::MAX_S`] a setup
     /// launch builds the search's cell index once.
-    fn plan_encode(
-        &self,
-        job: &EncodeJob<'_>,
-        place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-    ) -> Result<EncodeLayout> {
+    fn plan_encode(&self, job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
         let EncodeJob {
             src,
             info,
@@ -264,10 +260,15 @@ impl GpuFamily for Family {
         let c = Hqmq::from_params(&codec.params())?.outlier_multiplier;
         let mut table = encode_table(codec, info, s)?;
         let cells = hqmq_cells::grid(s).filter(|_| !pages.is_empty());
+        let mut lists = 0;
         if let Some(gr) = cells {
-            table.extend_from_slice(&hqmq_cells::region(gr, info.heads));
+            let (head, n) = hqmq_cells::region_head(gr, info.heads);
+            table.extend_from_slice(&head);
+            lists = n;
         }
-        let side = place(&table)?;
+        // The cell lists (zero until the setup launch fills them) are
+        // cleared on the device, not uploaded.
+        let side = place.place_padded(&table, table.len() + lists)?;
         drop(table);
         let mut p = empty();
         let kernel = |name: String, grid| KernelChoice {
@@ -294,22 +295,28 @@ impl GpuFamily for Family {
             });
         }
         // Per page: u32 symbols, then with +med the header (u32 n_out, f32
-        // C, f32 tau per plane).
-        let mut scratch_host = Vec::new();
-        let mut scratch_at = Vec::new();
+        // C, f32 tau per plane). Without +med nothing in it is read before
+        // the kernels write it: zeroed on the device, not uploaded.
+        let header = if med { 8 + 4 * planes as usize } else { 0 };
+        let mut scratch_at = Vec::with_capacity(pages.len());
+        let mut len = 0usize;
         for pg in pages {
-            let rows = page_rows(info, pg)?;
-            scratch_at.push(scratch_host.len() as u64);
-            scratch_host.resize(scratch_host.len() + 4 * rows as usize * nc as usize, 0);
-            if med {
-                scratch_host.extend_from_slice(&[0; 4]);
-                scratch_host.extend_from_slice(&c.unwrap_or(1.0).to_le_bytes());
-                scratch_host.resize(scratch_host.len() + 4 * planes as usize, 0);
-            }
+            scratch_at.push(len as u64);
+            len += 4 * page_rows(info, pg)? as usize * nc as usize + header;
         }
-        scratch_host.resize(scratch_host.len().max(4), 0);
-        let scratch = place(&scratch_host)?;
-        drop(scratch_host);
+        let scratch = if med {
+            // Each page header's C (the rest is zero).
+            let at = pages
+                .iter()
+                .zip(&scratch_at)
+                .map(|(pg, &at)| {
+                    Ok(at as usize + 4 * page_rows(info, pg)? as usize * nc as usize + 4)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            place.zeroed_with(len.max(4), c.unwrap_or(1.0).to_bits(), &at)?
+        } else {
+            place.zeroed(len.max(4))?
+        };
         let sfx = src_suffix(info.dtype);
         let search = kernel(
             format!("encode_hqmq_{sfx}"),
@@ -356,7 +363,7 @@ impl GpuFamily for Family {
                 specs.push(spec(SectionKind::Outliers, 0, ElemType::Bytes, len, len));
             }
             let l = CanonicalBody::new(specs)?;
-            let off = push_body(&mut p.host, &l);
+            let off = push_body(&mut p.host_len, &l);
             p.read += u64::from(rows) * u64::from(d) * esize;
             p.written += u64::from(2 * rows) + low_len + high_len;
             p.descs.push(EncDesc {
@@ -441,11 +448,10 @@ pub(crate) fn med_sections(l: &CanonicalBody, body: &[u8], args: [u64; 4]) -> Re
     let [e, o, g, _] = args;
     let groups =
         Groups::new(o, g as u32).ok_or_else(|| Error::param("internal: hqmq digit grouping"))?;
-    let mut s = l.sections(body);
-    assert_eq!(s.len(), 4, "hqmq+med layout");
-    let n = s[1].count as usize;
-    let t = &s[3].data;
-    let n_out = u32::from_le_bytes(t[0..4].try_into().expect("4 bytes")) as usize;
+    assert_eq!(l.specs.len(), 4, "hqmq+med layout");
+    let n = l.specs[1].count as usize;
+    let t = l.offsets[3] as usize;
+    let n_out = u32::from_le_bytes(body[t..t + 4].try_into().expect("4 bytes")) as usize;
     let bitmap = n.div_ceil(8);
     let pos = if 4 * n_out <= bitmap {
         4 * n_out
@@ -453,21 +459,33 @@ pub(crate) fn med_sections(l: &CanonicalBody, body: &[u8], args: [u64; 4]) -> Re
         bitmap
     };
     let table = 12 + pos + 8 * n_out;
-    if n_out > n || table > t.len() {
+    if n_out > n || table > l.specs[3].len as usize {
         return Err(Error::param(format!(
             "internal: GPU hqmq outlier count {n_out} of {n} chunks"
         )));
     }
+    // Only the bytes the cut keeps are copied.
     let n_in = n - n_out;
-    s[1].count = n_in as u32;
-    s[1].data
-        .truncate(crate::kernels::bitpack::packed_len(n_in, e as u32));
+    let low = crate::kernels::bitpack::packed_len(n_in, e as u32);
     let high = groups.packed_len(n_in);
-    s[2].count = high as u32;
-    s[2].data.truncate(high);
-    s[3].data.truncate(table);
-    s[3].count = table as u32;
-    Ok(s)
+    let keep = [
+        (l.specs[0].count, l.specs[0].len as usize),
+        (n_in as u32, low),
+        (high as u32, high),
+        (table as u32, table),
+    ];
+    Ok(l.specs
+        .iter()
+        .zip(&l.offsets)
+        .zip(keep)
+        .map(|((s, &at), (count, len))| Section {
+            kind: s.kind,
+            stream: s.stream,
+            elem: s.elem,
+            count,
+            data: body[at as usize..at as usize + len].to_vec(),
+        })
+        .collect())
 }
 
 #[cfg(test)]
@@ -503,17 +521,14 @@ mod tests {
                 raw: false,
             },
         ];
-        let mut placed = Vec::new();
+        let mut placed = crate::gpu::encplan::Counting::default();
         let l = super::super::plan_encode(
             0x1000,
             &info,
             c.as_ref(),
             &pages,
             KernelOptions::default(),
-            &mut |b| {
-                placed.push(b.len());
-                Ok(0x10_0000 * placed.len() as u64)
-            },
+            &mut placed,
         )
         .unwrap();
         assert_eq!(l.works.len(), 2);
@@ -523,7 +538,7 @@ mod tests {
         // The codebooks then the cell index (grid 20 for S = 24), the
         // scratch; the cell build covers 3 heads x 20^3 boxes.
         let region = hqmq_cells::region(20, 3).len();
-        assert_eq!(placed, [3 * 25 * 24 * 16 + region, 4 * 3 * 70 * 16]);
+        assert_eq!(placed.sizes, [3 * 25 * 24 * 16 + region, 4 * 3 * 70 * 16]);
         assert_eq!(l.setup.len(), 1);
         assert_eq!(
             l.setup[0].items.len(),

@@ -10,7 +10,7 @@ use crate::gpu::body::SectionSpec;
 
 use super::group_enc;
 use super::{GROUP_UNITS, GpuFamily, OUTS, at, choice, chunked, group_count, section, units};
-use crate::gpu::encplan::{EncodeJob, EncodeLayout};
+use crate::gpu::encplan::{EncodeJob, EncodeLayout, Place};
 use crate::gpu::spec::{
     KernelChoice, KernelCodec, KernelOptions, OutType, UNITS_PER_THREAD, magic,
 };
@@ -132,11 +132,7 @@ impl GpuFamily for Family {
     }
 
     /// One kernel writing every section (`kernels/group_enc.cu`).
-    fn plan_encode(
-        &self,
-        job: &EncodeJob<'_>,
-        place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-    ) -> Result<EncodeLayout> {
+    fn plan_encode(&self, job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
         group_enc::plan_group(job, place)
     }
 

@@ -4,7 +4,7 @@
 //! parameter block, the checked section offsets of a page, the kernel that
 //! decodes it and its grid, the codec parameters its descriptor carries,
 //! the sections of its canonical body (the one statement of its page
-//! layout here: the body length and the encode templates follow from it),
+//! layout here: the body length and the encode body layouts follow from it),
 //! the side table, the kernel names it may ask for and, for the families
 //! with a GPU encoder, the encode plan.
 //!
@@ -45,7 +45,7 @@ use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, SectionKind};
 
 use super::body::{CanonicalBody, SectionSpec};
-use super::encplan::{EncodeJob, EncodeLayout};
+use super::encplan::{EncodeJob, EncodeLayout, Place};
 use super::spec::{Grid, KernelChoice, KernelCodec, KernelOptions, OutType};
 use crate::plan::PlannedPage;
 
@@ -116,7 +116,7 @@ pub(crate) trait GpuFamily: Sync {
     /// where the body depends on the data: the hqmq `+med` outlier table
     /// and inlier streams). The one statement of a family's page layout
     /// on the GPU side: `canonical_body_len` (staging of zstd pages) and
-    /// the encode templates derive from it, and `tests/conformance.rs`
+    /// the encode body layouts derive from it, and `tests/conformance.rs`
     /// checks it against the pages the CPU writes for every registry
     /// example.
     ///
@@ -160,7 +160,7 @@ pub(crate) trait GpuFamily: Sync {
         true
     }
 
-    /// Plans a GPU encode (page body templates, descriptors, launches);
+    /// Plans a GPU encode (page body layouts, descriptors, launches);
     /// scratch buffers and side tables are placed through `place`, which
     /// returns their device address.
     ///
@@ -168,11 +168,7 @@ pub(crate) trait GpuFamily: Sync {
     /// [`Error::Unsupported`] without a GPU encoder (the default);
     /// [`Error::Parameter`] for pages the codec cannot encode; the errors
     /// of `place`.
-    fn plan_encode(
-        &self,
-        job: &EncodeJob<'_>,
-        _place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-    ) -> Result<EncodeLayout> {
+    fn plan_encode(&self, job: &EncodeJob<'_>, _place: &mut dyn Place) -> Result<EncodeLayout> {
         Err(Error::Unsupported(format!(
             "no GPU encoder for {} yet; encode it on the CPU",
             job.codec.name()
@@ -289,13 +285,13 @@ pub fn canonical_body_len(kc: KernelCodec, rows: u64, tokens: u64, d: u64) -> u6
 /// [`Error::Parameter`] for a page outside the tensor or a codec that
 /// cannot encode it; [`Error::Unsupported`] for codecs without a GPU
 /// encoder (`gpu_encodes` is false); the errors of `place`.
-pub fn plan_encode(
+pub(crate) fn plan_encode(
     src: u64,
     info: &TensorInfo,
     codec: &dyn Codec,
     pages: &[PlannedPage],
     opts: KernelOptions,
-    place: &mut dyn FnMut(&[u8]) -> Result<u64>,
+    place: &mut dyn Place,
 ) -> Result<EncodeLayout> {
     codec.check(info)?;
     let kc = KernelCodec::of(codec, info)?;

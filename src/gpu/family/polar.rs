@@ -11,7 +11,7 @@ use crate::gpu::body::SectionSpec;
 use super::group_enc::{self, desc, enc_choice, plane_items, work};
 use super::{GpuFamily, OUTS, POLAR_UNITS, at, choice, chunked, section, units};
 use crate::gpu::body::CanonicalBody;
-use crate::gpu::encplan::{EncodeJob, EncodeLayout, empty, page_rows, push_body};
+use crate::gpu::encplan::{EncodeJob, EncodeLayout, Place, empty, page_rows, push_body};
 use crate::gpu::spec::{EncDesc, src_suffix};
 use crate::gpu::spec::{KernelChoice, KernelCodec, KernelOptions, OutType, UNITS_PER_THREAD};
 use crate::kernels::polar::uniform_directions;
@@ -149,11 +149,7 @@ impl GpuFamily for Family {
         t.head_dim <= MAX_ENCODE_DIM
     }
 
-    fn plan_encode(
-        &self,
-        job: &EncodeJob<'_>,
-        place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-    ) -> Result<EncodeLayout> {
+    fn plan_encode(&self, job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
         plan_polar(job, place)
     }
 
@@ -181,10 +177,7 @@ const MAX_ENCODE_DIM: u32 = 1024;
 
 /// `polar` key pages: the radius-scale kernel (SCALE), then the code
 /// kernel (INDEX).
-fn plan_polar(
-    job: &EncodeJob<'_>,
-    place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-) -> Result<EncodeLayout> {
+fn plan_polar(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
     let EncodeJob {
         src,
         info,
@@ -202,7 +195,7 @@ fn plan_polar(
     // canonical uniform table of at least 8 directions.
     let uniform = dirs.len() >= 8 && uniform_directions(u32::from(m)) == dirs;
     let table: Vec<f32> = dirs.iter().flat_map(|u| [u[0], u[1]]).collect();
-    let side = place(bytemuck::cast_slice(&table))?;
+    let side = place.place(bytemuck::cast_slice(&table))?;
     let d = info.head_dim;
     let pairs = d / 2;
     let bits = u32::from(m) + u32::from(n);
@@ -222,7 +215,7 @@ fn plan_polar(
             section(SectionKind::Scale, 0, ElemType::F32, ns)?,
             section(SectionKind::Index, 0, ElemType::Packed(bits as u8), nc)?,
         ])?;
-        let off = push_body(&mut p.host, &l);
+        let off = push_body(&mut p.host_len, &l);
         p.read += u64::from(rows) * u64::from(d) * esize;
         p.written += l.specs.iter().map(|s| u64::from(s.len)).sum::<u64>();
         p.descs.push(EncDesc {

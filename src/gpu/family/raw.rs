@@ -9,7 +9,7 @@ use crate::gpu::body::SectionSpec;
 use super::group_enc::{desc, work};
 use super::{GpuFamily, OUTS, at, section};
 use crate::gpu::body::CanonicalBody;
-use crate::gpu::encplan::{EncodeJob, EncodeLayout, empty, page_rows, push_body};
+use crate::gpu::encplan::{EncodeJob, EncodeLayout, Place, empty, page_rows, push_body};
 use crate::gpu::spec::EncDesc;
 use crate::gpu::spec::{Grid, KernelChoice, KernelCodec, KernelOptions, OutType, W8, src_suffix};
 
@@ -89,11 +89,7 @@ impl GpuFamily for Family {
         true
     }
 
-    fn plan_encode(
-        &self,
-        job: &EncodeJob<'_>,
-        _place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-    ) -> Result<EncodeLayout> {
+    fn plan_encode(&self, job: &EncodeJob<'_>, _place: &mut dyn Place) -> Result<EncodeLayout> {
         plan_raw(job)
     }
 
@@ -141,7 +137,7 @@ fn plan_raw(job: &EncodeJob<'_>) -> Result<EncodeLayout> {
             ElemType::from_dtype(info.dtype),
             el,
         )?])?;
-        let off = push_body(&mut p.host, &l);
+        let off = push_body(&mut p.host_len, &l);
         p.read += el * esize;
         p.written += el * esize;
         p.descs.push(EncDesc {

@@ -27,7 +27,7 @@ use super::{GpuFamily, OUTS, at, choice, section, units};
 use super::{f32_bytes, sign_bits};
 use crate::gpu::body::{CanonicalBody, SectionSpec};
 use crate::gpu::encplan::{
-    EncWork, EncodeJob, EncodeLayout, empty, page_desc, page_rows, push_body,
+    EncWork, EncodeJob, EncodeLayout, Place, empty, page_desc, page_rows, push_body,
 };
 use crate::gpu::spec::{
     BLOCK, EncDesc, Grid, KernelChoice, KernelCodec, KernelOptions, OutType, src_suffix,
@@ -277,11 +277,7 @@ impl GpuFamily for Family {
     }
 
     /// One kernel (`kernels/sphere_enc.cu`) writing every section.
-    fn plan_encode(
-        &self,
-        job: &EncodeJob<'_>,
-        place: &mut dyn FnMut(&[u8]) -> Result<u64>,
-    ) -> Result<EncodeLayout> {
+    fn plan_encode(&self, job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
         let EncodeJob {
             src,
             info,
@@ -295,7 +291,7 @@ impl GpuFamily for Family {
         let esize = info.dtype.size() as u64;
         let kernel = encode_kernel(kc, d, info.dtype);
         let (table, bounds_at) = encode_table(codec, kc, info)?;
-        let side = place(&table)?;
+        let side = place.place(&table)?;
         let p0 = u32::from(a)
             | u32::from(b) << 8
             | rounding(codec, octopus)? << 16
@@ -307,7 +303,7 @@ impl GpuFamily for Family {
         for (i, pg) in pages.iter().enumerate() {
             let rows = page_rows(info, pg)?;
             let l = encode_body(kc, rows, d)?;
-            let off = push_body(&mut p.host, &l);
+            let off = push_body(&mut p.host_len, &l);
             p.read += u64::from(rows) * u64::from(d) * esize;
             p.written += l.specs.iter().map(|s| u64::from(s.len)).sum::<u64>();
             let o = |k: usize| l.offsets.get(k).copied().unwrap_or(0);
@@ -547,7 +543,7 @@ mod tests {
                 tokens: 32,
                 raw: false,
             }];
-            let mut placed = 0;
+            let mut placed = crate::gpu::encplan::Counting::default();
             let job = EncodeJob {
                 src: 0x1000,
                 info: &t,
@@ -556,13 +552,8 @@ mod tests {
                 pages: &pages,
                 opts: KernelOptions::default(),
             };
-            let l = Family
-                .plan_encode(&job, &mut |_| {
-                    placed += 1;
-                    Ok(0x8000)
-                })
-                .unwrap();
-            assert_eq!(placed, 1);
+            let l = Family.plan_encode(&job, &mut placed).unwrap();
+            assert_eq!(placed.sizes.len(), 1);
             let rows = 2 * 32;
             let cpu = crate::gpu::host::encode_tensor(
                 &crate::cache::Tensor::new(
