@@ -235,27 +235,13 @@ __device__ __forceinline__ u32 hqe_search_cells(float4 x, const float4* sec, con
     float best = __int_as_float(0xff800000);
     u32 arg = 0xffffffffu;
     const u8* mrow = mul + 24u * ps;
-    // Four candidates per step, their list entries and codewords loaded
-    // before any is scored (independent loads in flight); past the list end
-    // the last candidate is scored again, which changes nothing (the rule
-    // is the largest score, then the smallest index, in any order).
-    for (u32 i = 1; i <= cnt; i += 4u) {
-        u32 jj[4];
-        float4 c[4];
-#pragma unroll
-        for (u32 k = 0; k < 4u; k++) {
-            const u32 e = __ldg(L + min(i + k, cnt));
-            jj[k] = (u32)mrow[e >> 11] * S + (e & 2047u);
-        }
-#pragma unroll
-        for (u32 k = 0; k < 4u; k++) c[k] = __ldg(joint + jj[k]);
-#pragma unroll
-        for (u32 k = 0; k < 4u; k++) {
-            const float sc = hqe_dot(x, c[k]);
-            if (sc > best || (sc == best && jj[k] < arg)) {
-                best = sc;
-                arg = jj[k];
-            }
+    for (u32 i = 1; i <= cnt; i++) {
+        u32 e = __ldg(L + i);
+        u32 jj = (u32)mrow[e >> 11] * S + (e & 2047u);
+        float sc = hqe_dot(x, __ldg(joint + jj));
+        if (sc > best || (sc == best && jj < arg)) {
+            best = sc;
+            arg = jj;
         }
     }
     return arg;
