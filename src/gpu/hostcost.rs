@@ -159,16 +159,21 @@ fn add(a: &mut [f64; 2], b: [f64; 2]) {
     a[1] += b[1];
 }
 
+/// A Llama-3-8B layer's paged cache: 2048 blocks of 16 tokens, 8 kv heads,
+/// head_dim 128.
+const LLAMA: PagedShape = PagedShape {
+    num_blocks: 2048,
+    block_size: 16,
+    kv_heads: 8,
+    head_dim: 128,
+};
+/// Tokens of the Llama layer (every block full).
+const LLAMA_TOKENS: u32 = 32768;
+
 #[test]
 #[ignore = "timing harness: run with --ignored --nocapture"]
 fn paged_encode_host_cost() {
-    let shape = PagedShape {
-        num_blocks: 2048,
-        block_size: 16,
-        kv_heads: 8,
-        head_dim: 128,
-    };
-    let tokens = 32768;
+    let (shape, tokens) = (LLAMA, LLAMA_TOKENS);
     let opts = CompressOptions::default();
     let list = std::env::var("KVPACK_HOSTCOST_CODECS").unwrap_or_else(|_| {
         "int4,bdr128,hqmq:s96r4,hqmq:s96r4+med3,kivi:2,innerq:k2v2,polar:m4n4,turbo:b3,octopus:b3"
@@ -263,17 +268,7 @@ fn paged_encode_host_cost() {
 #[test]
 #[ignore = "timing harness: run with --ignored --nocapture"]
 fn hqmq_tables_cost() {
-    let infos = paged::layer_infos(
-        &PagedShape {
-            num_blocks: 2048,
-            block_size: 16,
-            kv_heads: 8,
-            head_dim: 128,
-        },
-        DType::Bf16,
-        0,
-        32768,
-    );
+    let infos = paged::layer_infos(&LLAMA, DType::Bf16, 0, LLAMA_TOKENS);
     let c = crate::codec::parse("hqmq:s96r4").unwrap();
     let t0 = Clock::start();
     let t = super::family::hqmq::encode_table(c.as_ref(), &infos[0], 96).unwrap();
@@ -295,13 +290,7 @@ fn paged_decode_host_cost() {
     use crate::cache::{Kind, KvCache, Tensor, TensorData};
     use crate::gpu::decplan::PagedImage;
     use crate::gpu::spec::OutType;
-    let shape = PagedShape {
-        num_blocks: 2048,
-        block_size: 16,
-        kv_heads: 8,
-        head_dim: 128,
-    };
-    let tokens = 32768;
+    let (shape, tokens) = (LLAMA, LLAMA_TOKENS);
     let infos = paged::layer_infos(&shape, DType::Bf16, 0, tokens);
     let tensors = infos
         .iter()
