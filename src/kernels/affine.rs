@@ -84,8 +84,12 @@ pub fn min_max_scalar(x: &[f32]) -> Result<(f32, f32)> {
     for c in chunks {
         for l in 0..8 {
             let v = c[l];
-            mn[l] = if v < mn[l] { v } else { mn[l] };
-            mx[l] = if v > mx[l] { v } else { mx[l] };
+            // The lane rule of x86 `minps`/`maxps` (the AVX2 path): keep
+            // the accumulator only when strictly smaller (larger), else take
+            // `v`, so ties between +0 and -0 resolve the same way on every
+            // CPU and the zero point's sign bit is portable.
+            mn[l] = if mn[l] < v { mn[l] } else { v };
+            mx[l] = if mx[l] > v { mx[l] } else { v };
             bad[l] += v * 0.0;
         }
     }

@@ -297,7 +297,8 @@ mod tests {
             // min/max
             let (lo, hi, ok) = unsafe { min_max(&x) };
             prop_assert!(ok);
-            prop_assert_eq!((lo, hi), affine::min_max_scalar(&x).unwrap());
+            let (rlo, rhi) = affine::min_max_scalar(&x).unwrap();
+            prop_assert_eq!((lo.to_bits(), hi.to_bits()), (rlo.to_bits(), rhi.to_bits()));
             // scale + min/max in one pass
             let mut y = x.clone();
             let (slo, shi, sok) = unsafe { scale_min_max(&mut y, 0.0883883) };
@@ -305,7 +306,8 @@ mod tests {
             z.iter_mut().for_each(|v| *v *= 0.0883883);
             prop_assert!(sok);
             prop_assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), z.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-            prop_assert_eq!((slo, shi), affine::min_max_scalar(&z).unwrap());
+            let (rlo, rhi) = affine::min_max_scalar(&z).unwrap();
+            prop_assert_eq!((slo.to_bits(), shi.to_bits()), (rlo.to_bits(), rhi.to_bits()));
             // quantize + pack
             let (p, inv) = affine::params(lo, hi, 15);
             let mut codes = vec![0u8; n];
@@ -336,6 +338,38 @@ mod tests {
             unsafe { bf16_to_f32(&h, &mut f) };
             for (a, &b) in f.iter().zip(&h) {
                 prop_assert_eq!(a.to_bits(), (b as u32) << 16);
+            }
+        }
+    }
+
+    /// Rows whose minimum or maximum is a zero of either sign, in every
+    /// lane position and order: the AVX2 and portable paths agree on the
+    /// sign bit (it reaches the kivi/innerq zero point's f16 bits).
+    #[test]
+    fn signed_zero_ties_resolve_like_the_portable_path() {
+        if !super::super::simd_available() {
+            return;
+        }
+        // Two zeros in the same lane (8 apart), so the lane's tie rule
+        // decides, and in different lanes, so the reduction decides.
+        for n in [16usize, 19, 32] {
+            for pos in 0..n {
+                for (fill, z) in [(1.0f32, -0.0f32), (1.0, 0.0), (-1.0, -0.0), (-1.0, 0.0)] {
+                    for other in [0.0f32, -0.0] {
+                        let mut x = vec![fill; n];
+                        x[pos] = z;
+                        x[(pos + 8) % n] = other;
+                        // SAFETY: AVX2 checked above.
+                        let (lo, hi, ok) = unsafe { min_max(&x) };
+                        assert!(ok);
+                        let (rlo, rhi) = affine::min_max_scalar(&x).unwrap();
+                        assert_eq!(
+                            (lo.to_bits(), hi.to_bits()),
+                            (rlo.to_bits(), rhi.to_bits()),
+                            "{x:?}"
+                        );
+                    }
+                }
             }
         }
     }
