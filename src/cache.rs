@@ -644,6 +644,23 @@ impl<'a> ElemsMut<'a> {
         }
     }
 
+    /// Splits the first `planes * per_plane` elements into `planes`
+    /// consecutive runs of `per_plane` elements (the planes of a page's
+    /// `[planes, tokens, head_dim]` scratch).
+    ///
+    /// # Panics
+    /// If `planes * per_plane > len`.
+    pub fn split_planes(self, per_plane: usize, planes: usize) -> Vec<ElemsMut<'a>> {
+        let mut rest = self;
+        let mut out = Vec::with_capacity(planes);
+        for _ in 0..planes {
+            let (a, b) = rest.split_at(per_plane);
+            out.push(a);
+            rest = b;
+        }
+        out
+    }
+
     /// Splits into `[0, mid)` and `[mid, len)`.
     ///
     /// # Panics

@@ -499,13 +499,7 @@ impl<'a> Archive<'a> {
         let planes = info.planes();
         let mut scratch = TensorData::zeros(info.dtype, planes * n * d);
         {
-            let mut rest = scratch.as_elems_mut();
-            let mut sp = Vec::with_capacity(planes);
-            for _ in 0..planes {
-                let (x, r) = rest.split_at(n * d);
-                sp.push(x);
-                rest = r;
-            }
+            let sp = scratch.as_elems_mut().split_planes(n * d, planes);
             self.decode_page(pi, info, a, b, sp, stats)?;
         }
         Ok((a, n, scratch))
@@ -553,13 +547,9 @@ impl<'a> Archive<'a> {
         )?;
         let mut scratch = TensorData::zeros(info.dtype, info.planes() * m.tokens as usize * d);
         {
-            let mut rest = scratch.as_elems_mut();
-            let mut sp = Vec::new();
-            for _ in 0..info.planes() {
-                let (a, b) = rest.split_at(m.tokens as usize * d);
-                sp.push(a);
-                rest = b;
-            }
+            let sp = scratch
+                .as_elems_mut()
+                .split_planes(m.tokens as usize * d, info.planes());
             let mut out = PageOut {
                 tensor: &src_info,
                 tokens: m.tokens,

@@ -230,13 +230,7 @@ pub fn decode_stream_pieces<R: Read>(
         let (n, d, planes) = (m.tokens as usize, info.head_dim as usize, info.planes());
         let mut scratch = TensorData::zeros(info.dtype, planes * n * d);
         {
-            let mut rest = scratch.as_elems_mut();
-            let mut sp = Vec::with_capacity(planes);
-            for _ in 0..planes {
-                let (x, r) = rest.split_at(n * d);
-                sp.push(x);
-                rest = r;
-            }
+            let sp = scratch.as_elems_mut().split_planes(n * d, planes);
             let mut out = PageOut {
                 tensor: &header.tensors[t],
                 tokens: m.tokens,
@@ -447,13 +441,9 @@ pub fn check_page(
         &format!("checking {}", page.what),
     )?;
     let mut scratch = TensorData::zeros(DType::F32, per_plane as usize * info.planes());
-    let mut rest = scratch.as_elems_mut();
-    let mut planes = Vec::with_capacity(info.planes());
-    for _ in 0..info.planes() {
-        let (a, b) = rest.split_at(per_plane as usize);
-        planes.push(a);
-        rest = b;
-    }
+    let planes = scratch
+        .as_elems_mut()
+        .split_planes(per_plane as usize, info.planes());
     let mut out = PageOut {
         tensor: info,
         tokens: m.tokens,

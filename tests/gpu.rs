@@ -1680,6 +1680,26 @@ fn kernel_sources_compile_with_nvrtc() {
 
 /// The file-to-GPU path: a zstd + raw-window bdr128 file decoded through
 /// small staging chunks (many chunks, both buffers reused) equals the CPU.
+/// One contiguous target per tensor: tensor `t` whole into `bufs[t]`.
+fn whole_tensors<'a>(
+    infos: &[kvpack::cache::TensorInfo],
+    bufs: &'a [kvpack::gpu::GpuBuffer<u16>],
+) -> Vec<kvpack::gpu::Target<'a>> {
+    infos
+        .iter()
+        .zip(bufs)
+        .enumerate()
+        .map(|(t, (i, buf))| kvpack::gpu::Target {
+            tensor: t as u32,
+            dst: kvpack::gpu::Dst::Contiguous {
+                buf,
+                first_token: 0,
+                tokens: i.tokens,
+            },
+        })
+        .collect()
+}
+
 #[test]
 fn file_decoder_matches_cpu() {
     // bdr128 (phase 1) and VQ / group codecs whose kernels need side tables
@@ -1706,18 +1726,7 @@ fn file_decoder_matches_cpu() {
                 .iter()
                 .map(|i| gpu.upload(&vec![POISON; i.elements() as usize]).unwrap())
                 .collect();
-            let targets: Vec<_> = infos
-                .iter()
-                .enumerate()
-                .map(|(t, i)| kvpack::gpu::Target {
-                    tensor: t as u32,
-                    dst: kvpack::gpu::Dst::Contiguous {
-                        buf: &bufs[t],
-                        first_token: 0,
-                        tokens: i.tokens,
-                    },
-                })
-                .collect();
+            let targets = whole_tensors(&infos, &bufs);
             for round in 0..2 {
                 let stats = fd.decode(&archive, &targets, OutType::Bf16).unwrap();
                 assert!(stats.chunks >= 2, "{stats:?}");
@@ -1825,19 +1834,7 @@ fn invalid_vectors_are_refused_by_every_device_like_the_cpu_reader() {
                     .iter()
                     .map(|i| gpu.alloc::<u16>(i.elements() as usize).unwrap())
                     .collect();
-                let targets: Vec<_> = archive
-                    .tensors()
-                    .iter()
-                    .enumerate()
-                    .map(|(t, i)| kvpack::gpu::Target {
-                        tensor: t as u32,
-                        dst: kvpack::gpu::Dst::Contiguous {
-                            buf: &bufs[t],
-                            first_token: 0,
-                            tokens: i.tokens,
-                        },
-                    })
-                    .collect();
+                let targets = whole_tensors(&archive.tensors(), &bufs);
                 let mut fd = kvpack::gpu::FileDecoder::new(gpu, 1 << 20).unwrap();
                 let e = fd
                     .decode(&archive, &targets, OutType::Bf16)

@@ -1,7 +1,7 @@
 //! The CPU side of [`super::Device`]: the reference codecs writing the same
 //! layouts as the GPU kernels, so one test body checks both backends.
 
-use crate::cache::{Elems, ElemsMut, Tensor, TensorData, TensorInfo};
+use crate::cache::{Elems, Tensor, TensorData, TensorInfo};
 use crate::codec::{Codec, PageIn, PageOut};
 use crate::decode::Archive;
 use crate::error::{Error, Result};
@@ -165,13 +165,7 @@ pub fn decode_tensor_into(
         let n = m.tokens as usize;
         let mut scratch = TensorData::zeros(out.dtype(), info.planes() * n * d);
         {
-            let mut rest = scratch.as_elems_mut();
-            let mut planes: Vec<ElemsMut<'_>> = Vec::new();
-            for _ in 0..info.planes() {
-                let (a, b) = rest.split_at(n * d);
-                planes.push(a);
-                rest = b;
-            }
+            let planes = scratch.as_elems_mut().split_planes(n * d, info.planes());
             let mut po = PageOut {
                 tensor: info,
                 tokens: m.tokens,

@@ -124,7 +124,6 @@ pub(crate) fn work(kernel: KernelChoice, items: Vec<[u32; 2]>) -> EncWork {
 }
 
 /// `kivi` and `innerq` pages: one kernel writing every section.
-/// `kivi` and `innerq` pages: one kernel writing every section.
 pub(crate) fn plan_group(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
     let EncodeJob {
         src,
