@@ -373,13 +373,32 @@ impl Gpu {
         // index entries and section tables the reader checked against the
         // file) and writes its own range of `out`; one work item per 64 KiB.
         unsafe { b.launch(cfg) }.map_err(cuda_err("launch frame_copy"))?;
-        let got = out.to_vec()?;
-        let mut at = 0usize;
-        for &(o, l) in spans {
-            host[o as usize..(o + l) as usize].copy_from_slice(&got[at..at + l as usize]);
-            at += l as usize;
+        // Read back through pinned staging (a pageable read-back is
+        // several times slower for the MBs of scales some codecs check).
+        let n = total as usize;
+        let mut staging = self.take_pinned(n)?;
+        let copied = (|| {
+            let h = staging.as_mut_slice().map_err(cuda_err("pinned buffer"))?;
+            // SAFETY: `out` holds `n` bytes, the staging at least as many;
+            // synchronized before they are read.
+            unsafe { result::memcpy_dtoh_async(&mut h[..n], out.device_ptr(), self.stream().cu_stream()) }
+                .map_err(cuda_err("device-to-host copy"))?;
+            self.synchronize()
+        })();
+        if let Err(e) = copied {
+            // A copy may still be writing into it: never reused.
+            std::mem::forget(staging);
+            return Err(e);
         }
-        Ok(())
+        let r = staging.as_slice().map_err(cuda_err("pinned buffer")).map(|got| {
+            let mut at = 0usize;
+            for &(o, l) in spans {
+                host[o as usize..(o + l) as usize].copy_from_slice(&got[at..at + l as usize]);
+                at += l as usize;
+            }
+        });
+        self.give_pinned(staging);
+        r
     }
 
     /// Runs `frame_crc` or `frame_zero` over `spans` (one block each) and
