@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{LayerSpec, Rng, compress_bytes, synthetic};
+use common::{LayerSpec, Rng, block_table, compress_bytes, random_image, synthetic};
 use half::{bf16, f16};
 use kvpack::cache::{DType, Kind, KvCache, TensorData};
 use kvpack::decode::{Archive, Selection};
@@ -703,17 +703,6 @@ fn vq_cases() -> Vec<Case> {
     ]
 }
 
-/// A shuffled block table of `n` distinct ids below `num_blocks`.
-fn block_table(rng: &mut Rng, n: usize, num_blocks: u32) -> Vec<i64> {
-    let mut ids: Vec<i64> = (0..i64::from(num_blocks)).collect();
-    for i in (1..ids.len()).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        ids.swap(i, j);
-    }
-    ids.truncate(n);
-    ids
-}
-
 /// Every codec the GPU decodes, into vLLM's paged layouts (FlashAttention,
 /// FlashInfer, HND) through a shuffled block table, bf16 and fp16, K and V
 /// of one layer into one cache image: bit-exact with the CPU decoder, and
@@ -803,19 +792,6 @@ fn decode_paged_layouts_match_cpu() {
             dev.name()
         );
     }
-}
-
-/// A paged cache image (K then V for HND) of random bf16/fp16 values.
-fn random_image(rng: &mut Rng, shape: &PagedShape, dtype: DType) -> Vec<u16> {
-    (0..2 * shape.kv_elements())
-        .map(|_| {
-            let x = (rng.normal() * 0.7) as f32;
-            match dtype {
-                DType::Bf16 => bf16::from_f32(x).to_bits(),
-                _ => f16::from_f32(x).to_bits(),
-            }
-        })
-        .collect()
 }
 
 /// Encode from the three paged layouts through a shuffled block table,

@@ -7,8 +7,7 @@
 
 mod common;
 
-use common::Rng;
-use half::{bf16, f16};
+use common::{Rng, block_table, random_image};
 use kvpack::cache::DType;
 use kvpack::decode::Archive;
 use kvpack::gpu::paged::{PagedCache, PagedLayout, PagedShape};
@@ -33,26 +32,26 @@ fn layout(page_tokens: u32, sink: u32, recent: u32) -> Layout {
     }
 }
 
-fn random_image(rng: &mut Rng, shape: &PagedShape, dtype: DType) -> Vec<u16> {
-    (0..2 * shape.kv_elements())
-        .map(|_| {
-            let x = (rng.normal() * 0.7) as f32;
-            match dtype {
-                DType::Bf16 => bf16::from_f32(x).to_bits(),
-                _ => f16::from_f32(x).to_bits(),
-            }
-        })
-        .collect()
-}
-
-fn block_table(rng: &mut Rng, n: usize, num_blocks: u32) -> Vec<i64> {
-    let mut ids: Vec<i64> = (0..i64::from(num_blocks)).collect();
-    for i in (1..ids.len()).rev() {
-        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-        ids.swap(i, j);
-    }
-    ids.truncate(n);
-    ids
+/// A random bf16 layer (2 kv heads, head_dim 64, blocks of 16) of
+/// `num_blocks` blocks on the device, with a shuffled table of every
+/// block: the rng (for more), shape, dtype, host image, device image and
+/// block table.
+fn layer(
+    g: &Gpu,
+    seed: u64,
+    num_blocks: u32,
+) -> (Rng, PagedShape, DType, Vec<u16>, GpuBuffer<u16>, Vec<i64>) {
+    let mut rng = Rng(seed);
+    let shape = PagedShape {
+        num_blocks,
+        block_size: 16,
+        kv_heads: 2,
+        head_dim: 64,
+    };
+    let image = random_image(&mut rng, &shape, DType::Bf16);
+    let src_image = g.upload(&image).unwrap();
+    let ids = block_table(&mut rng, num_blocks as usize, num_blocks);
+    (rng, shape, DType::Bf16, image, src_image, ids)
 }
 
 /// The cache over a device copy of `image`.
@@ -194,118 +193,26 @@ fn device_framed_files_equal_host_framed_files() {
     println!("device-framed files: {compared} byte-identical to the host's");
 }
 
-/// Decoding from a device copy of the file (bodies read in place) writes
-/// exactly what the staged decode writes, zstd pages (inflated and
-/// uploaded) included, and uploads only descriptors for the rest.
+/// The two decodes of a file in device memory against the staged decode
+/// (the file's pages checked on the host and uploaded), for every codec,
+/// the three paged layouts, with and without windows and zstd:
+/// `decode_paged_resident` (a host copy checked, bodies read in place) and
+/// `decode_paged_device` (only headers, section tables and the sections a
+/// codec checks read back; CRCs and padding checked on the GPU; hqmq, whose
+/// checks read its code streams, and zstd pages read back whole) write
+/// exactly what the staged decode writes, and upload only descriptors where
+/// the bodies are read in place.
 #[test]
-fn resident_decode_equals_staged_decode() {
+fn device_memory_decodes_equal_staged_decode() {
     let Some(g) = gpu() else { return };
-    let mut rng = Rng(31);
-    let shape = PagedShape {
-        num_blocks: 12,
-        block_size: 16,
-        kv_heads: 2,
-        head_dim: 64,
-    };
-    let dtype = DType::Bf16;
-    let image = random_image(&mut rng, &shape, dtype);
-    let src_image = g.upload(&image).unwrap();
-    let ids = block_table(&mut rng, 12, 12);
+    let (mut rng, shape, dtype, image, src_image, ids) = layer(&g, 41, 12);
     let tokens = 150;
-    let mut checked = 0;
+    let (mut resident_n, mut quick) = (0, 0);
     for pl in [
         PagedLayout::FlashAttn,
         PagedLayout::FlashInfer,
         PagedLayout::Hnd,
     ] {
-        let src = cache(&src_image, pl, &shape, dtype);
-        for codec in [
-            "raw",
-            "int4",
-            "bdr64",
-            "hqmq:s24r3+med3",
-            "kivi:2",
-            "polar:m4n4",
-            "turbo:b3",
-        ] {
-            for (l, zstd) in [(layout(32, 4, 16), None), (layout(64, 0, 0), Some(3))] {
-                let cd = kvpack::codec::parse(codec).unwrap();
-                let opts = kvpack::compress::CompressOptions {
-                    layout: l,
-                    zstd_level: zstd,
-                    ..Default::default()
-                };
-                let (file, _) = g
-                    .encode_paged(&src, &ids, tokens, cd.as_ref(), 0, &opts, Vec::new())
-                    .unwrap();
-                let archive = Archive::open(&file).unwrap();
-                let dev_file = g.upload(&file).unwrap();
-                let dst_ids = block_table(&mut rng, 12, 12);
-                let run = |resident: bool| {
-                    let out = g.upload(&vec![POISON; image.len()]).unwrap();
-                    let c = cache(&out, pl, &shape, dtype);
-                    let job = if resident {
-                        // SAFETY: `dev_file` holds the archive's bytes,
-                        // unchanged until the job is waited for.
-                        unsafe {
-                            g.decode_paged_resident(
-                                &archive,
-                                dev_file.device_ptr(),
-                                0,
-                                &c,
-                                &dst_ids,
-                            )
-                        }
-                    } else {
-                        g.decode_paged(&archive, 0, &c, &dst_ids)
-                    }
-                    .unwrap();
-                    let stats = job.wait().unwrap();
-                    (out.to_vec().unwrap(), stats)
-                };
-                let (want, staged) = run(false);
-                let (got, resident) = run(true);
-                assert!(
-                    got == want,
-                    "{codec} {pl:?} {l:?} {zstd:?}: resident decode differs"
-                );
-                assert!(
-                    resident.uploaded_bytes < staged.uploaded_bytes
-                        || (zstd.is_some() && resident.uploaded_bytes == staged.uploaded_bytes),
-                    "{codec}: resident uploaded {} of {}",
-                    resident.uploaded_bytes,
-                    staged.uploaded_bytes
-                );
-                checked += 1;
-            }
-        }
-    }
-    println!("resident decode: {checked} files identical to the staged decode");
-}
-
-/// Decode of a file that is only in device memory: for every codec (the
-/// quick path, with the sections the host checks read back, except hqmq,
-/// whose checks read its code streams, and zstd pages: the whole file read
-/// back) the cache
-/// holds exactly what the staged decode writes; the quick path uploads
-/// only descriptors.
-#[test]
-fn device_decode_equals_staged_decode() {
-    let Some(g) = gpu() else { return };
-    let mut rng = Rng(41);
-    let shape = PagedShape {
-        num_blocks: 12,
-        block_size: 16,
-        kv_heads: 2,
-        head_dim: 64,
-    };
-    let dtype = DType::Bf16;
-    let image = random_image(&mut rng, &shape, dtype);
-    let src_image = g.upload(&image).unwrap();
-    let ids = block_table(&mut rng, 12, 12);
-    let tokens = 150;
-    let mut quick = 0;
-    for pl in [PagedLayout::FlashAttn, PagedLayout::Hnd] {
         let src = cache(&src_image, pl, &shape, dtype);
         for codec in [
             "raw",
@@ -330,42 +237,50 @@ fn device_decode_equals_staged_decode() {
                 let archive = Archive::open(&file).unwrap();
                 let dev_file = g.upload(&file).unwrap();
                 let dst_ids = block_table(&mut rng, 12, 12);
-                let out = g.upload(&vec![POISON; image.len()]).unwrap();
-                let want = {
+                let run = |how: u8| {
+                    let out = g.upload(&vec![POISON; image.len()]).unwrap();
                     let c = cache(&out, pl, &shape, dtype);
-                    g.decode_paged(&archive, 0, &c, &dst_ids)
-                        .unwrap()
-                        .wait()
-                        .unwrap();
-                    out.to_vec().unwrap()
+                    let (at, n) = (dev_file.device_ptr(), file.len() as u64);
+                    // SAFETY: `dev_file` holds the archive's bytes,
+                    // unchanged until the job is waited for.
+                    let job = match how {
+                        0 => g.decode_paged(&archive, 0, &c, &dst_ids),
+                        1 => unsafe { g.decode_paged_resident(&archive, at, 0, &c, &dst_ids) },
+                        _ => unsafe { g.decode_paged_device(at, n, 0, &c, &dst_ids) },
+                    };
+                    let stats = job.unwrap().wait().unwrap();
+                    (out.to_vec().unwrap(), stats)
                 };
-                let out = g.upload(&vec![POISON; image.len()]).unwrap();
-                let c = cache(&out, pl, &shape, dtype);
-                // SAFETY: `dev_file` holds the file, unchanged until the
-                // job is waited for.
-                let stats = unsafe {
-                    g.decode_paged_device(dev_file.device_ptr(), file.len() as u64, 0, &c, &dst_ids)
-                }
-                .unwrap()
-                .wait()
-                .unwrap();
+                let what = format!("{codec} {pl:?} {l:?} {zstd:?}");
+                let (want, staged) = run(0);
+                let (got, resident) = run(1);
+                assert!(got == want, "{what}: resident decode differs");
                 assert!(
-                    out.to_vec().unwrap() == want,
-                    "{codec} {pl:?} {l:?} {zstd:?}: device decode differs"
+                    resident.uploaded_bytes < staged.uploaded_bytes
+                        || (zstd.is_some() && resident.uploaded_bytes == staged.uploaded_bytes),
+                    "{what}: resident uploaded {} of {}",
+                    resident.uploaded_bytes,
+                    staged.uploaded_bytes
                 );
+                resident_n += 1;
+                let (got, device) = run(2);
+                assert!(got == want, "{what}: device decode differs");
                 if zstd.is_none() && !codec.starts_with("hqmq") {
                     assert!(
-                        stats.uploaded_bytes < 65536,
-                        "{codec}: uploaded {}",
-                        stats.uploaded_bytes
+                        device.uploaded_bytes < 65536,
+                        "{what}: uploaded {}",
+                        device.uploaded_bytes
                     );
                     quick += 1;
                 }
             }
         }
     }
-    assert_eq!(quick, 14);
-    println!("device decode: every file identical to the staged decode, {quick} on the quick path");
+    assert_eq!(quick, 21);
+    println!(
+        "decode from device memory: {resident_n} files, resident and device decodes identical to \
+         the staged decode, {quick} on the device-checked path"
+    );
 }
 
 /// A flipped byte anywhere in the layer's frames (page header, section
@@ -374,17 +289,7 @@ fn device_decode_equals_staged_decode() {
 #[test]
 fn device_decode_refuses_every_flipped_byte_class() {
     let Some(g) = gpu() else { return };
-    let mut rng = Rng(43);
-    let shape = PagedShape {
-        num_blocks: 8,
-        block_size: 16,
-        kv_heads: 2,
-        head_dim: 64,
-    };
-    let dtype = DType::Bf16;
-    let image = random_image(&mut rng, &shape, dtype);
-    let src_image = g.upload(&image).unwrap();
-    let ids = block_table(&mut rng, 8, 8);
+    let (_, shape, dtype, _, src_image, ids) = layer(&g, 43, 8);
     let pl = PagedLayout::FlashAttn;
     let src = cache(&src_image, pl, &shape, dtype);
     let opts = kvpack::compress::CompressOptions {
@@ -420,25 +325,39 @@ fn device_decode_refuses_every_flipped_byte_class() {
     for (what, at) in flips {
         let mut bad = file.clone();
         bad[at] ^= 0x10;
-        let dev_file = g.upload(&bad).unwrap();
-        let out = g.upload(&vec![POISON; image.len()]).unwrap();
-        let c = cache(&out, pl, &shape, dtype);
-        // SAFETY: `dev_file` holds `bad`, unchanged until the call returns.
-        let r =
-            unsafe { g.decode_paged_device(dev_file.device_ptr(), bad.len() as u64, 0, &c, &ids) }
-                .and_then(|j| j.wait());
-        assert!(
-            matches!(r, Err(kvpack::Error::Format { .. })),
-            "{what}: {r:?}"
-        );
-        assert!(
-            out.to_vec().unwrap().iter().all(|&x| x == POISON),
-            "{what}: cache written"
-        );
+        refused_on_device(&g, &bad, pl, &shape, &ids, what);
     }
     println!(
         "device decode: {} flipped-byte classes refused, cache untouched",
         flips.len()
+    );
+}
+
+/// Decodes layer 0 of `bad` from device memory into a poisoned bf16 cache:
+/// asserts a format error and that no element of the cache was written.
+fn refused_on_device(
+    g: &Gpu,
+    bad: &[u8],
+    pl: PagedLayout,
+    shape: &PagedShape,
+    ids: &[i64],
+    what: &str,
+) {
+    let dev_file = g.upload(bad).unwrap();
+    let out = g
+        .upload(&vec![POISON; 2 * shape.kv_elements() as usize])
+        .unwrap();
+    let c = cache(&out, pl, shape, DType::Bf16);
+    // SAFETY: `dev_file` holds `bad`, unchanged until the call returns.
+    let r = unsafe { g.decode_paged_device(dev_file.device_ptr(), bad.len() as u64, 0, &c, ids) }
+        .and_then(|j| j.wait());
+    assert!(
+        matches!(r, Err(kvpack::Error::Format { .. })),
+        "{what}: {r:?}"
+    );
+    assert!(
+        out.to_vec().unwrap().iter().all(|&x| x == POISON),
+        "{what}: cache written"
     );
 }
 
@@ -481,17 +400,7 @@ fn reseal(file: &mut [u8], (h, index, entry): (usize, usize, usize)) {
 fn device_decode_runs_the_codecs_content_checks() {
     use kvpack::format::SectionKind;
     let Some(g) = gpu() else { return };
-    let mut rng = Rng(47);
-    let shape = PagedShape {
-        num_blocks: 8,
-        block_size: 16,
-        kv_heads: 2,
-        head_dim: 64,
-    };
-    let dtype = DType::Bf16;
-    let image = random_image(&mut rng, &shape, dtype);
-    let src_image = g.upload(&image).unwrap();
-    let ids = block_table(&mut rng, 8, 8);
+    let (_, shape, dtype, image, src_image, ids) = layer(&g, 47, 8);
     let pl = PagedLayout::FlashAttn;
     let src = cache(&src_image, pl, &shape, dtype);
     let opts = kvpack::compress::CompressOptions {
@@ -542,21 +451,7 @@ fn device_decode_runs_the_codecs_content_checks() {
             matches!(host, Err(kvpack::Error::Format { .. })),
             "{codec} host: {host:?}"
         );
-        let dev_file = g.upload(&bad).unwrap();
-        let out = g.upload(&vec![POISON; image.len()]).unwrap();
-        let c = cache(&out, pl, &shape, dtype);
-        // SAFETY: `dev_file` holds `bad`, unchanged until the call returns.
-        let r =
-            unsafe { g.decode_paged_device(dev_file.device_ptr(), bad.len() as u64, 0, &c, &ids) }
-                .and_then(|j| j.wait());
-        assert!(
-            matches!(r, Err(kvpack::Error::Format { .. })),
-            "{codec} {how}: {r:?}"
-        );
-        assert!(
-            out.to_vec().unwrap().iter().all(|&x| x == POISON),
-            "{codec}: cache written"
-        );
+        refused_on_device(&g, &bad, pl, &shape, &ids, &format!("{codec} {how}"));
     }
     println!(
         "device decode: {} sealed content faults refused like the host",

@@ -287,31 +287,12 @@ fn hqmq_tables_cost() {
 #[test]
 #[ignore = "timing harness: run with --ignored --nocapture"]
 fn paged_decode_host_cost() {
-    use crate::cache::{Kind, KvCache, Tensor, TensorData};
+    use crate::cache::Kind;
     use crate::gpu::decplan::PagedImage;
     use crate::gpu::spec::OutType;
     let (shape, tokens) = (LLAMA, LLAMA_TOKENS);
     let infos = paged::layer_infos(&shape, DType::Bf16, 0, tokens);
-    let tensors = infos
-        .iter()
-        .enumerate()
-        .map(|(k, i)| {
-            let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ k as u64;
-            let v = (0..i.elements())
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
-                    half::bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-                })
-                .collect();
-            Tensor::new(i.clone(), TensorData::Bf16(v)).unwrap()
-        })
-        .collect();
-    let cache = KvCache {
-        tensors,
-        ..Default::default()
-    };
+    let cache = uniform_cache(&infos);
     let ids: Vec<i64> = (0..i64::from(shape.num_blocks)).rev().collect();
     let list = std::env::var("KVPACK_HOSTCOST_DECODE")
         .unwrap_or_else(|_| "int4,bdr128,kivi:2,polar:m4n4,turbo:b3,hqmq:s96r4".into());
@@ -370,7 +351,7 @@ fn paged_decode_host_cost() {
 #[test]
 #[ignore = "timing harness: run with --ignored --nocapture"]
 fn paged_device_decode_host_cost() {
-    use crate::cache::{Kind, KvCache, Tensor, TensorData};
+    use crate::cache::Kind;
     use crate::decode::Archive;
     use crate::gpu::decplan::{
         BodyCheck, PagedImage, any_host_checked, host_checked_spans, layer_pages,
@@ -378,25 +359,7 @@ fn paged_device_decode_host_cost() {
     use crate::gpu::spec::OutType;
     let (shape, tokens) = (LLAMA, LLAMA_TOKENS);
     let infos = paged::layer_infos(&shape, DType::Bf16, 0, tokens);
-    let tensors = infos
-        .iter()
-        .map(|i| {
-            let mut s = 0x9E37_79B9_7F4A_7C15u64;
-            let v = (0..i.elements())
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
-                    half::bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-                })
-                .collect();
-            Tensor::new(i.clone(), TensorData::Bf16(v)).unwrap()
-        })
-        .collect();
-    let cache = KvCache {
-        tensors,
-        ..Default::default()
-    };
+    let cache = uniform_cache(&infos);
     let ids: Vec<i64> = (0..i64::from(shape.num_blocks)).rev().collect();
     let list =
         std::env::var("KVPACK_HOSTCOST_DECODE").unwrap_or_else(|_| "int4,bdr128,kivi:2".into());
@@ -481,5 +444,31 @@ fn paged_device_decode_host_cost() {
                 all.ms()[0]
             );
         }
+    }
+}
+
+/// A cache of `infos` (bf16) filled with xorshift values uniform in
+/// [-0.5, 0.5), a different stream per tensor.
+fn uniform_cache(infos: &[crate::cache::TensorInfo]) -> crate::cache::KvCache {
+    use crate::cache::{KvCache, Tensor, TensorData};
+    let tensors = infos
+        .iter()
+        .enumerate()
+        .map(|(k, i)| {
+            let mut s = 0x9E37_79B9_7F4A_7C15u64 ^ k as u64;
+            let v = (0..i.elements())
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    half::bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                })
+                .collect();
+            Tensor::new(i.clone(), TensorData::Bf16(v)).unwrap()
+        })
+        .collect();
+    KvCache {
+        tensors,
+        ..Default::default()
     }
 }

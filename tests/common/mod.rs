@@ -207,3 +207,31 @@ pub fn own_peak_kib() -> i64 {
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut me) };
     me.ru_maxrss
 }
+
+/// A paged cache image (K then V for HND) of random bf16/fp16 values.
+pub fn random_image(
+    rng: &mut Rng,
+    shape: &kvpack::gpu::paged::PagedShape,
+    dtype: DType,
+) -> Vec<u16> {
+    (0..2 * shape.kv_elements())
+        .map(|_| {
+            let x = (rng.normal() * 0.7) as f32;
+            match dtype {
+                DType::Bf16 => half::bf16::from_f32(x).to_bits(),
+                _ => half::f16::from_f32(x).to_bits(),
+            }
+        })
+        .collect()
+}
+
+/// A shuffled block table of `n` distinct ids below `num_blocks`.
+pub fn block_table(rng: &mut Rng, n: usize, num_blocks: u32) -> Vec<i64> {
+    let mut ids: Vec<i64> = (0..i64::from(num_blocks)).collect();
+    for i in (1..ids.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        ids.swap(i, j);
+    }
+    ids.truncate(n);
+    ids
+}

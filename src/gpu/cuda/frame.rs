@@ -25,6 +25,15 @@ const PAGE_HEAD: u64 = 64 + 320;
 /// Threads per block of the frame kernels (`FRAME_THREADS`).
 const THREADS: u32 = 256;
 
+/// `blocks` (at least 1) blocks of [`THREADS`] threads.
+fn grid(blocks: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.max(1), 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
 /// `[tables][crcs]` of one framing, and where each table starts.
 struct Tables {
     bytes: Vec<u8>,
@@ -100,11 +109,7 @@ impl Gpu {
             .map_err(cuda_err("memset"))?;
         let at = |o: usize| base + o as u64;
         let n = l.spans.len() as u32;
-        let cfg = |blocks: u32| LaunchConfig {
-            grid_dim: (blocks.max(1), 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = grid;
         let (copies, work, spans, seals) = (at(t.copies), at(t.work), at(t.spans), at(t.seals));
         let (index_span, crcs) = (at(t.index_span), at(t.crcs));
         let index_crc = crcs + 4 * u64::from(n);
@@ -363,11 +368,7 @@ impl Gpu {
         let mut b = self.stream().launch_builder(&f);
         let (cp, wp) = (c.device_ptr(), w.device_ptr());
         b.arg(&cp).arg(&wp);
-        let cfg = LaunchConfig {
-            grid_dim: (work.len() as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = grid(work.len() as u32);
         // SAFETY: frame_copy(const FrameCopy*, const uint2*): each copy
         // reads a span of the file (inside its `len` bytes: spans come from
         // index entries and section tables the reader checked against the
@@ -381,8 +382,10 @@ impl Gpu {
             let h = staging.as_mut_slice().map_err(cuda_err("pinned buffer"))?;
             // SAFETY: `out` holds `n` bytes, the staging at least as many;
             // synchronized before they are read.
-            unsafe { result::memcpy_dtoh_async(&mut h[..n], out.device_ptr(), self.stream().cu_stream()) }
-                .map_err(cuda_err("device-to-host copy"))?;
+            unsafe {
+                result::memcpy_dtoh_async(&mut h[..n], out.device_ptr(), self.stream().cu_stream())
+            }
+            .map_err(cuda_err("device-to-host copy"))?;
             self.synchronize()
         })();
         if let Err(e) = copied {
@@ -390,13 +393,16 @@ impl Gpu {
             std::mem::forget(staging);
             return Err(e);
         }
-        let r = staging.as_slice().map_err(cuda_err("pinned buffer")).map(|got| {
-            let mut at = 0usize;
-            for &(o, l) in spans {
-                host[o as usize..(o + l) as usize].copy_from_slice(&got[at..at + l as usize]);
-                at += l as usize;
-            }
-        });
+        let r = staging
+            .as_slice()
+            .map_err(cuda_err("pinned buffer"))
+            .map(|got| {
+                let mut at = 0usize;
+                for &(o, l) in spans {
+                    host[o as usize..(o + l) as usize].copy_from_slice(&got[at..at + l as usize]);
+                    at += l as usize;
+                }
+            });
         self.give_pinned(staging);
         r
     }
@@ -413,11 +419,7 @@ impl Gpu {
         let mut b = self.stream().launch_builder(&f);
         let (tp, op) = (t.device_ptr(), out.device_ptr());
         b.arg(&tp).arg(&op);
-        let cfg = LaunchConfig {
-            grid_dim: (spans.len() as u32, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = grid(spans.len() as u32);
         // SAFETY: (const FrameCrcSpan*, u32*): one block per span, every
         // span inside the caller's buffer, one u32 out per span.
         unsafe { b.launch(cfg) }.map_err(cuda_err(&format!("launch {name}")))?;

@@ -308,17 +308,7 @@ impl Gpu {
             layer,
             opts,
             &mut clock,
-            |e| match e {
-                Encoded::Host { infos, host, codec } => {
-                    crate::gpu::paged::file_from_host(infos, host, codec, opts, out)
-                }
-                Encoded::Device(d) => {
-                    let bodies = d.download()?;
-                    crate::gpu::paged::file_from_bodies(
-                        d.infos, d.codec, opts, &d.pages, &bodies, out,
-                    )
-                }
-            },
+            |e| e.write_on_host(opts, out),
         );
         clock.mark("file written");
         clock.print();
@@ -382,32 +372,10 @@ impl Gpu {
             &mut clock,
             |e| {
                 match e {
-                    Encoded::Host { infos, host, codec } => {
-                        let (f, r) = crate::gpu::paged::file_from_host(
-                            infos,
-                            host,
-                            codec,
-                            opts,
-                            Vec::new(),
-                        )?;
-                        host_file(f, r)
-                    }
                     Encoded::Device(d)
-                        if d.plans.iter().any(|p| p.cut().is_some())
-                            || opts.zstd_level.is_some() =>
+                        if d.plans.iter().all(|p| p.cut().is_none())
+                            && opts.zstd_level.is_none() =>
                     {
-                        let bodies = d.download()?;
-                        let (f, r) = crate::gpu::paged::file_from_bodies(
-                            d.infos,
-                            d.codec,
-                            opts,
-                            &d.pages,
-                            &bodies,
-                            Vec::new(),
-                        )?;
-                        host_file(f, r)
-                    }
-                    Encoded::Device(d) => {
                         let start = std::time::Instant::now();
                         let file = crate::compress::EncodedFile::new(
                             d.infos,
@@ -442,6 +410,12 @@ impl Gpu {
                         self.synchronize()?;
                         drop(tables);
                         Ok((framed.len(), file.report(d.codec, framed.len(), start)))
+                    }
+                    // Data-dependent page sizes (hqmq+med), zstd, the CPU
+                    // fallback: framed on the host, then copied.
+                    other => {
+                        let (f, r) = other.write_on_host(opts, Vec::new())?;
+                        host_file(f, r)
                     }
                 }
             },
@@ -547,6 +521,27 @@ struct DeviceBodies<'a> {
     pages: Vec<crate::plan::PlannedPage>,
     groups: Vec<crate::gpu::paged::PageGroup>,
     plans: Vec<super::EncodePlan<'a>>,
+}
+
+impl Encoded<'_> {
+    /// The kvpack file written on the host into `out`: the CPU codec's
+    /// encode of the gathered rows, or the device's bodies downloaded and
+    /// framed (section tables, CRCs).
+    fn write_on_host<W: std::io::Write + Send>(
+        self,
+        opts: &crate::compress::CompressOptions,
+        out: W,
+    ) -> Result<(W, crate::compress::CompressReport)> {
+        match self {
+            Encoded::Host { infos, host, codec } => {
+                crate::gpu::paged::file_from_host(infos, host, codec, opts, out)
+            }
+            Encoded::Device(d) => {
+                let bodies = d.download()?;
+                crate::gpu::paged::file_from_bodies(d.infos, d.codec, opts, &d.pages, &bodies, out)
+            }
+        }
+    }
 }
 
 impl DeviceBodies<'_> {
