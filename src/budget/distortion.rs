@@ -49,6 +49,7 @@ pub(crate) struct HeadContext {
     energy: f64,
 }
 
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     // Eight independent accumulators: vectorizes without fast-math.
     let mut acc = [0.0f32; 8];
@@ -63,6 +64,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
+#[inline(always)]
 fn softmax(row: &mut [f32]) {
     let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut s = 0.0f32;
@@ -79,47 +81,52 @@ impl HeadContext {
     /// The reference of `head` (`n` rows of `d`) with sample `weights` and
     /// softmax `scale`.
     pub fn new(head: Head<'_>, n: usize, d: usize, weights: &[f32], scale: f32) -> HeadContext {
-        let nq = PROXIES.min(n);
-        let proxies: Vec<usize> = (0..nq).map(|i| i * n / nq.max(1)).collect();
-        let row = |m: &[f32], i: usize| -> Vec<f32> { m[i * d..(i + 1) * d].to_vec() };
-        let mut scores = vec![0.0f32; nq * n];
-        for (qi, &q) in proxies.iter().enumerate() {
-            let qv = row(head.k, q);
-            for j in 0..n {
-                // A key is no query of itself: its own slot, which would
-                // draw the attention to one exactly matching row, is left
-                // out.
-                scores[qi * n + j] = if j == q && n > 1 {
-                    f32::NEG_INFINITY
-                } else {
-                    scale * dot(&qv, &head.k[j * d..(j + 1) * d]) + weights[j].ln()
-                };
-            }
-        }
-        let mut probs = scores.clone();
-        for r in probs.chunks_exact_mut(n.max(1)) {
-            softmax(r);
-        }
-        let mut gram = vec![0.0f32; n * n];
-        for i in 0..n {
-            for j in i..n {
-                let g = dot(&head.v[i * d..(i + 1) * d], &head.v[j * d..(j + 1) * d]);
-                gram[i * n + j] = g;
-                gram[j * n + i] = g;
-            }
-        }
-        let energy = (0..nq)
-            .map(|q| quad(&gram, &probs[q * n..(q + 1) * n], n))
-            .sum();
-        HeadContext {
-            n,
-            d,
-            proxies,
-            scores,
-            probs,
-            gram,
-            energy,
-        }
+        crate::kernels::with_avx2(
+            #[inline(always)]
+            || {
+                let nq = PROXIES.min(n);
+                let proxies: Vec<usize> = (0..nq).map(|i| i * n / nq.max(1)).collect();
+                let row = |m: &[f32], i: usize| -> Vec<f32> { m[i * d..(i + 1) * d].to_vec() };
+                let mut scores = vec![0.0f32; nq * n];
+                for (qi, &q) in proxies.iter().enumerate() {
+                    let qv = row(head.k, q);
+                    for j in 0..n {
+                        // A key is no query of itself: its own slot, which would
+                        // draw the attention to one exactly matching row, is left
+                        // out.
+                        scores[qi * n + j] = if j == q && n > 1 {
+                            f32::NEG_INFINITY
+                        } else {
+                            scale * dot(&qv, &head.k[j * d..(j + 1) * d]) + weights[j].ln()
+                        };
+                    }
+                }
+                let mut probs = scores.clone();
+                for r in probs.chunks_exact_mut(n.max(1)) {
+                    softmax(r);
+                }
+                let mut gram = vec![0.0f32; n * n];
+                for i in 0..n {
+                    for j in i..n {
+                        let g = dot(&head.v[i * d..(i + 1) * d], &head.v[j * d..(j + 1) * d]);
+                        gram[i * n + j] = g;
+                        gram[j * n + i] = g;
+                    }
+                }
+                let energy = (0..nq)
+                    .map(|q| quad(&gram, &probs[q * n..(q + 1) * n], n))
+                    .sum();
+                HeadContext {
+                    n,
+                    d,
+                    proxies,
+                    scores,
+                    probs,
+                    gram,
+                    energy,
+                }
+            },
+        )
     }
 
     /// `sum_q ||O_q||^2`, the denominator of the layer's distortion.
@@ -130,81 +137,102 @@ impl HeadContext {
     /// Key score errors `scale * q.(k^ - k)`, `[proxies, n]`, of a key
     /// reconstruction `k_hat` against `head`.
     pub fn key_deltas(&self, head: Head<'_>, k_hat: &[f32], scale: f32) -> Vec<f32> {
-        let (n, d) = (self.n, self.d);
-        let diff: Vec<f32> = k_hat.iter().zip(head.k).map(|(a, b)| a - b).collect();
-        let mut out = vec![0.0f32; self.proxies.len() * n];
-        for (qi, &q) in self.proxies.iter().enumerate() {
-            let qv = &head.k[q * d..(q + 1) * d];
-            for j in 0..n {
-                out[qi * n + j] = scale * dot(qv, &diff[j * d..(j + 1) * d]);
-            }
-        }
-        out
+        crate::kernels::with_avx2(
+            #[inline(always)]
+            || {
+                let (n, d) = (self.n, self.d);
+                let diff: Vec<f32> = k_hat.iter().zip(head.k).map(|(a, b)| a - b).collect();
+                let mut out = vec![0.0f32; self.proxies.len() * n];
+                for (qi, &q) in self.proxies.iter().enumerate() {
+                    let qv = &head.k[q * d..(q + 1) * d];
+                    for j in 0..n {
+                        out[qi * n + j] = scale * dot(qv, &diff[j * d..(j + 1) * d]);
+                    }
+                }
+                out
+            },
+        )
     }
 
     /// `sum_q ||(P^_q - P_q) V||^2` for the score errors `deltas` of
     /// [`HeadContext::key_deltas`], slots `0..exact` kept exact.
     pub fn key_error(&self, deltas: &[f32], exact: usize) -> f64 {
-        let n = self.n;
-        let mut row = vec![0.0f32; n];
-        let mut total = 0.0f64;
-        for q in 0..self.proxies.len() {
-            let (s, p) = (
-                &self.scores[q * n..(q + 1) * n],
-                &self.probs[q * n..(q + 1) * n],
-            );
-            for j in 0..n {
-                row[j] = s[j] + if j < exact { 0.0 } else { deltas[q * n + j] };
-            }
-            softmax(&mut row);
-            for j in 0..n {
-                row[j] -= p[j];
-            }
-            total += quad(&self.gram, &row, n);
-        }
-        total
+        crate::kernels::with_avx2(
+            #[inline(always)]
+            || {
+                let n = self.n;
+                let mut row = vec![0.0f32; n];
+                let mut total = 0.0f64;
+                for q in 0..self.proxies.len() {
+                    let (s, p) = (
+                        &self.scores[q * n..(q + 1) * n],
+                        &self.probs[q * n..(q + 1) * n],
+                    );
+                    for j in 0..n {
+                        row[j] = s[j] + if j < exact { 0.0 } else { deltas[q * n + j] };
+                    }
+                    softmax(&mut row);
+                    for j in 0..n {
+                        row[j] -= p[j];
+                    }
+                    total += quad(&self.gram, &row, n);
+                }
+                total
+            },
+        )
     }
 
     /// `P (V^ - V)` for the value errors `v_hat - head.v`, `[proxies, d]`,
     /// every slot coded.
     pub fn value_deltas(&self, head: Head<'_>, v_hat: &[f32]) -> Vec<f32> {
-        let (n, d) = (self.n, self.d);
-        let diff: Vec<f32> = v_hat.iter().zip(head.v).map(|(a, b)| a - b).collect();
-        let mut out = vec![0.0f32; self.proxies.len() * d];
-        for q in 0..self.proxies.len() {
-            let o = &mut out[q * d..(q + 1) * d];
-            for j in 0..n {
-                let p = self.probs[q * n + j];
-                for (o, e) in o.iter_mut().zip(&diff[j * d..(j + 1) * d]) {
-                    *o += p * e;
+        crate::kernels::with_avx2(
+            #[inline(always)]
+            || {
+                let (n, d) = (self.n, self.d);
+                let diff: Vec<f32> = v_hat.iter().zip(head.v).map(|(a, b)| a - b).collect();
+                let mut out = vec![0.0f32; self.proxies.len() * d];
+                for q in 0..self.proxies.len() {
+                    let o = &mut out[q * d..(q + 1) * d];
+                    for j in 0..n {
+                        let p = self.probs[q * n + j];
+                        for (o, e) in o.iter_mut().zip(&diff[j * d..(j + 1) * d]) {
+                            *o += p * e;
+                        }
+                    }
                 }
-            }
-        }
-        out
+                out
+            },
+        )
     }
 
     /// `sum_q ||P_q (V^ - V)||^2` with slots `0..exact` kept exact, from
     /// [`HeadContext::value_deltas`].
     pub fn value_error(&self, head: Head<'_>, v_hat: &[f32], deltas: &[f32], exact: usize) -> f64 {
-        let (n, d) = (self.n, self.d);
-        let mut o = vec![0.0f32; d];
-        let mut total = 0.0f64;
-        for q in 0..self.proxies.len() {
-            o.copy_from_slice(&deltas[q * d..(q + 1) * d]);
-            for j in 0..exact.min(n) {
-                let p = self.probs[q * n + j];
-                let (a, b) = (&v_hat[j * d..(j + 1) * d], &head.v[j * d..(j + 1) * d]);
-                for k in 0..d {
-                    o[k] -= p * (a[k] - b[k]);
+        crate::kernels::with_avx2(
+            #[inline(always)]
+            || {
+                let (n, d) = (self.n, self.d);
+                let mut o = vec![0.0f32; d];
+                let mut total = 0.0f64;
+                for q in 0..self.proxies.len() {
+                    o.copy_from_slice(&deltas[q * d..(q + 1) * d]);
+                    for j in 0..exact.min(n) {
+                        let p = self.probs[q * n + j];
+                        let (a, b) = (&v_hat[j * d..(j + 1) * d], &head.v[j * d..(j + 1) * d]);
+                        for k in 0..d {
+                            o[k] -= p * (a[k] - b[k]);
+                        }
+                    }
+                    total += o.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
                 }
-            }
-            total += o.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>();
-        }
-        total
+                total
+            },
+        )
     }
 }
 
 /// `x^T G x` for a symmetric `n x n` `G`.
+#[inline(always)]
 fn quad(g: &[f32], x: &[f32], n: usize) -> f64 {
     let mut t = 0.0f64;
     for i in 0..n {
