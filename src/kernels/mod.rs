@@ -44,6 +44,27 @@ pub fn simd_available() -> bool {
     })
 }
 
+/// True when the AVX-512F paths may be used on this CPU: AVX-512F and
+/// [`simd_available`] (so `KVPACK_NO_SIMD=1` turns them off too;
+/// `KVPACK_NO_AVX512=1` turns off these alone, to compare paths). Cached
+/// after the first call; always false on non-x86-64 targets.
+pub fn avx512_available() -> bool {
+    use std::sync::OnceLock;
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            simd_available()
+                && !std::env::var_os("KVPACK_NO_AVX512").is_some_and(|v| v != "0")
+                && is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 fn detect() -> bool {
     is_x86_feature_detected!("avx2")

@@ -176,7 +176,9 @@ fn filter_scalar(cb: &Codebook, x: Quat) -> (usize, f32) {
 pub type Soa<'a> = [&'a [f32]; 4];
 
 /// Direction index of every chunk of `x` into `out`, equal to
-/// [`exhaustive`] for each (module docs), using AVX2 + FMA when available.
+/// [`exhaustive`] for each (module docs), 16 chunks at a time with
+/// AVX-512F, else 8 with AVX2 + FMA, else one by one; every path returns
+/// the same indices.
 ///
 /// # Panics
 /// If the slices of `x` and `out` differ in length.
@@ -184,29 +186,55 @@ pub fn search(cb: &Codebook, x: Soa<'_>, out: &mut [u32]) {
     let n = out.len();
     assert!(x.iter().all(|c| c.len() == n));
     #[cfg(target_arch = "x86_64")]
-    if crate::kernels::simd_available() {
-        let mut i = 0;
-        while i < n {
-            let m = (n - i).min(8);
-            let mut lanes = [[0f32; 8]; 4];
-            for k in 0..4 {
-                lanes[k][..m].copy_from_slice(&x[k][i..i + m]);
-            }
-            // SAFETY: simd_available() checked AVX2 and FMA.
-            let (j, ok, s1, b2) = unsafe { avx2::search8(cb, &lanes) };
-            for l in 0..m {
-                out[i + l] = if ok[l] {
-                    j[l]
-                } else {
-                    let q = [lanes[0][l], lanes[1][l], lanes[2][l], lanes[3][l]];
-                    finish(cb, q, s1[l] as usize, b2[l])
-                };
-            }
-            i += m;
+    {
+        if crate::kernels::avx512_available() {
+            // SAFETY: avx512_available() checked AVX-512F.
+            blocks(cb, x, out, |l| unsafe { avx512::search16(cb, l) });
+            return;
         }
-        return;
+        if crate::kernels::simd_available() {
+            // SAFETY: simd_available() checked AVX2 and FMA.
+            blocks(cb, x, out, |l| unsafe { avx2::search8(cb, l) });
+            return;
+        }
     }
     search_scalar(cb, x, out);
+}
+
+/// What a vector kernel returns for `L` chunks, per lane: the joint index,
+/// whether it is proven (else [`finish`] decides), the best group `s` and
+/// the doubled score of the best other group.
+type Lanes<const L: usize> = ([u32; L], [bool; L], [u32; L], [f32; L]);
+
+/// Runs `kernel` on `L` chunks at a time (the last block padded with
+/// zero chunks, whose results are dropped) and [`finish`]es the lanes it
+/// could not prove.
+#[cfg(target_arch = "x86_64")]
+fn blocks<const L: usize>(
+    cb: &Codebook,
+    x: Soa<'_>,
+    out: &mut [u32],
+    kernel: impl Fn(&[[f32; L]; 4]) -> Lanes<L>,
+) {
+    let n = out.len();
+    let mut i = 0;
+    while i < n {
+        let m = (n - i).min(L);
+        let mut lanes = [[0f32; L]; 4];
+        for k in 0..4 {
+            lanes[k][..m].copy_from_slice(&x[k][i..i + m]);
+        }
+        let (j, ok, s1, b2) = kernel(&lanes);
+        for l in 0..m {
+            out[i + l] = if ok[l] {
+                j[l]
+            } else {
+                let q = [lanes[0][l], lanes[1][l], lanes[2][l], lanes[3][l]];
+                finish(cb, q, s1[l] as usize, b2[l])
+            };
+        }
+        i += m;
+    }
 }
 
 /// Portable implementation of [`search`] (same results).
@@ -233,7 +261,7 @@ pub fn search_quats(cb: &Codebook, xs: &[Quat], out: &mut [u32]) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::Codebook;
+    use super::{Codebook, Lanes};
 
     /// Search of 8 chunks (`x[k][lane]` = component `k` of chunk `lane`):
     /// the filter pass over all secondaries, then the winner check of
@@ -244,10 +272,7 @@ mod avx2 {
     /// # Safety
     /// AVX2 and FMA must be available.
     #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn search8(
-        cb: &Codebook,
-        x: &[[f32; 8]; 4],
-    ) -> ([u32; 8], [bool; 8], [u32; 8], [f32; 8]) {
+    pub unsafe fn search8(cb: &Codebook, x: &[[f32; 8]; 4]) -> Lanes<8> {
         let [sa, sb, sc, sd] = &cb.soa;
         let n = sa.len().min(sb.len()).min(sc.len()).min(sd.len());
         let s_count = cb.s() as i32;
@@ -372,6 +397,145 @@ mod avx2 {
             _mm256_storeu_ps(b2_out.as_mut_ptr(), b2);
             let mask = _mm256_movemask_ps(ok);
             let ok_out = std::array::from_fn(|l| mask >> l & 1 == 1);
+            (j_out, ok_out, s_out, b2_out)
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Codebook, Lanes};
+
+    /// [`super::avx2::search8`] on 16 chunks: the same operations lane for
+    /// lane (the same rotations with fused multiply-adds, group scores,
+    /// winner check and margin), so every lane's result equals the 8-lane
+    /// kernel's.
+    ///
+    /// # Safety
+    /// AVX-512F must be available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn search16(cb: &Codebook, x: &[[f32; 16]; 4]) -> Lanes<16> {
+        let [sa, sb, sc, sd] = &cb.soa;
+        let n = sa.len().min(sb.len()).min(sc.len()).min(sd.len());
+        let s_count = cb.s() as i32;
+        // SAFETY (whole body): loads are from 16-element arrays, stores to
+        // 16-element arrays; broadcasts read index s < n of slices of
+        // length >= n; gathers read indices s1 < n (s1 is a loop index,
+        // or 0 while n >= 1: S >= 1).
+        unsafe {
+            let x0 = _mm512_loadu_ps(x[0].as_ptr());
+            let x1 = _mm512_loadu_ps(x[1].as_ptr());
+            let x2 = _mm512_loadu_ps(x[2].as_ptr());
+            let x3 = _mm512_loadu_ps(x[3].as_ptr());
+            let mut b = _mm512_set1_ps(f32::NEG_INFINITY);
+            let mut b2 = b;
+            let mut best_s = _mm512_setzero_si512();
+            // w = x * conj(q), q = (qa, qb, qc, qd), as in search8.
+            let rot = |qa: __m512, qb: __m512, qc: __m512, qd: __m512| {
+                let mut w0 = _mm512_mul_ps(x0, qa);
+                w0 = _mm512_fmadd_ps(x1, qb, w0);
+                w0 = _mm512_fmadd_ps(x2, qc, w0);
+                w0 = _mm512_fmadd_ps(x3, qd, w0);
+                let mut w1 = _mm512_mul_ps(x1, qa);
+                w1 = _mm512_fnmadd_ps(x0, qb, w1);
+                w1 = _mm512_fnmadd_ps(x2, qd, w1);
+                w1 = _mm512_fmadd_ps(x3, qc, w1);
+                let mut w2 = _mm512_mul_ps(x2, qa);
+                w2 = _mm512_fnmadd_ps(x0, qc, w2);
+                w2 = _mm512_fmadd_ps(x1, qd, w2);
+                w2 = _mm512_fnmadd_ps(x3, qb, w2);
+                let mut w3 = _mm512_mul_ps(x3, qa);
+                w3 = _mm512_fnmadd_ps(x0, qd, w3);
+                w3 = _mm512_fnmadd_ps(x1, qc, w3);
+                w3 = _mm512_fmadd_ps(x2, qb, w3);
+                [w0, w1, w2, w3]
+            };
+            for s in 0..n {
+                let qa = _mm512_set1_ps(*sa.get_unchecked(s));
+                let qb = _mm512_set1_ps(*sb.get_unchecked(s));
+                let qc = _mm512_set1_ps(*sc.get_unchecked(s));
+                let qd = _mm512_set1_ps(*sd.get_unchecked(s));
+                let [w0, w1, w2, w3] = rot(qa, qb, qc, qd);
+                let a0 = _mm512_abs_ps(w0);
+                let a1 = _mm512_abs_ps(w1);
+                let a2 = _mm512_abs_ps(w2);
+                let a3 = _mm512_abs_ps(w3);
+                let m = _mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3));
+                let sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+                let score = _mm512_max_ps(_mm512_add_ps(m, m), sum);
+                b2 = _mm512_max_ps(b2, _mm512_min_ps(b, score));
+                let gt = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(score, b);
+                b = _mm512_max_ps(b, score);
+                best_s = _mm512_mask_mov_epi32(best_s, gt, _mm512_set1_epi32(s as i32));
+            }
+
+            // Winner check, as in search8.
+            let s1 = best_s;
+            let [w0, w1, w2, w3] = rot(
+                _mm512_i32gather_ps::<4>(s1, sa.as_ptr()),
+                _mm512_i32gather_ps::<4>(s1, sb.as_ptr()),
+                _mm512_i32gather_ps::<4>(s1, sc.as_ptr()),
+                _mm512_i32gather_ps::<4>(s1, sd.as_ptr()),
+            );
+            let a0 = _mm512_abs_ps(w0);
+            let a1 = _mm512_abs_ps(w1);
+            let a2 = _mm512_abs_ps(w2);
+            let a3 = _mm512_abs_ps(w3);
+            let (lo01, hi01) = (_mm512_min_ps(a0, a1), _mm512_max_ps(a0, a1));
+            let (lo23, hi23) = (_mm512_min_ps(a2, a3), _mm512_max_ps(a2, a3));
+            let m1 = _mm512_max_ps(hi01, hi23);
+            let m2 = _mm512_max_ps(_mm512_min_ps(hi01, hi23), _mm512_max_ps(lo01, lo23));
+            let min4 = _mm512_min_ps(lo01, lo23);
+            let half = _mm512_set1_ps(0.5);
+            let h1 = _mm512_mul_ps(
+                _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                half,
+            );
+            let h2 = _mm512_sub_ps(h1, min4);
+            let v1 = _mm512_max_ps(m1, h1);
+            let v2 = _mm512_max_ps(
+                _mm512_max_ps(_mm512_min_ps(m1, h1), m2),
+                _mm512_max_ps(h2, _mm512_mul_ps(b2, half)),
+            );
+            let xm = _mm512_max_ps(
+                _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)),
+                _mm512_max_ps(_mm512_abs_ps(x2), _mm512_abs_ps(x3)),
+            );
+            // 2 eps = 2 * (2 max|x_i| * 2^-17 + 1e-36).
+            let two_eps = _mm512_add_ps(
+                _mm512_mul_ps(xm, _mm512_set1_ps(4.0 / 131_072.0)),
+                _mm512_set1_ps(2e-36),
+            );
+            let ok = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_sub_ps(v1, v2), two_eps);
+
+            // Unit index, as in search8.
+            let sign = |w: __m512| _mm512_srli_epi32::<31>(_mm512_castps_si512(w));
+            let (g0, g1, g2, g3) = (sign(w0), sign(w1), sign(w2), sign(w3));
+            let half_p = _mm512_add_epi32(
+                _mm512_set1_epi32(8),
+                _mm512_add_epi32(
+                    _mm512_add_epi32(g0, _mm512_slli_epi32::<1>(g1)),
+                    _mm512_add_epi32(_mm512_slli_epi32::<2>(g2), _mm512_slli_epi32::<3>(g3)),
+                ),
+            );
+            let is = |a: __m512| _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(a, m1);
+            let mut axis_p = _mm512_add_epi32(_mm512_set1_epi32(6), g3);
+            axis_p = _mm512_mask_mov_epi32(axis_p, is(a2), _mm512_add_epi32(_mm512_set1_epi32(4), g2));
+            axis_p = _mm512_mask_mov_epi32(axis_p, is(a1), _mm512_add_epi32(_mm512_set1_epi32(2), g1));
+            axis_p = _mm512_mask_mov_epi32(axis_p, is(a0), g0);
+            let use_axis = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(m1, h1);
+            let p = _mm512_mask_mov_epi32(half_p, use_axis, axis_p);
+            let j = _mm512_add_epi32(_mm512_mullo_epi32(p, _mm512_set1_epi32(s_count)), s1);
+
+            let mut j_out = [0u32; 16];
+            let mut s_out = [0u32; 16];
+            let mut b2_out = [0f32; 16];
+            _mm512_storeu_si512(j_out.as_mut_ptr() as *mut __m512i, j);
+            _mm512_storeu_si512(s_out.as_mut_ptr() as *mut __m512i, s1);
+            _mm512_storeu_ps(b2_out.as_mut_ptr(), b2);
+            let ok_out = std::array::from_fn(|l| ok >> l & 1 == 1);
             (j_out, ok_out, s_out, b2_out)
         }
     }
