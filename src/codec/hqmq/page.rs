@@ -49,6 +49,20 @@ pub(super) fn encode(
     page: &PageIn<'_>,
     shared: Option<&mut Option<Directions>>,
 ) -> Result<Vec<Section>> {
+    // The loops vectorize 8 wide in the AVX2 build, with the same results.
+    crate::kernels::with_avx2(
+        #[inline(always)]
+        || encode_page(h, page, shared),
+    )
+}
+
+/// [`encode`]'s body.
+#[inline(always)]
+fn encode_page(
+    h: &Hqmq,
+    page: &PageIn<'_>,
+    shared: Option<&mut Option<Directions>>,
+) -> Result<Vec<Section>> {
     let info = page.tensor;
     let d = page.head_dim();
     if !d.is_multiple_of(4) {
@@ -355,6 +369,16 @@ pub(crate) fn page_layout<'p>(
 
 /// Decodes one page (format/codecs/hqmq.md "Decoding").
 pub(super) fn decode(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
+    // The loops vectorize 8 wide in the AVX2 build, with the same results.
+    crate::kernels::with_avx2(
+        #[inline(always)]
+        || decode_page(h, page, out),
+    )
+}
+
+/// [`decode`]'s body.
+#[inline(always)]
+fn decode_page(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
     let info = out.tensor;
     let d = info.head_dim as usize;
     let nc = d / 4;
