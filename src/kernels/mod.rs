@@ -55,7 +55,7 @@ pub fn avx512_available() -> bool {
         #[cfg(target_arch = "x86_64")]
         {
             simd_available()
-                && !std::env::var_os("KVPACK_NO_AVX512").is_some_and(|v| v != "0")
+                && std::env::var_os("KVPACK_NO_AVX512").is_none_or(|v| v == "0")
                 && is_x86_feature_detected!("avx512f")
         }
         #[cfg(not(target_arch = "x86_64"))]
