@@ -522,8 +522,10 @@ mod avx512 {
             );
             let is = |a: __m512| _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(a, m1);
             let mut axis_p = _mm512_add_epi32(_mm512_set1_epi32(6), g3);
-            axis_p = _mm512_mask_mov_epi32(axis_p, is(a2), _mm512_add_epi32(_mm512_set1_epi32(4), g2));
-            axis_p = _mm512_mask_mov_epi32(axis_p, is(a1), _mm512_add_epi32(_mm512_set1_epi32(2), g1));
+            axis_p =
+                _mm512_mask_mov_epi32(axis_p, is(a2), _mm512_add_epi32(_mm512_set1_epi32(4), g2));
+            axis_p =
+                _mm512_mask_mov_epi32(axis_p, is(a1), _mm512_add_epi32(_mm512_set1_epi32(2), g1));
             axis_p = _mm512_mask_mov_epi32(axis_p, is(a0), g0);
             let use_axis = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(m1, h1);
             let p = _mm512_mask_mov_epi32(half_p, use_axis, axis_p);
@@ -583,16 +585,70 @@ mod tests {
         v
     }
 
-    fn check(cb: &Codebook, xs: &[Quat]) {
-        let mut fast = vec![0u32; xs.len()];
-        let mut portable = vec![0u32; xs.len()];
-        search_quats(cb, xs, &mut fast);
+    /// Every search path this CPU has (portable, AVX2, AVX-512F) on
+    /// `xs`: `(path name, indices)`.
+    fn every_path(cb: &Codebook, xs: &[Quat]) -> Vec<(&'static str, Vec<u32>)> {
         let soa: [Vec<f32>; 4] = std::array::from_fn(|k| xs.iter().map(|q| q[k]).collect());
-        search_scalar(cb, [&soa[0], &soa[1], &soa[2], &soa[3]], &mut portable);
+        let x = [&soa[0][..], &soa[1], &soa[2], &soa[3]];
+        let mut out = Vec::new();
+        let mut o = vec![0u32; xs.len()];
+        search_scalar(cb, x, &mut o);
+        out.push(("scalar", o.clone()));
+        #[cfg(target_arch = "x86_64")]
+        {
+            if crate::kernels::simd_available() {
+                // SAFETY: simd_available() checked AVX2 and FMA.
+                blocks(cb, x, &mut o, |l| unsafe { avx2::search8(cb, l) });
+                out.push(("avx2", o.clone()));
+            }
+            if crate::kernels::avx512_available() {
+                // SAFETY: avx512_available() checked AVX-512F.
+                blocks(cb, x, &mut o, |l| unsafe { avx512::search16(cb, l) });
+                out.push(("avx512", o.clone()));
+            }
+        }
+        search(cb, x, &mut o);
+        out.push(("dispatch", o));
+        out
+    }
+
+    fn check(cb: &Codebook, xs: &[Quat]) {
+        let paths = every_path(cb, xs);
         for (i, x) in xs.iter().enumerate() {
             let want = exhaustive(&cb.joint, *x);
-            assert_eq!(fast[i], want, "S={} chunk {x:?}", cb.s());
-            assert_eq!(portable[i], want, "S={} chunk {x:?} (scalar)", cb.s());
+            for (name, got) in &paths {
+                assert_eq!(got[i], want, "S={} chunk {x:?} ({name})", cb.s());
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+
+        /// Every path equals the exhaustive rule on random pages of any
+        /// length (the vector kernels pad the last block), mixing random
+        /// chunks with codewords, their sums and scaled units (exact ties
+        /// and near-ties), for codebooks of 1 to 200 secondaries.
+        #[test]
+        fn every_path_equals_exhaustive(
+            s in 1usize..200,
+            seed in 0u64..1000,
+            len in 0usize..70,
+            mix in 0u64..u64::MAX,
+        ) {
+            let cb = book(s, seed);
+            let mut r = SplitMix64::new(mix);
+            let adv = adversarial(&cb, &mut r, len);
+            let xs: Vec<Quat> = (0..len)
+                .map(|i| {
+                    if r.next_u64() % 2 == 0 {
+                        adv[i]
+                    } else {
+                        std::array::from_fn(|_| uniform(&mut r) * 4.0)
+                    }
+                })
+                .collect();
+            check(&cb, &xs);
         }
     }
 
