@@ -641,7 +641,7 @@ mod tests {
             let adv = adversarial(&cb, &mut r, len);
             let xs: Vec<Quat> = (0..len)
                 .map(|i| {
-                    if r.next_u64() % 2 == 0 {
+                    if r.next_u64().is_multiple_of(2) {
                         adv[i]
                     } else {
                         std::array::from_fn(|_| uniform(&mut r) * 4.0)
