@@ -30,14 +30,13 @@ pub mod distortion;
 mod sample;
 mod timing;
 
-use std::collections::BTreeMap;
 use std::io::Write;
 
 use rayon::prelude::*;
 
 use crate::cache::{Kind, TensorInfo};
 use crate::codec::Codec;
-use crate::codec::hqmq::{Directions, Hqmq};
+use crate::codec::hqmq::{self, Hqmq};
 use crate::compress::{CompressOptions, CompressReport, compress_mixed};
 use crate::error::{Error, Result};
 use crate::format::{CodecEntry, FileHeader, VERSION_MAJOR};
@@ -193,8 +192,9 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
     let rows = timing::time(timing::Section::Sample, || load_rows(tv, &sample));
     let n = sample.len();
     let trips = timing::time(timing::Section::RoundTrip, || {
-        // Direction searches of the sample page per hqmq (S, seed).
-        let mut shared: BTreeMap<(u32, u64), Option<Directions>> = BTreeMap::new();
+        // The chunks and direction searches of the sample page, shared by
+        // the hqmq candidates.
+        let mut shared = hqmq::Shared::default();
         cands
             .iter()
             .map(|c| {
@@ -204,11 +204,12 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
                 if c.codec.id() == crate::codec::raw::ID {
                     return Ok(Some(None));
                 }
-                let mut encode = |page: &crate::codec::PageIn<'_>| match &c.hqmq {
-                    Some(h) => {
-                        h.encode_shared(page, shared.entry((h.secondaries, h.seed)).or_default())
-                    }
-                    None => c.codec.encode(page),
+                let mut encode = |page: &crate::codec::PageIn<'_>, recon: &mut [f32]| match &c.hqmq
+                {
+                    Some(h) => h
+                        .encode_reconstruct(page, &mut shared, recon)
+                        .map(|s| (s, true)),
+                    None => c.codec.encode(page).map(|s| (s, false)),
                 };
                 round_trip(c.codec.as_ref(), &mut encode, &tv.info, &rows, n).map(|r| Some(Some(r)))
             })

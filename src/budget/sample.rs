@@ -80,15 +80,22 @@ pub(crate) struct RoundTrip {
     pub sections: usize,
 }
 
+/// The encoder of a round trip: encodes a page into sections and either
+/// writes the decoded page (`[planes, n, head_dim]` f32, bit for bit what
+/// the codec's decode returns) to its second argument and returns `true`,
+/// or leaves it and returns `false` (then the round trip decodes).
+pub(crate) type Encoder<'a> =
+    dyn FnMut(&PageIn<'_>, &mut [f32]) -> Result<(Vec<Section>, bool)> + 'a;
+
 /// Encodes `rows` (`[planes, n, head_dim]`, f32) as one page of a tensor
 /// shaped like `info` with `n` tokens by `encode` (the encoder of `codec`),
-/// and decodes it again with `codec`.
+/// and decodes it again with `codec` unless the encoder did.
 ///
 /// # Errors
 /// The codec's encode or decode error.
 pub(crate) fn round_trip(
     codec: &dyn Codec,
-    encode: &mut dyn FnMut(&PageIn<'_>) -> Result<Vec<Section>>,
+    encode: &mut Encoder<'_>,
     info: &TensorInfo,
     rows: &[f32],
     n: usize,
@@ -107,30 +114,32 @@ pub(crate) fn round_trip(
             .map(crate::cache::Elems::F32)
             .collect(),
     };
-    let sections = encode(&page)?;
-    let payload = sections.iter().map(|s| s.data.len() as u64).sum();
-    let meta = PageMeta {
-        tensor: 0,
-        token_start: 0,
-        tokens: info.tokens,
-        codec: 0,
-    };
-    let frame = PageFrame::encode(meta, &sections, None, 64)?;
-    let at = Location::Header;
-    let header = PageHeader::parse(
-        frame.bytes[..64].try_into().expect("64-byte frame header"),
-        &at,
-        &Limits::default(),
-    )?;
-    let stored = &frame.bytes[64..64 + header.stored_len as usize];
-    let view = PageView::from_stored(header, Cow::Borrowed(stored), 0, "sample".into(), &at)?;
     let mut out = vec![0.0f32; planes * n * d];
-    let mut dst = PageOut {
-        tensor: &info,
-        tokens: info.tokens,
-        planes: out.chunks_exact_mut(n * d).map(ElemsMut::F32).collect(),
-    };
-    codec.decode(&view, &mut dst)?;
+    let (sections, decoded) = encode(&page, &mut out)?;
+    let payload = sections.iter().map(|s| s.data.len() as u64).sum();
+    if !decoded {
+        let meta = PageMeta {
+            tensor: 0,
+            token_start: 0,
+            tokens: info.tokens,
+            codec: 0,
+        };
+        let frame = PageFrame::encode(meta, &sections, None, 64)?;
+        let at = Location::Header;
+        let header = PageHeader::parse(
+            frame.bytes[..64].try_into().expect("64-byte frame header"),
+            &at,
+            &Limits::default(),
+        )?;
+        let stored = &frame.bytes[64..64 + header.stored_len as usize];
+        let view = PageView::from_stored(header, Cow::Borrowed(stored), 0, "sample".into(), &at)?;
+        let mut dst = PageOut {
+            tensor: &info,
+            tokens: info.tokens,
+            planes: out.chunks_exact_mut(n * d).map(ElemsMut::F32).collect(),
+        };
+        codec.decode(&view, &mut dst)?;
+    }
     Ok(RoundTrip {
         rows: out,
         payload,

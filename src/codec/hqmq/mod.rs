@@ -190,35 +190,59 @@ fn check_ranges(secondaries: u32, radius_bits: u8) -> Result<()> {
 }
 
 /// The direction index of every chunk of one page, as the search of a
-/// configuration with `S` secondaries and `seed` found it
-/// ([`Hqmq::encode_shared`]).
-#[derive(Debug, Clone, Default)]
-pub struct Directions {
+/// configuration with `S` secondaries and `seed` found it.
+#[derive(Debug, Clone)]
+struct Directions {
     secondaries: u32,
     seed: u64,
     js: Vec<u32>,
 }
 
+/// Work that hqmq configurations encoding the same page share
+/// ([`Hqmq::encode_shared`]): the page's chunks and radii, and the
+/// direction search of each `(S, seed)` met so far. One per page.
+#[derive(Debug, Clone, Default)]
+pub struct Shared {
+    chunks: Option<page::Chunks>,
+    directions: Vec<Directions>,
+}
+
 impl Hqmq {
-    /// Encodes `page` exactly as [`Codec::encode`] does, sharing the
-    /// direction search (most of an encode) between configurations: when
-    /// `shared` holds the directions of a configuration with the same `S`
-    /// and seed for as many chunks, they are used, else the search is done
-    /// and stored in `shared`. Radius bits and outlier extraction do not
-    /// change the directions, so `hqmq:s96r4`, `hqmq:s96r6` and
-    /// `hqmq:s96r4+med3` encoding one page share one search (the budget
-    /// planner tries them all on each tensor's sample). The caller passes
-    /// one `shared` per page: directions of another page with as many
-    /// chunks would be taken as they are.
+    /// Encodes `page` exactly as [`Codec::encode`] does, sharing work
+    /// between configurations: when `shared` holds the chunks of a page
+    /// with as many chunks they are used, else loaded and stored (the
+    /// searches stored before are dropped); when it holds the direction
+    /// search of a configuration with the same `S` and seed it is used,
+    /// else done and stored. The chunks do not depend on the
+    /// configuration, and radius bits and outlier extraction do not
+    /// change the directions, so `hqmq:s96r4`, `hqmq:s96r6`,
+    /// `hqmq:s96r4+med3` and `hqmq:s24r3` encoding one page load it once
+    /// and search it twice (the budget planner tries them all on each
+    /// tensor's sample). The caller passes one `shared` per page: the
+    /// chunks of another page with as many chunks would be taken as they
+    /// are.
     ///
     /// # Errors
     /// As [`Codec::encode`].
-    pub fn encode_shared(
+    pub fn encode_shared(&self, page: &PageIn<'_>, shared: &mut Shared) -> Result<Vec<Section>> {
+        page::encode(self, page, Some(shared), None)
+    }
+
+    /// [`Hqmq::encode_shared`] that also writes to `recon` the page as
+    /// [`Codec::decode`] returns it from the sections, bit for bit, without
+    /// decoding: `[planes, tokens, head_dim]` f32, the rows of `page` in
+    /// order (the budget planner's round trips).
+    ///
+    /// # Errors
+    /// As [`Codec::encode`], and [`Error::Parameter`] when `recon` does not
+    /// hold exactly the page's values.
+    pub fn encode_reconstruct(
         &self,
         page: &PageIn<'_>,
-        shared: &mut Option<Directions>,
+        shared: &mut Shared,
+        recon: &mut [f32],
     ) -> Result<Vec<Section>> {
-        page::encode(self, page, Some(shared))
+        page::encode(self, page, Some(shared), Some(recon))
     }
 
     /// Rebuilds the codec from its parameter block (format/codecs/hqmq.md):
@@ -272,7 +296,7 @@ impl Codec for Hqmq {
     }
 
     fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
-        page::encode(self, page, None)
+        page::encode(self, page, None, None)
     }
 
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {

@@ -19,7 +19,7 @@ use crate::kernels::bitpack;
 
 use super::super::outliers::OutlierTable;
 use super::super::{PageIn, PageOut, expect_section, expect_section_count};
-use super::{Directions, Hqmq, search};
+use super::{Directions, Hqmq, Shared, search};
 
 /// `1.5 * 2^23`: `(t + M) - M` rounds `t` in `[0, 2^22]` to the nearest
 /// integer, ties to even.
@@ -40,58 +40,33 @@ fn f16_ceil(v: f32) -> Option<f16> {
     h.is_finite().then_some(h)
 }
 
-/// Encodes one page (format/codecs/hqmq.md "Encoding"). With `shared`,
-/// the direction search is taken from it when it holds one of `h`'s `S`
-/// and seed for as many chunks, else done and stored there
-/// ([`super::Hqmq::encode_shared`]).
-pub(super) fn encode(
-    h: &Hqmq,
-    page: &PageIn<'_>,
-    shared: Option<&mut Option<Directions>>,
-) -> Result<Vec<Section>> {
-    // The loops vectorize 8 wide in the AVX2 build, with the same results.
-    crate::kernels::with_avx2(
-        #[inline(always)]
-        || encode_page(h, page, shared),
-    )
+/// A page's chunks in structure-of-arrays form and their radii: what
+/// every configuration encoding the page computes first.
+#[derive(Debug, Clone)]
+pub(super) struct Chunks {
+    /// Component `k` of chunk `i` (row `i / n_c`, chunk `i % n_c`) at
+    /// `xs[k][i]`.
+    xs: [Vec<f32>; 4],
+    /// `|x_i|`: `sqrt(((a*a + b*b) + c*c) + d*d)` in binary32.
+    radii: Vec<f32>,
 }
 
-/// [`encode`]'s body.
+/// The chunks of `page` (`n` of them, `nc` per row) and their radii.
+///
+/// # Errors
+/// [`Error::Parameter`] naming the row of a value that is not finite or
+/// outside the fp16 range.
 #[inline(always)]
-fn encode_page(
-    h: &Hqmq,
+fn load_chunks(
     page: &PageIn<'_>,
-    shared: Option<&mut Option<Directions>>,
-) -> Result<Vec<Section>> {
-    let info = page.tensor;
-    let d = page.head_dim();
-    if !d.is_multiple_of(4) {
-        return Err(Error::param(format!(
-            "{} ({}): head_dim {d} is not a multiple of 4",
-            info.name,
-            info.describe()
-        )));
-    }
-    let nc = d / 4;
-    let t = page.tokens as usize;
-    let rows = page.rows();
-    let planes = page.planes.len();
-    let n = rows * nc;
-    let at_row = |r: usize| {
-        format!(
-            "{} ({}) plane {} token {}",
-            info.name,
-            info.describe(),
-            r / t,
-            page.token_start as usize + r % t
-        )
-    };
-    let universe = u32::try_from(n).map_err(|_| Error::param("hqmq page over 2^32 chunks"))?;
-
-    // Chunks (structure of arrays) and their radii.
+    n: usize,
+    nc: usize,
+    at_row: impl Fn(usize) -> String,
+) -> Result<Chunks> {
+    let d = 4 * nc;
     let mut xs: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; n]);
     let mut row = vec![0f32; d];
-    for r in 0..rows {
+    for r in 0..page.rows() {
         page.load_row(r, &mut row);
         // Branch-free check (vectorizes); NaN fails the comparison.
         if !row.iter().fold(true, |ok, v| ok & (v.abs() <= F16_MAX))
@@ -124,6 +99,89 @@ fn encode_page(
     {
         *r = (((a * a + b * b) + c * c) + e * e).sqrt();
     }
+    Ok(Chunks { xs, radii })
+}
+
+/// Encodes one page (format/codecs/hqmq.md "Encoding"). With `shared`,
+/// the chunks and the direction search are taken from it when it holds
+/// them for as many chunks (the search for `h`'s `S` and seed), else
+/// computed and stored there ([`super::Hqmq::encode_shared`]). With
+/// `recon`, the page as [`decode`] would return it is written there
+/// (`[planes, tokens, head_dim]` f32, the page's row order).
+pub(super) fn encode(
+    h: &Hqmq,
+    page: &PageIn<'_>,
+    shared: Option<&mut Shared>,
+    recon: Option<&mut [f32]>,
+) -> Result<Vec<Section>> {
+    // The loops vectorize 8 wide in the AVX2 build, with the same results.
+    crate::kernels::with_avx2(
+        #[inline(always)]
+        || encode_page(h, page, shared, recon),
+    )
+}
+
+/// [`encode`]'s body.
+#[inline(always)]
+fn encode_page(
+    h: &Hqmq,
+    page: &PageIn<'_>,
+    shared: Option<&mut Shared>,
+    recon: Option<&mut [f32]>,
+) -> Result<Vec<Section>> {
+    let info = page.tensor;
+    let d = page.head_dim();
+    if !d.is_multiple_of(4) {
+        return Err(Error::param(format!(
+            "{} ({}): head_dim {d} is not a multiple of 4",
+            info.name,
+            info.describe()
+        )));
+    }
+    let nc = d / 4;
+    let t = page.tokens as usize;
+    let rows = page.rows();
+    let planes = page.planes.len();
+    let n = rows * nc;
+    let at_row = |r: usize| {
+        format!(
+            "{} ({}) plane {} token {}",
+            info.name,
+            info.describe(),
+            r / t,
+            page.token_start as usize + r % t
+        )
+    };
+    let universe = u32::try_from(n).map_err(|_| Error::param("hqmq page over 2^32 chunks"))?;
+    if let Some(out) = &recon
+        && out.len() != n * 4
+    {
+        return Err(Error::param(format!(
+            "hqmq reconstruction buffer of {} values for a page of {}",
+            out.len(),
+            n * 4
+        )));
+    }
+
+    // Chunks (structure of arrays) and their radii.
+    let fresh_chunks;
+    let (chunks, dirs): (&Chunks, Option<&mut Vec<Directions>>) = match shared {
+        Some(Shared { chunks, directions }) => {
+            if chunks.as_ref().is_none_or(|c| c.radii.len() != n) {
+                *chunks = Some(load_chunks(page, n, nc, at_row)?);
+                directions.clear();
+            }
+            (
+                chunks.as_ref().expect("chunks just stored"),
+                Some(directions),
+            )
+        }
+        None => {
+            fresh_chunks = load_chunks(page, n, nc, at_row)?;
+            (&fresh_chunks, None)
+        }
+    };
+    let (xs, radii) = (&chunks.xs, &chunks.radii);
 
     // Med-C outlier extraction per plane: r > C * lower median.
     let per_plane = t * nc;
@@ -187,23 +245,27 @@ fn encode_page(
         js
     };
     let fresh;
-    let js: &[u32] = match shared {
+    let js: &[u32] = match dirs {
         None => {
             fresh = search_all();
             &fresh
         }
-        Some(slot) => {
-            let fits = |d: &Directions| {
-                d.secondaries == h.secondaries && d.seed == h.seed && d.js.len() == n
+        Some(list) => {
+            let found = list
+                .iter()
+                .position(|d| d.secondaries == h.secondaries && d.seed == h.seed);
+            let i = match found {
+                Some(i) => i,
+                None => {
+                    list.push(Directions {
+                        secondaries: h.secondaries,
+                        seed: h.seed,
+                        js: search_all(),
+                    });
+                    list.len() - 1
+                }
             };
-            if !slot.as_ref().is_some_and(fits) {
-                *slot = Some(Directions {
-                    secondaries: h.secondaries,
-                    seed: h.seed,
-                    js: search_all(),
-                });
-            }
-            &slot.as_ref().expect("directions just stored").js
+            &list[i].js
         }
     };
 
@@ -218,6 +280,28 @@ fn encode_page(
             for (q, &rho) in q.iter_mut().zip(rr) {
                 // Round to nearest, ties to even (exact for 0 <= t <= 2^22).
                 *q = (((rho / step).min(levels) + RNE_MAGIC) - RNE_MAGIC) as i32 as u32;
+            }
+        }
+    }
+
+    // What the decoder returns (format/codecs/hqmq.md "Decoding"): the
+    // same operations on the same numbers, so the same bits.
+    if let Some(out) = recon {
+        for p in 0..planes {
+            let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
+            for i in p * per_plane..(p + 1) * per_plane {
+                let o = &mut out[4 * i..4 * i + 4];
+                if outlier[i] {
+                    for (k, v) in o.iter_mut().enumerate() {
+                        *v = f16::from_f32(xs[k][i]).to_f32();
+                    }
+                } else {
+                    let cw = cb.joint[js[i] as usize];
+                    let rh = qs[i] as f32 * steps[i / nc];
+                    for (v, c) in o.iter_mut().zip(cw) {
+                        *v = rh * c;
+                    }
+                }
             }
         }
     }
@@ -588,6 +672,121 @@ mod tests {
         let plain = Hqmq::new(24, 3, None, 5).unwrap();
         assert!(decode(&plain, &good).unwrap_err().is_format());
         assert!(decode(&plain, &encode(&plain)).is_ok());
+    }
+
+    /// Decodes `sections` as one page of `ti` (`tokens` rows per plane,
+    /// f32) through the public frame path.
+    fn decode_page_of(h: &Hqmq, ti: &TensorInfo, sections: &[Section]) -> Vec<f32> {
+        let meta = PageMeta {
+            tensor: 0,
+            token_start: 0,
+            tokens: ti.tokens,
+            codec: 0,
+        };
+        let frame = PageFrame::encode(meta, sections, None, 64).unwrap();
+        let at = crate::Location::Header;
+        let hd = PageHeader::parse(
+            frame.bytes[..64].try_into().unwrap(),
+            &at,
+            &Limits::default(),
+        )
+        .unwrap();
+        let body = std::borrow::Cow::Borrowed(&frame.bytes[64..64 + hd.stored_len as usize]);
+        let view = PageView::from_stored(hd, body, 0, "test page".into(), &at).unwrap();
+        let per_plane = ti.tokens as usize * ti.head_dim as usize;
+        let mut out = vec![0f32; ti.planes() * per_plane];
+        let mut po = PageOut {
+            tensor: ti,
+            tokens: ti.tokens,
+            planes: out.chunks_exact_mut(per_plane).map(ElemsMut::F32).collect(),
+        };
+        h.decode(&view, &mut po).unwrap();
+        out
+    }
+
+    /// `encode_reconstruct` (the planner's round trip) gives the sections
+    /// of a plain encode and, bit for bit, the values the decoder returns
+    /// from them, for configurations sharing one `Shared` in turn: every
+    /// tensor of the real fixture (whole, and as a 64-token page), and
+    /// synthetic pages with zero rows (a zero scale: `-0.0` products),
+    /// huge outlier chunks and values at the fp16 limit.
+    #[test]
+    fn reconstruction_equals_decode() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/fixtures/gemma3-270m-gpl3-520.safetensors"
+        );
+        let bytes = std::fs::read(path).expect("fixture");
+        let cache = crate::io::safetensors::parse(&bytes, path).unwrap().cache;
+        let names = [
+            "hqmq:s6r2",
+            "hqmq:s24r3",
+            "hqmq:s24r3+med3",
+            "hqmq:s96r4",
+            "hqmq:s96r5+med3",
+            "hqmq:s96r6+med1.5",
+            "hqmq:s24r3:seed9",
+            "hqmq:s5r8+med2",
+        ];
+        let codecs: Vec<Hqmq> = names
+            .iter()
+            .map(|n| super::super::params::parse_name(n).unwrap())
+            .collect();
+        let mut pages: Vec<(TensorInfo, Vec<f32>)> = Vec::new();
+        for t in cache.tensors.iter().step_by(5) {
+            let x = t.data.to_f32();
+            let mut ti = t.info.clone();
+            ti.dtype = DType::F32;
+            pages.push((ti.clone(), x.clone()));
+            ti.tokens = 64;
+            pages.push((ti, x[..64 * t.info.head_dim as usize].to_vec()));
+        }
+        let mut v = values();
+        v[..D].fill(0.0);
+        v[3 * D + 5] = 65504.0;
+        v[4 * D + 2] = -65504.0;
+        v[5 * D + 7] = 1e-7;
+        // Outlier chunks whose values fp16 rounds.
+        v[2 * D + 1] = 1000.123;
+        v[8 * D + 9] = -777.77;
+        pages.push((info(), v));
+        for (ti, x) in &pages {
+            let per_plane = ti.tokens as usize * ti.head_dim as usize;
+            let page = PageIn {
+                tensor: ti,
+                token_start: 0,
+                tokens: ti.tokens,
+                planes: x.chunks(per_plane).map(Elems::F32).collect(),
+            };
+            let mut shared = Shared::default();
+            for (n, h) in names.iter().zip(&codecs) {
+                let mut recon = vec![f32::NAN; x.len()];
+                let s = h
+                    .encode_reconstruct(&page, &mut shared, &mut recon)
+                    .unwrap();
+                assert_eq!(s, h.encode(&page).unwrap(), "{n} {}", ti.name);
+                let dec = decode_page_of(h, ti, &s);
+                let bad = recon
+                    .iter()
+                    .zip(&dec)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert_eq!(bad, None, "{n} {} ({} tokens)", ti.name, ti.tokens);
+            }
+        }
+        // A buffer of the wrong size is an error.
+        let (ti, x) = &pages[0];
+        let page = PageIn {
+            tensor: ti,
+            token_start: 0,
+            tokens: ti.tokens,
+            planes: vec![Elems::F32(x)],
+        };
+        let mut short = vec![0f32; x.len() - 1];
+        assert!(
+            codecs[0]
+                .encode_reconstruct(&page, &mut Shared::default(), &mut short)
+                .is_err()
+        );
     }
 
     proptest! {
