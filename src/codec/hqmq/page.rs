@@ -289,17 +289,25 @@ fn encode_page(
     if let Some(out) = recon {
         for p in 0..planes {
             let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
-            for i in p * per_plane..(p + 1) * per_plane {
-                let o = &mut out[4 * i..4 * i + 4];
-                if outlier[i] {
-                    for (k, v) in o.iter_mut().enumerate() {
-                        *v = f16::from_f32(xs[k][i]).to_f32();
-                    }
-                } else {
-                    let cw = cb.joint[js[i] as usize];
-                    let rh = qs[i] as f32 * steps[i / nc];
-                    for (v, c) in o.iter_mut().zip(cw) {
-                        *v = rh * c;
+            for r in p * t..(p + 1) * t {
+                let step = steps[r];
+                let span = r * nc..(r + 1) * nc;
+                for (((i, o), &j), &q) in span
+                    .clone()
+                    .zip(out[4 * span.start..4 * span.end].chunks_exact_mut(4))
+                    .zip(&js[span.clone()])
+                    .zip(&qs[span])
+                {
+                    if outlier[i] {
+                        for (k, v) in o.iter_mut().enumerate() {
+                            *v = f16::from_f32(xs[k][i]).to_f32();
+                        }
+                    } else {
+                        let cw = cb.joint[j as usize];
+                        let rh = q as f32 * step;
+                        for (v, c) in o.iter_mut().zip(cw) {
+                            *v = rh * c;
+                        }
                     }
                 }
             }
