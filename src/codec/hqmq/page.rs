@@ -289,8 +289,7 @@ fn encode_page(
     if let Some(out) = recon {
         for p in 0..planes {
             let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
-            for r in p * t..(p + 1) * t {
-                let step = steps[r];
+            for (r, &step) in steps.iter().enumerate().take((p + 1) * t).skip(p * t) {
                 let span = r * nc..(r + 1) * nc;
                 for (((i, o), &j), &q) in span
                     .clone()
