@@ -190,12 +190,14 @@ fn check_ranges(secondaries: u32, radius_bits: u8) -> Result<()> {
 }
 
 /// The direction index of every chunk of one page, as the search of a
-/// configuration with `S` secondaries and `seed` found it.
+/// configuration with `S` secondaries and `seed` found it, and its filter
+/// pass per plane (a search of more secondaries of the seed continues it).
 #[derive(Debug, Clone)]
 struct Directions {
     secondaries: u32,
     seed: u64,
     js: Vec<u32>,
+    progress: Vec<search::Progress>,
 }
 
 /// Work that hqmq configurations encoding the same page share
@@ -217,8 +219,12 @@ impl Hqmq {
     /// configuration, and radius bits and outlier extraction do not
     /// change the directions, so `hqmq:s96r4`, `hqmq:s96r6`,
     /// `hqmq:s96r4+med3` and `hqmq:s24r3` encoding one page load it once
-    /// and search it twice (the budget planner tries them all on each
-    /// tensor's sample). The caller passes one `shared` per page: the
+    /// and search it twice. A search of more secondaries than one stored
+    /// for the seed continues its filter pass (a codebook's secondaries
+    /// start with those of every smaller codebook of its seed): encoding
+    /// `hqmq:s24r3` then `hqmq:s96r4` scores secondaries `0..24` once.
+    /// (The budget planner tries them all on each tensor's sample.) The
+    /// caller passes one `shared` per page: the
     /// chunks of another page with as many chunks would be taken as they
     /// are.
     ///

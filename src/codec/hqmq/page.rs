@@ -225,29 +225,30 @@ fn encode_page(
     // Direction search, one codebook per (layer, kv head, K|V). Outlier
     // chunks are searched too (their result is unused): simpler than
     // compacting, and they are a few percent. Radius bits and outlier
-    // extraction do not change it.
-    let search_all = || {
+    // extraction do not change it. With `progress` (one per plane) the
+    // filter pass continues from a smaller codebook's and is left there.
+    let search_all = |mut progress: Option<&mut [search::Progress]>| {
         let mut js = vec![0u32; n];
         for p in 0..planes {
             let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
             let span = p * per_plane..(p + 1) * per_plane;
-            search::search(
-                &cb,
-                [
-                    &xs[0][span.clone()],
-                    &xs[1][span.clone()],
-                    &xs[2][span.clone()],
-                    &xs[3][span.clone()],
-                ],
-                &mut js[span],
-            );
+            let x = [
+                &xs[0][span.clone()],
+                &xs[1][span.clone()],
+                &xs[2][span.clone()],
+                &xs[3][span.clone()],
+            ];
+            match progress.as_deref_mut() {
+                Some(pr) => search::search_resume(&cb, x, &mut pr[p], &mut js[span]),
+                None => search::search(&cb, x, &mut js[span]),
+            }
         }
         js
     };
     let fresh;
     let js: &[u32] = match dirs {
         None => {
-            fresh = search_all();
+            fresh = search_all(None);
             &fresh
         }
         Some(list) => {
@@ -257,10 +258,21 @@ fn encode_page(
             let i = match found {
                 Some(i) => i,
                 None => {
+                    // Secondaries of one seed extend each other
+                    // (codebook::secondaries): continue the largest
+                    // smaller search of this seed.
+                    let mut progress = list
+                        .iter()
+                        .filter(|d| d.seed == h.seed && d.secondaries < h.secondaries)
+                        .max_by_key(|d| d.secondaries)
+                        .map(|d| d.progress.clone())
+                        .unwrap_or_else(|| vec![search::Progress::default(); planes]);
+                    let js = search_all(Some(&mut progress));
                     list.push(Directions {
                         secondaries: h.secondaries,
                         seed: h.seed,
-                        js: search_all(),
+                        js,
+                        progress,
                     });
                     list.len() - 1
                 }
