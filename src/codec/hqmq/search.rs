@@ -852,7 +852,7 @@ mod tests {
             // Near-ties across the resume point: the sum of a codeword of
             // a group the first search scores and one of a group only
             // the continuation scores.
-            let mut across = |r: &mut SplitMix64| -> Quat {
+            let across = |r: &mut SplitMix64| -> Quat {
                 let ga = (r.next_u64() % sa as u64) as usize;
                 let gb = sa + (r.next_u64() % (sb - sa).max(1) as u64) as usize;
                 let (p, q) = (r.next_u64() % 24, r.next_u64() % 24);
