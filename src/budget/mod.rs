@@ -452,10 +452,24 @@ fn measure_names(
         recent: 0,
         ..opts.layout
     };
-    let mut candidates = Vec::new();
+    let mut candidates: Vec<Candidate> = Vec::new();
     for n in names {
         match candidate(cache, &plain, n) {
-            Ok(c) => candidates.push(c),
+            Ok(mut c) => {
+                // hqmq configurations of one S and seed share codebooks.
+                if let Some(h) = c.hqmq.take() {
+                    let first = candidates.iter().find_map(|o| {
+                        o.hqmq
+                            .as_ref()
+                            .filter(|o| o.secondaries == h.secondaries && o.seed == h.seed)
+                    });
+                    c.hqmq = Some(match first {
+                        Some(o) => h.with_codebooks_of(o),
+                        None => h,
+                    });
+                }
+                candidates.push(c)
+            }
             Err(_) if skip_unfit => {}
             Err(e) => return Err(e),
         }
@@ -529,12 +543,17 @@ impl Measured {
         }
         let codecs = used
             .iter()
-            .map(|&c| {
-                let e = CodecEntry {
-                    id: self.candidates[c].codec.id(),
-                    params: self.candidates[c].codec.params(),
-                };
-                crate::codec::from_entry(0, &e)
+            .map(|&c| match &self.candidates[c].hqmq {
+                // The same configuration, with the codebooks the samples
+                // built.
+                Some(h) => Ok(Box::new(h.clone_with_codebooks()) as Box<dyn Codec>),
+                None => {
+                    let e = CodecEntry {
+                        id: self.candidates[c].codec.id(),
+                        params: self.candidates[c].codec.params(),
+                    };
+                    crate::codec::from_entry(0, &e)
+                }
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Plan {

@@ -162,6 +162,30 @@ impl Hqmq {
         symbol_split(self.secondaries, self.radius_bits)
     }
 
+    /// A copy of this configuration that shares its codebook cache (the
+    /// codebooks it built and will build are used by both).
+    pub fn clone_with_codebooks(&self) -> Hqmq {
+        Hqmq {
+            cache: self.cache.clone(),
+            ..*self
+        }
+    }
+
+    /// This configuration using the codebook cache of `other` when both
+    /// have the same `S` and seed (codebooks depend on nothing else), else
+    /// unchanged: configurations differing only in radius bits, outlier
+    /// extraction or digit grouping then build each codebook once.
+    pub fn with_codebooks_of(self, other: &Hqmq) -> Hqmq {
+        if self.secondaries == other.secondaries && self.seed == other.seed {
+            Hqmq {
+                cache: other.cache.clone(),
+                ..self
+            }
+        } else {
+            self
+        }
+    }
+
     /// The codebook of `(layer, kv head, kind)`.
     pub fn codebook(&self, layer: u32, head: u32, kind: crate::cache::Kind) -> Arc<Codebook> {
         self.cache
@@ -315,5 +339,40 @@ impl Codec for Hqmq {
     /// s192r6) to two decimals.
     fn bits_per_element(&self, t: &TensorInfo) -> f64 {
         self.bits_per_chunk() / 4.0 + 16.0 / f64::from(t.head_dim)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::Kind;
+
+    /// Configurations of one `S` and seed share codebooks when asked;
+    /// others keep their own; a shared codebook is the one each would
+    /// build.
+    #[test]
+    fn codebooks_are_shared_only_between_equal_s_and_seed() {
+        let a = Hqmq::new(24, 3, None, 5).unwrap();
+        let b = Hqmq::new(24, 6, Some(3.0), 5)
+            .unwrap()
+            .with_codebooks_of(&a);
+        let c = Hqmq::new(48, 3, None, 5).unwrap().with_codebooks_of(&a);
+        let d = Hqmq::new(24, 3, None, 6).unwrap().with_codebooks_of(&a);
+        assert!(Arc::ptr_eq(&a.cache, &b.cache));
+        assert!(!Arc::ptr_eq(&a.cache, &c.cache));
+        assert!(!Arc::ptr_eq(&a.cache, &d.cache));
+        let e = b.clone_with_codebooks();
+        assert!(Arc::ptr_eq(&a.cache, &e.cache));
+        assert_eq!(e.params(), b.params());
+        let own = Hqmq::new(24, 6, Some(3.0), 5).unwrap();
+        assert_eq!(
+            *e.codebook(3, 0, Kind::Value),
+            *own.codebook(3, 0, Kind::Value)
+        );
+        assert_eq!(c.codebook(3, 0, Kind::Value).s(), 48);
+        assert_ne!(
+            *d.codebook(3, 0, Kind::Value),
+            *a.codebook(3, 0, Kind::Value)
+        );
     }
 }
