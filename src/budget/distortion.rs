@@ -156,28 +156,57 @@ impl HeadContext {
 
     /// `sum_q ||(P^_q - P_q) V||^2` for the score errors `deltas` of
     /// [`HeadContext::key_deltas`], slots `0..exact` kept exact.
+    #[cfg(test)]
     pub fn key_error(&self, deltas: &[f32], exact: usize) -> f64 {
+        self.key_errors(deltas, &[exact])[0]
+    }
+
+    /// [`HeadContext::key_error`] for each window of `exacts` (slots
+    /// `0..exacts[k]` kept exact), with the same operations: per proxy the
+    /// windows' score rows differ in a few slots, and an exponential whose
+    /// argument has the same bits as for the previous window is taken from
+    /// it instead of computed again.
+    pub fn key_errors(&self, deltas: &[f32], exacts: &[usize]) -> Vec<f64> {
         crate::kernels::with_avx2(
             #[inline(always)]
             || {
                 let n = self.n;
+                let mut totals = vec![0.0f64; exacts.len()];
                 let mut row = vec![0.0f32; n];
-                let mut total = 0.0f64;
+                // The previous window's row and exponentials.
+                let mut prev = vec![0.0f32; n];
+                let mut ex = vec![0.0f32; n];
                 for q in 0..self.proxies.len() {
                     let (s, p) = (
                         &self.scores[q * n..(q + 1) * n],
                         &self.probs[q * n..(q + 1) * n],
                     );
-                    for j in 0..n {
-                        row[j] = s[j] + if j < exact { 0.0 } else { deltas[q * n + j] };
+                    // The previous window's maximum.
+                    let mut prev_m: Option<f32> = None;
+                    for (total, &exact) in totals.iter_mut().zip(exacts) {
+                        for j in 0..n {
+                            row[j] = s[j] + if j < exact { 0.0 } else { deltas[q * n + j] };
+                        }
+                        // softmax(row), as `softmax` computes it.
+                        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let same_m = prev_m.is_some_and(|pm| pm.to_bits() == m.to_bits());
+                        let mut sum = 0.0f32;
+                        for j in 0..n {
+                            if !(same_m && row[j].to_bits() == prev[j].to_bits()) {
+                                ex[j] = (row[j] - m).exp();
+                            }
+                            sum += ex[j];
+                        }
+                        prev.copy_from_slice(&row);
+                        prev_m = Some(m);
+                        for j in 0..n {
+                            row[j] = ex[j] / sum;
+                            row[j] -= p[j];
+                        }
+                        *total += quad(&self.gram, &row, n);
                     }
-                    softmax(&mut row);
-                    for j in 0..n {
-                        row[j] -= p[j];
-                    }
-                    total += quad(&self.gram, &row, n);
                 }
-                total
+                totals
             },
         )
     }
@@ -304,6 +333,36 @@ mod tests {
         assert!((full - want).abs() < 1e-3 * want, "{full} vs {want}");
         assert!(ctx.value_error(h, &vn, &dv, n) < 1e-9);
         assert!(ctx.value_error(h, &vn, &dv, n / 2) < full);
+    }
+
+    /// The windows computed together (exponentials reused) give the bits
+    /// of each window computed alone, also when a window changes a row's
+    /// maximum (a large score error on slot 0) and for windows in any
+    /// order.
+    #[test]
+    fn key_errors_of_several_windows_equal_each_alone() {
+        let (n, d) = (40, 16);
+        let (k, v) = head(n, d, 11);
+        let w: Vec<f32> = (0..n).map(|i| 1.0 + (i % 3) as f32).collect();
+        let h = Head { k: &k, v: &v };
+        let ctx = HeadContext::new(h, n, d, &w, 0.7);
+        let noisy: Vec<f32> = k
+            .iter()
+            .enumerate()
+            .map(|(i, x)| x + 0.05 * ((i % 7) as f32 - 3.0))
+            .collect();
+        let mut dk = ctx.key_deltas(h, &noisy, 0.7);
+        for q in 0..ctx.proxies.len() {
+            if q % 2 == 0 {
+                dk[q * n] = 30.0;
+            }
+        }
+        let exacts = [0, 1, 4, 16, 3, 0, n];
+        let together = ctx.key_errors(&dk, &exacts);
+        for (e, t) in exacts.iter().zip(&together) {
+            assert_eq!(t.to_bits(), ctx.key_error(&dk, *e).to_bits(), "window {e}");
+        }
+        assert!(together[0] > together[3]);
     }
 
     #[test]

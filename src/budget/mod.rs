@@ -309,8 +309,24 @@ fn layer_points(
                 }),
                 _ => Vec::new(),
             };
-            for &sink in sinks {
-                let exact = exact_rows(&tr[i].sample, sink);
+            let exacts: Vec<usize> = sinks
+                .iter()
+                .map(|&s| exact_rows(&tr[i].sample, s))
+                .collect();
+            // Key errors of every sink per plane (computed together).
+            let key_errors: Vec<Vec<f64>> = match (hat, &contexts) {
+                (Some(_), Some(ctx)) if info.kind == Kind::Key => {
+                    timing::time(timing::Section::Distortion, || {
+                        ctx.iter()
+                            .enumerate()
+                            .map(|(p, cx)| cx.key_errors(&deltas[p], &exacts))
+                            .collect()
+                    })
+                }
+                _ => Vec::new(),
+            };
+            for (si, &exact) in exacts.iter().enumerate() {
+                let sink = sinks[si];
                 let distortion =
                     timing::time(timing::Section::Distortion, || match (hat, &contexts) {
                         (None, _) => 0.0,
@@ -324,7 +340,7 @@ fn layer_points(
                                 };
                                 den += cx.energy();
                                 num += if info.kind == Kind::Key {
-                                    cx.key_error(&deltas[p], exact)
+                                    key_errors[p][si]
                                 } else {
                                     cx.value_error(h, &hat[r], &deltas[p], exact)
                                 };
