@@ -45,7 +45,7 @@ use crate::view::CacheView;
 
 use allocate::Point;
 use distortion::{Head, HeadContext};
-use sample::{RoundTrip, Sample, load_rows, round_trip};
+use sample::{Encoded, RoundTrip, Sample, load_rows, round_trip};
 
 /// What the planner chose for one tensor.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -206,10 +206,11 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
                 }
                 let mut encode = |page: &crate::codec::PageIn<'_>, recon: &mut [f32]| match &c.hqmq
                 {
-                    Some(h) => h
-                        .encode_reconstruct(page, &mut shared, recon)
-                        .map(|s| (s, true)),
-                    None => c.codec.encode(page).map(|s| (s, false)),
+                    Some(h) => h.trial(page, &mut shared, recon).map(|t| Encoded::Decoded {
+                        payload: t.payload,
+                        sections: t.sections,
+                    }),
+                    None => c.codec.encode(page).map(Encoded::Sections),
                 };
                 round_trip(c.codec.as_ref(), &mut encode, &tv.info, &rows, n).map(|r| Some(Some(r)))
             })

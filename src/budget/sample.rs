@@ -80,12 +80,19 @@ pub(crate) struct RoundTrip {
     pub sections: usize,
 }
 
-/// The encoder of a round trip: encodes a page into sections and either
-/// writes the decoded page (`[planes, n, head_dim]` f32, bit for bit what
-/// the codec's decode returns) to its second argument and returns `true`,
-/// or leaves it and returns `false` (then the round trip decodes).
-pub(crate) type Encoder<'a> =
-    dyn FnMut(&PageIn<'_>, &mut [f32]) -> Result<(Vec<Section>, bool)> + 'a;
+/// What the encoder of a round trip returns.
+pub(crate) enum Encoded {
+    /// The page's sections: the round trip decodes them.
+    Sections(Vec<Section>),
+    /// The decoded page was written to the encoder's buffer (bit for bit
+    /// what the codec's decode returns); the sections' payload bytes and
+    /// number.
+    Decoded { payload: u64, sections: usize },
+}
+
+/// The encoder of a round trip: encodes a page, given a buffer for the
+/// decoded page (`[planes, n, head_dim]` f32).
+pub(crate) type Encoder<'a> = dyn FnMut(&PageIn<'_>, &mut [f32]) -> Result<Encoded> + 'a;
 
 /// Encodes `rows` (`[planes, n, head_dim]`, f32) as one page of a tensor
 /// shaped like `info` with `n` tokens by `encode` (the encoder of `codec`),
@@ -115,31 +122,38 @@ pub(crate) fn round_trip(
             .collect(),
     };
     let mut out = vec![0.0f32; planes * n * d];
-    let (sections, decoded) = encode(&page, &mut out)?;
+    let sections = match encode(&page, &mut out)? {
+        Encoded::Decoded { payload, sections } => {
+            return Ok(RoundTrip {
+                rows: out,
+                payload,
+                sections,
+            });
+        }
+        Encoded::Sections(s) => s,
+    };
     let payload = sections.iter().map(|s| s.data.len() as u64).sum();
-    if !decoded {
-        let meta = PageMeta {
-            tensor: 0,
-            token_start: 0,
-            tokens: info.tokens,
-            codec: 0,
-        };
-        let frame = PageFrame::encode(meta, &sections, None, 64)?;
-        let at = Location::Header;
-        let header = PageHeader::parse(
-            frame.bytes[..64].try_into().expect("64-byte frame header"),
-            &at,
-            &Limits::default(),
-        )?;
-        let stored = &frame.bytes[64..64 + header.stored_len as usize];
-        let view = PageView::from_stored(header, Cow::Borrowed(stored), 0, "sample".into(), &at)?;
-        let mut dst = PageOut {
-            tensor: &info,
-            tokens: info.tokens,
-            planes: out.chunks_exact_mut(n * d).map(ElemsMut::F32).collect(),
-        };
-        codec.decode(&view, &mut dst)?;
-    }
+    let meta = PageMeta {
+        tensor: 0,
+        token_start: 0,
+        tokens: info.tokens,
+        codec: 0,
+    };
+    let frame = PageFrame::encode(meta, &sections, None, 64)?;
+    let at = Location::Header;
+    let header = PageHeader::parse(
+        frame.bytes[..64].try_into().expect("64-byte frame header"),
+        &at,
+        &Limits::default(),
+    )?;
+    let stored = &frame.bytes[64..64 + header.stored_len as usize];
+    let view = PageView::from_stored(header, Cow::Borrowed(stored), 0, "sample".into(), &at)?;
+    let mut dst = PageOut {
+        tensor: &info,
+        tokens: info.tokens,
+        planes: out.chunks_exact_mut(n * d).map(ElemsMut::F32).collect(),
+    };
+    codec.decode(&view, &mut dst)?;
     Ok(RoundTrip {
         rows: out,
         payload,

@@ -224,6 +224,15 @@ struct Directions {
     progress: Vec<search::Progress>,
 }
 
+/// The sizes of a page's sections ([`Hqmq::trial`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trial {
+    /// Section payload bytes (the `data` of every section).
+    pub payload: u64,
+    /// Number of sections.
+    pub sections: usize,
+}
+
 /// Work that hqmq configurations encoding the same page share
 /// ([`Hqmq::encode_shared`]): the page's chunks and radii, and the
 /// direction search of each `(S, seed)` met so far. One per page.
@@ -255,24 +264,29 @@ impl Hqmq {
     /// # Errors
     /// As [`Codec::encode`].
     pub fn encode_shared(&self, page: &PageIn<'_>, shared: &mut Shared) -> Result<Vec<Section>> {
-        page::encode(self, page, Some(shared), None)
+        page::encode(self, page, Some(shared), None).map(page::Coded::into_sections)
     }
 
-    /// [`Hqmq::encode_shared`] that also writes to `recon` the page as
-    /// [`Codec::decode`] returns it from the sections, bit for bit, without
-    /// decoding: `[planes, tokens, head_dim]` f32, the rows of `page` in
-    /// order (the budget planner's round trips).
+    /// What [`Hqmq::encode_shared`] would store, measured, and the page it
+    /// would decode to: writes to `recon` the page as [`Codec::decode`]
+    /// returns it from the sections, bit for bit, without decoding
+    /// (`[planes, tokens, head_dim]` f32, the rows of `page` in order),
+    /// and returns the sections' payload bytes and number without packing
+    /// them (the budget planner's round trips).
     ///
     /// # Errors
     /// As [`Codec::encode`], and [`Error::Parameter`] when `recon` does not
     /// hold exactly the page's values.
-    pub fn encode_reconstruct(
+    pub fn trial(
         &self,
         page: &PageIn<'_>,
         shared: &mut Shared,
         recon: &mut [f32],
-    ) -> Result<Vec<Section>> {
-        page::encode(self, page, Some(shared), Some(recon))
+    ) -> Result<Trial> {
+        match page::encode(self, page, Some(shared), Some(recon))? {
+            page::Coded::Sizes(t) => Ok(t),
+            page::Coded::Sections(_) => unreachable!("a reconstruction returns sizes"),
+        }
     }
 
     /// Rebuilds the codec from its parameter block (format/codecs/hqmq.md):
@@ -326,7 +340,7 @@ impl Codec for Hqmq {
     }
 
     fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
-        page::encode(self, page, None, None)
+        page::encode(self, page, None, None).map(page::Coded::into_sections)
     }
 
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {

@@ -102,18 +102,36 @@ fn load_chunks(
     Ok(Chunks { xs, radii })
 }
 
+/// What [`encode`] returns: the page's sections, or (with a
+/// reconstruction) only their payload bytes and number.
+pub(super) enum Coded {
+    Sections(Vec<Section>),
+    Sizes(super::Trial),
+}
+
+impl Coded {
+    /// The sections (encodes without a reconstruction return them).
+    pub(super) fn into_sections(self) -> Vec<Section> {
+        match self {
+            Coded::Sections(s) => s,
+            Coded::Sizes(_) => unreachable!("sizes come only with a reconstruction"),
+        }
+    }
+}
+
 /// Encodes one page (format/codecs/hqmq.md "Encoding"). With `shared`,
 /// the chunks and the direction search are taken from it when it holds
 /// them for as many chunks (the search for `h`'s `S` and seed), else
 /// computed and stored there ([`super::Hqmq::encode_shared`]). With
 /// `recon`, the page as [`decode`] would return it is written there
-/// (`[planes, tokens, head_dim]` f32, the page's row order).
+/// (`[planes, tokens, head_dim]` f32, the page's row order) and only the
+/// sizes of the sections are returned ([`super::Hqmq::trial`]).
 pub(super) fn encode(
     h: &Hqmq,
     page: &PageIn<'_>,
     shared: Option<&mut Shared>,
     recon: Option<&mut [f32]>,
-) -> Result<Vec<Section>> {
+) -> Result<Coded> {
     // The loops vectorize 8 wide in the AVX2 build, with the same results.
     crate::kernels::with_avx2(
         #[inline(always)]
@@ -128,7 +146,7 @@ fn encode_page(
     page: &PageIn<'_>,
     shared: Option<&mut Shared>,
     recon: Option<&mut [f32]>,
-) -> Result<Vec<Section>> {
+) -> Result<Coded> {
     let info = page.tensor;
     let d = page.head_dim();
     if !d.is_multiple_of(4) {
@@ -298,6 +316,7 @@ fn encode_page(
 
     // What the decoder returns (format/codecs/hqmq.md "Decoding"): the
     // same operations on the same numbers, so the same bits.
+    let sizes_only = recon.is_some();
     if let Some(out) = recon {
         for p in 0..planes {
             let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
@@ -330,6 +349,25 @@ fn encode_page(
     let b = u32::from(h.radius_bits);
     let low_mask = (1u32 << e) - 1;
     let mut table = OutlierTable::new(4, universe);
+    if sizes_only {
+        // The sizes of the sections below, without packing the symbols.
+        let mut n_in = n;
+        let mut sections = 3;
+        let mut payload = scales.len();
+        if h.outlier_multiplier.is_some() {
+            for (i, _) in outlier.iter().enumerate().filter(|(_, o)| **o) {
+                table.push(i as u32, &[xs[0][i], xs[1][i], xs[2][i], xs[3][i]]);
+            }
+            n_in -= table.positions.len();
+            sections += 1;
+            payload += table.to_section().data.len();
+        }
+        payload += bitpack::packed_len(n_in, e) + h.groups.packed_len(n_in);
+        return Ok(Coded::Sizes(super::Trial {
+            payload: payload as u64,
+            sections,
+        }));
+    }
     let (low, high): (Vec<u32>, Vec<u32>) = if h.outlier_multiplier.is_none() {
         // v < 24 * 65536 * 256 < 2^32.
         let v = js.iter().zip(&qs).map(|(&j, &q)| (j << b) | q);
@@ -377,7 +415,7 @@ fn encode_page(
     if h.outlier_multiplier.is_some() {
         sections.push(table.to_section());
     }
-    Ok(sections)
+    Ok(Coded::Sections(sections))
 }
 
 /// The checked sections of one hqmq page ([`page_layout`]).
@@ -723,9 +761,9 @@ mod tests {
         out
     }
 
-    /// `encode_reconstruct` (the planner's round trip) gives the sections
-    /// of a plain encode and, bit for bit, the values the decoder returns
-    /// from them, for configurations sharing one `Shared` in turn: every
+    /// `trial` (the planner's round trip) gives the payload bytes and
+    /// section count of a plain encode and, bit for bit, the values the
+    /// decoder returns from its sections (`encode_shared` the sections), for configurations sharing one `Shared` in turn: every
     /// tensor of the real fixture (whole, and as a 64-token page), and
     /// synthetic pages with zero rows (a zero scale: `-0.0` products),
     /// huge outlier chunks and values at the fp16 limit.
@@ -780,10 +818,12 @@ mod tests {
             let mut shared = Shared::default();
             for (n, h) in names.iter().zip(&codecs) {
                 let mut recon = vec![f32::NAN; x.len()];
-                let s = h
-                    .encode_reconstruct(&page, &mut shared, &mut recon)
-                    .unwrap();
-                assert_eq!(s, h.encode(&page).unwrap(), "{n} {}", ti.name);
+                let trial = h.trial(&page, &mut shared, &mut recon).unwrap();
+                let s = h.encode(&page).unwrap();
+                let payload: usize = s.iter().map(|s| s.data.len()).sum();
+                assert_eq!(trial.payload, payload as u64, "{n} {}", ti.name);
+                assert_eq!(trial.sections, s.len(), "{n} {}", ti.name);
+                assert_eq!(s, h.encode_shared(&page, &mut shared).unwrap());
                 let dec = decode_page_of(h, ti, &s);
                 let bad = recon
                     .iter()
@@ -803,7 +843,7 @@ mod tests {
         let mut short = vec![0f32; x.len() - 1];
         assert!(
             codecs[0]
-                .encode_reconstruct(&page, &mut Shared::default(), &mut short)
+                .trial(&page, &mut Shared::default(), &mut short)
                 .is_err()
         );
     }
