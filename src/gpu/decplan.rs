@@ -236,8 +236,12 @@ pub(crate) type Launch = (GroupKey, usize, usize, u32);
 /// carries them to the device (module docs).
 pub(crate) struct PagedImage<'a> {
     staged: Vec<Staged<'a>>,
-    /// Body offset of each staged page in the image.
+    /// Body offset of each staged page in the image (unused for pages
+    /// read in place, `resident`).
     pub bodies: Vec<usize>,
+    /// Device address of each staged page's body when it is read in place
+    /// from a copy of the file in device memory ([`PagedImage::resident`]).
+    resident: Vec<Option<u64>>,
     tables: Vec<u8>,
     side_at: BTreeMap<(u16, u32), u64>,
     side0: usize,
@@ -266,6 +270,24 @@ impl<'a> PagedImage<'a> {
         shape: &PagedShape,
         block_ids: &[i64],
     ) -> Result<PagedImage<'a>> {
+        Self::resident(archive, layer, shape, block_ids, None)
+    }
+
+    /// As [`PagedImage::new`]; with `file = Some(address)`, the device
+    /// holds a copy of the archive's bytes at `address`, and every page
+    /// stored uncompressed is decoded from there: its body is validated on
+    /// the host (from the archive) but takes no room in the image. zstd
+    /// pages are inflated into the image as before.
+    ///
+    /// # Errors
+    /// As [`Gpu::decode_paged`].
+    pub fn resident(
+        archive: &Archive<'a>,
+        layer: u32,
+        shape: &PagedShape,
+        block_ids: &[i64],
+        file: Option<u64>,
+    ) -> Result<PagedImage<'a>> {
         let tensors = layer_tensors(archive, layer, shape)?;
         let tokens = archive.reader().tokens(tensors[0].0 as usize);
         let v_tokens = archive.reader().tokens(tensors[1].0 as usize);
@@ -285,11 +307,23 @@ impl<'a> PagedImage<'a> {
             .par_iter()
             .map(|&pi| stage_page(archive, pi))
             .collect::<Result<_>>()?;
+        let header_len = archive.reader().header_len();
+        let resident: Vec<Option<u64>> = pages
+            .iter()
+            .map(|&p| {
+                let e = &entries[p];
+                let stored = header_len + e.offset + crate::format::FRAME_HEADER_LEN as u64;
+                file.filter(|_| e.flags & crate::format::FLAG_ZSTD == 0)
+                    .map(|f| f + stored)
+            })
+            .collect();
         let mut bodies = Vec::with_capacity(staged.len());
         let mut at = 0usize;
-        for s in &staged {
+        for (s, r) in staged.iter().zip(&resident) {
             bodies.push(at);
-            at += s.view.body().len().next_multiple_of(BODY_ALIGN);
+            if r.is_none() {
+                at += s.view.body().len().next_multiple_of(BODY_ALIGN);
+            }
         }
         let (tables, side_at) =
             crate::gpu::side::for_archive(archive, staged.iter().map(|s| (s.codec, s.tensor)))?;
@@ -300,6 +334,7 @@ impl<'a> PagedImage<'a> {
         Ok(PagedImage {
             staged,
             bodies,
+            resident,
             tables,
             side_at,
             side0,
@@ -319,7 +354,10 @@ impl<'a> PagedImage<'a> {
         let mut parts = Vec::with_capacity(self.staged.len());
         let mut tail = head;
         let mut pos = 0;
-        for (s, &o) in self.staged.iter().zip(&self.bodies) {
+        for ((s, &o), r) in self.staged.iter().zip(&self.bodies).zip(&self.resident) {
+            if r.is_some() {
+                continue;
+            }
             let (_, r) = std::mem::take(&mut tail).split_at_mut(o - pos);
             let n = s.view.body().len();
             let (mine, r) = r.split_at_mut(n);
@@ -369,7 +407,7 @@ impl<'a> PagedImage<'a> {
             self.tensors.iter().map(|&(t, k)| (t, dst(k))).collect();
         let mut groups = BTreeMap::new();
         let mut written = 0;
-        for (s, &o) in self.staged.iter().zip(&self.bodies) {
+        for ((s, &o), r) in self.staged.iter().zip(&self.bodies).zip(&self.resident) {
             let mut g = s.geom;
             if let Some(&t) = self.side_at.get(&(s.codec, s.tensor)) {
                 g.side = base + (self.side0 as u64) + t;
@@ -377,7 +415,7 @@ impl<'a> PagedImage<'a> {
             let (_, w) = add_page(
                 &mut groups,
                 &g,
-                base + o as u64,
+                r.unwrap_or(base + o as u64),
                 &by_tensor[&s.tensor],
                 out,
                 opts,

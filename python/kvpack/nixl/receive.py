@@ -188,8 +188,11 @@ class Incoming:
         if _is_cuda(kv_cache):
             from .. import cuda
 
+            # A VRAM landing buffer is validated from its host copy and
+            # decoded in place (nothing but descriptors is uploaded).
+            resident = None if isinstance(frame, np.ndarray) else frame
             try:
-                cuda.decode_paged(data, kv_cache, self._ids, layer=layer, layout=layout, stream=stream)
+                cuda.decode_paged(data, kv_cache, self._ids, layer=layer, layout=layout, stream=stream, device_copy=resident)
             except FormatError as e:
                 raise self._faults(data, layer, e, whole=True) from e
         else:

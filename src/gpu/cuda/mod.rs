@@ -9,6 +9,7 @@
 
 mod decode;
 mod encode;
+mod frame;
 mod paged;
 mod stage;
 mod stream;
