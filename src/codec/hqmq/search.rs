@@ -16,9 +16,14 @@
 //! `w = x conj(q_s)` (one quaternion product per secondary) the 24 scores
 //! of coset `s` are `+-w_i` (axis units) and `(+-w_0 +-w_1 +-w_2 +-w_3)/2`
 //! (half units), whose maximum is `max(max_i |w_i|, sum_i |w_i| / 2)`. The
-//! search computes that group maximum for every `s` (8 chunks per AVX2
-//! register, fused multiply-adds allowed), keeps the best and second-best
-//! group, then, for the winner, the best and second-best unit.
+//! search computes that group maximum for every `s` (16 chunks per
+//! AVX-512 register or 8 per AVX2 register, fused multiply-adds allowed),
+//! keeps the best and second-best group, then, for the winner, the best
+//! and second-best unit. The pass over the secondaries is a running
+//! maximum, so it can stop after the first `S'` secondaries and continue
+//! later ([`search_resume`]): a codebook's secondaries start with those of
+//! every smaller codebook of its seed, so searches of growing `S` on one
+//! page score each secondary once.
 //!
 //! These approximate scores differ from the normative binary32 scores by at
 //! most about `21 * 2^-24 * |x|` (rounding of `w`: `<= 8u|x|`; of the group
