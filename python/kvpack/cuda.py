@@ -114,8 +114,16 @@ def decode_paged(
     dtype. Blocks not named are not touched.
 
     Args:
-        data_or_archive: the file: :class:`kvpack.Archive`, ``bytes``, or a
-            contiguous uint8 host array (read in place).
+        data_or_archive: the file: :class:`kvpack.Archive`, ``bytes``, a
+            contiguous uint8 host array (read in place), or a contiguous
+            uint8 CUDA tensor on the cache's device (e.g. a NIXL landing
+            buffer; unchanged until the work is done): then the host reads
+            back only the file's header, index and page headers, the GPU
+            checks every page body's CRC and padding and decodes it in
+            place; pages of codecs that check section content on the host
+            (kivi, innerq, octopus, turbo, hqmq), zstd pages and files
+            found at fault are read back whole and checked on the host,
+            whose error names the page.
         kv_cache: the layer's cache (see the module docs for the layouts;
             ``(k, v)`` for ``"hnd"``), bfloat16/float16 CUDA tensor(s).
         block_ids: the sequence's block table (list, numpy array or tensor

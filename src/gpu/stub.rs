@@ -536,6 +536,24 @@ impl Gpu {
         match self.never {}
     }
 
+    /// Decodes a layer of a file held in device memory only.
+    ///
+    /// # Safety
+    /// As the CUDA build's.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub unsafe fn decode_paged_device(
+        &self,
+        _file: u64,
+        _len: u64,
+        _layer: u32,
+        _cache: &PagedCache,
+        _block_ids: &[i64],
+    ) -> Result<PagedJob> {
+        match self.never {}
+    }
+
     /// CRC-32 of spans of a device buffer.
     ///
     /// # Errors

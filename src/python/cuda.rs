@@ -258,7 +258,21 @@ pub fn cuda_decode_paged(
         }
         None => gpu.decode_paged(a, layer, &cache, &block_ids),
     };
-    let job = if let Ok(ar) = data.cast::<Archive>() {
+    let job = if is_cuda(data) {
+        if resident.is_some() {
+            return Err(PyValueError::new_err(
+                "device_copy is for a host copy of the file; the file is on the device already",
+            ));
+        }
+        let t = dlpack::import(data, Some(dlpack_stream(stream)))?;
+        let (ptr, len) = t.cuda_bytes("data", ordinal)?;
+        hold.push(t);
+        // SAFETY: `ptr` is `len` bytes of CUDA memory on this device, held
+        // by `hold` for as long as the job lives; the caller hands the
+        // tensor over unchanged until the job is done
+        // (kvpack.cuda.decode_paged's docs).
+        py.detach(|| unsafe { gpu.decode_paged_device(ptr, len as u64, layer, &cache, &block_ids) })
+    } else if let Ok(ar) = data.cast::<Archive>() {
         let ar = ar.get();
         py.detach(|| ar.with(run))
     } else {

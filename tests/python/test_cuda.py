@@ -150,6 +150,17 @@ def test_decode_paged_is_bit_exact(layout, dtype, codec):
         assert torch.equal(bits(a), bits(b)), f"{codec} {layout}: resident decode differs"
     with pytest.raises(kvpack.ParameterError):
         kvpack.cuda.decode_paged(data, again, ids, layer=0, layout=layout, device_copy=dev[:-1])
+    # The file on the device only: checked on the GPU, decoded in place.
+    third = empty_cache(layout, dtype)
+    kvpack.cuda.decode_paged(dev, third, ids, layer=0, layout=layout)
+    for a, b in zip(third if isinstance(third, tuple) else [third], cache if isinstance(cache, tuple) else [cache]):
+        assert torch.equal(bits(a), bits(b)), f"{codec} {layout}: device decode differs"
+    bad = dev.clone()
+    bad[len(data) // 2] ^= 0x40
+    fourth = empty_cache(layout, dtype)
+    with pytest.raises(kvpack.FormatError):
+        kvpack.cuda.decode_paged(bad, fourth, ids, layer=0, layout=layout)
+    untouched(fourth, layout, [])
 
 
 @cuda_only

@@ -168,8 +168,26 @@ impl Gpu {
         block_ids: &[i64],
         file: Option<u64>,
     ) -> Result<PagedJob> {
+        let img = PagedImage::resident(
+            archive,
+            layer,
+            &cache.shape(),
+            block_ids,
+            file,
+            crate::gpu::decplan::BodyCheck::Host,
+        )?;
+        self.enqueue_image(&img, cache)
+    }
+
+    /// Uploads the image's staged part and tables and enqueues its decode
+    /// kernels and status read-back (the second half of
+    /// [`Gpu::decode_paged`]).
+    pub(super) fn enqueue_image(
+        &self,
+        img: &PagedImage<'_>,
+        cache: &PagedCache,
+    ) -> Result<PagedJob> {
         let out = OutType::from_dtype(cache.dtype())?;
-        let img = PagedImage::resident(archive, layer, &cache.shape(), block_ids, file)?;
         let target = |k: Kind| cache.target(k);
         // The tables' size does not depend on the base address.
         let tlen = img.tables(0, target, out, self.options)?.0.len();
@@ -454,7 +472,7 @@ impl Gpu {
         }
         let shape = cache.shape();
         let infos = crate::gpu::paged::layer_infos(&shape, cache.dtype(), layer, num_tokens);
-        let slots = self.upload(&slot_mapping(block_ids, &shape, num_tokens)?)?;
+        let slots = self.upload_pageable(&slot_mapping(block_ids, &shape, num_tokens)?)?;
         let n = infos[0].elements() as usize;
         let gathered = [self.alloc_uninit::<u16>(n)?, self.alloc_uninit::<u16>(n)?];
         let gather = self.plan_gather(cache, &slots, num_tokens, [&gathered[0], &gathered[1]])?;
@@ -546,14 +564,14 @@ impl DeviceBodies<'_> {
 /// Wall-clock stages of one call, printed to stderr when the environment
 /// variable `KVPACK_GPU_TIMING` is set (a profiling aid for the host side
 /// of [`Gpu::encode_paged`] on a device).
-struct Stages {
+pub(super) struct Stages {
     on: bool,
     last: std::time::Instant,
     marks: Vec<(&'static str, f64)>,
 }
 
 impl Stages {
-    fn new() -> Stages {
+    pub(super) fn new() -> Stages {
         Stages {
             on: std::env::var_os("KVPACK_GPU_TIMING").is_some(),
             last: std::time::Instant::now(),
@@ -562,7 +580,7 @@ impl Stages {
     }
 
     /// Ends the stage `what`.
-    fn mark(&mut self, what: &'static str) {
+    pub(super) fn mark(&mut self, what: &'static str) {
         if self.on {
             let now = std::time::Instant::now();
             self.marks
@@ -571,7 +589,12 @@ impl Stages {
         }
     }
 
-    fn print(&self) {
+    pub(super) fn print(&self) {
+        self.print_as("encode_paged");
+    }
+
+    /// Prints the stages as those of `call`.
+    pub(super) fn print_as(&self, call: &str) {
         if self.on {
             let total: f64 = self.marks.iter().map(|m| m.1).sum();
             let parts: Vec<String> = self
@@ -579,10 +602,7 @@ impl Stages {
                 .iter()
                 .map(|(w, ms)| format!("{w} {ms:.3}"))
                 .collect();
-            eprintln!(
-                "kvpack encode_paged ms: {} | total {total:.3}",
-                parts.join(" | ")
-            );
+            eprintln!("kvpack {call} ms: {} | total {total:.3}", parts.join(" | "));
         }
     }
 }
@@ -643,10 +663,10 @@ impl Gpu {
         Ok(GatherPlan {
             gpu: self.clone(),
             kernel,
-            table: self.upload::<u8>(bytemuck::cast_slice(&descs))?,
-            items: self.upload::<u32>(bytemuck::cast_slice(&work))?,
+            table: self.upload_pageable::<u8>(bytemuck::cast_slice(&descs))?,
+            items: self.upload_pageable::<u32>(bytemuck::cast_slice(&work))?,
             blocks: work.len() as u32,
-            status: self.upload(&[u64::MAX; 2])?,
+            status: self.upload_pageable(&[u64::MAX; 2])?,
             bytes: 2 * n * 2,
             _borrow: std::marker::PhantomData,
         })

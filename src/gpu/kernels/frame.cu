@@ -165,3 +165,19 @@ extern "C" __global__ void __launch_bounds__(FRAME_THREADS)
     u32 hc = crc_serial(table, h, 60);
     for (int k = 0; k < 4; k++) h[60 + k] = (u8)(hc >> (8 * k));
 }
+
+// out[i] = 1 when span i holds a non-zero byte, else 0 (one block per
+// span): the padding a reader must find zero (format/SPEC.md 6.1-6.2).
+extern "C" __global__ void __launch_bounds__(FRAME_THREADS)
+    frame_zero(const FrameCrcSpan* __restrict__ spans, u32* __restrict__ out) {
+    __shared__ u32 any;
+    if (threadIdx.x == 0) any = 0;
+    __syncthreads();
+    FrameCrcSpan s = spans[blockIdx.x];
+    const u8* p = (const u8*)s.at;
+    u32 mine = 0;
+    for (u64 i = threadIdx.x; i < s.len; i += FRAME_THREADS) mine |= p[i];
+    if (mine) any = 1;
+    __syncthreads();
+    if (threadIdx.x == 0) out[blockIdx.x] = any;
+}
