@@ -413,10 +413,11 @@ fn fast_search_equals_exhaustive_on_the_fixture() {
     assert_eq!(mismatches, 0);
 }
 
-/// Encoding with a shared direction search (`Hqmq::encode_shared`, used by
-/// the budget planner) gives exactly the sections of a plain encode, for
-/// configurations of one `S` sharing a search and when `S` or the seed
-/// changes between calls, on every tensor of the real fixture.
+/// Encoding with shared chunks and direction searches
+/// (`Hqmq::encode_shared`, used by the budget planner) gives exactly the
+/// sections of a plain encode, for configurations of one `S` sharing a
+/// search and when `S` or the seed changes between calls, on every tensor
+/// of the real fixture.
 #[test]
 fn shared_search_encodes_equal_plain_encodes_on_the_fixture() {
     let fx = fixture();
@@ -437,7 +438,7 @@ fn shared_search_encodes_equal_plain_encodes_on_the_fixture() {
             tokens: t.info.tokens,
             planes: vec![t.data.as_elems()],
         };
-        let mut shared = None;
+        let mut shared = kvpack::codec::hqmq::Shared::default();
         for (n, h) in names.iter().zip(&codecs) {
             let plain = kvpack::codec::Codec::encode(h, &page).unwrap();
             let with = h.encode_shared(&page, &mut shared).unwrap();

@@ -30,14 +30,13 @@ pub mod distortion;
 mod sample;
 mod timing;
 
-use std::collections::BTreeMap;
 use std::io::Write;
 
 use rayon::prelude::*;
 
 use crate::cache::{Kind, TensorInfo};
 use crate::codec::Codec;
-use crate::codec::hqmq::{Directions, Hqmq};
+use crate::codec::hqmq::{self, Hqmq};
 use crate::compress::{CompressOptions, CompressReport, compress_mixed};
 use crate::error::{Error, Result};
 use crate::format::{CodecEntry, FileHeader, VERSION_MAJOR};
@@ -46,7 +45,7 @@ use crate::view::CacheView;
 
 use allocate::Point;
 use distortion::{Head, HeadContext};
-use sample::{RoundTrip, Sample, load_rows, round_trip};
+use sample::{Encoded, RoundTrip, Sample, load_rows, round_trip};
 
 /// What the planner chose for one tensor.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -193,8 +192,9 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
     let rows = timing::time(timing::Section::Sample, || load_rows(tv, &sample));
     let n = sample.len();
     let trips = timing::time(timing::Section::RoundTrip, || {
-        // Direction searches of the sample page per hqmq (S, seed).
-        let mut shared: BTreeMap<(u32, u64), Option<Directions>> = BTreeMap::new();
+        // The chunks and direction searches of the sample page, shared by
+        // the hqmq candidates.
+        let mut shared = hqmq::Shared::default();
         cands
             .iter()
             .map(|c| {
@@ -204,11 +204,13 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
                 if c.codec.id() == crate::codec::raw::ID {
                     return Ok(Some(None));
                 }
-                let mut encode = |page: &crate::codec::PageIn<'_>| match &c.hqmq {
-                    Some(h) => {
-                        h.encode_shared(page, shared.entry((h.secondaries, h.seed)).or_default())
-                    }
-                    None => c.codec.encode(page),
+                let mut encode = |page: &crate::codec::PageIn<'_>, recon: &mut [f32]| match &c.hqmq
+                {
+                    Some(h) => h.trial(page, &mut shared, recon).map(|t| Encoded::Decoded {
+                        payload: t.payload,
+                        sections: t.sections,
+                    }),
+                    None => c.codec.encode(page).map(Encoded::Sections),
                 };
                 round_trip(c.codec.as_ref(), &mut encode, &tv.info, &rows, n).map(|r| Some(Some(r)))
             })
@@ -308,8 +310,24 @@ fn layer_points(
                 }),
                 _ => Vec::new(),
             };
-            for &sink in sinks {
-                let exact = exact_rows(&tr[i].sample, sink);
+            let exacts: Vec<usize> = sinks
+                .iter()
+                .map(|&s| exact_rows(&tr[i].sample, s))
+                .collect();
+            // Key errors of every sink per plane (computed together).
+            let key_errors: Vec<Vec<f64>> = match (hat, &contexts) {
+                (Some(_), Some(ctx)) if info.kind == Kind::Key => {
+                    timing::time(timing::Section::Distortion, || {
+                        ctx.iter()
+                            .enumerate()
+                            .map(|(p, cx)| cx.key_errors(&deltas[p], &exacts))
+                            .collect()
+                    })
+                }
+                _ => Vec::new(),
+            };
+            for (si, &exact) in exacts.iter().enumerate() {
+                let sink = sinks[si];
                 let distortion =
                     timing::time(timing::Section::Distortion, || match (hat, &contexts) {
                         (None, _) => 0.0,
@@ -323,7 +341,7 @@ fn layer_points(
                                 };
                                 den += cx.energy();
                                 num += if info.kind == Kind::Key {
-                                    cx.key_error(&deltas[p], exact)
+                                    key_errors[p][si]
                                 } else {
                                     cx.value_error(h, &hat[r], &deltas[p], exact)
                                 };
@@ -451,10 +469,24 @@ fn measure_names(
         recent: 0,
         ..opts.layout
     };
-    let mut candidates = Vec::new();
+    let mut candidates: Vec<Candidate> = Vec::new();
     for n in names {
         match candidate(cache, &plain, n) {
-            Ok(c) => candidates.push(c),
+            Ok(mut c) => {
+                // hqmq configurations of one S and seed share codebooks.
+                if let Some(h) = c.hqmq.take() {
+                    let first = candidates.iter().find_map(|o| {
+                        o.hqmq
+                            .as_ref()
+                            .filter(|o| o.secondaries == h.secondaries && o.seed == h.seed)
+                    });
+                    c.hqmq = Some(match first {
+                        Some(o) => h.with_codebooks_of(o),
+                        None => h,
+                    });
+                }
+                candidates.push(c)
+            }
             Err(_) if skip_unfit => {}
             Err(e) => return Err(e),
         }
@@ -528,12 +560,17 @@ impl Measured {
         }
         let codecs = used
             .iter()
-            .map(|&c| {
-                let e = CodecEntry {
-                    id: self.candidates[c].codec.id(),
-                    params: self.candidates[c].codec.params(),
-                };
-                crate::codec::from_entry(0, &e)
+            .map(|&c| match &self.candidates[c].hqmq {
+                // The same configuration, with the codebooks the samples
+                // built.
+                Some(h) => Ok(Box::new(h.clone_with_codebooks()) as Box<dyn Codec>),
+                None => {
+                    let e = CodecEntry {
+                        id: self.candidates[c].codec.id(),
+                        params: self.candidates[c].codec.params(),
+                    };
+                    crate::codec::from_entry(0, &e)
+                }
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Plan {

@@ -80,15 +80,29 @@ pub(crate) struct RoundTrip {
     pub sections: usize,
 }
 
+/// What the encoder of a round trip returns.
+pub(crate) enum Encoded {
+    /// The page's sections: the round trip decodes them.
+    Sections(Vec<Section>),
+    /// The decoded page was written to the encoder's buffer (bit for bit
+    /// what the codec's decode returns); the sections' payload bytes and
+    /// number.
+    Decoded { payload: u64, sections: usize },
+}
+
+/// The encoder of a round trip: encodes a page, given a buffer for the
+/// decoded page (`[planes, n, head_dim]` f32).
+pub(crate) type Encoder<'a> = dyn FnMut(&PageIn<'_>, &mut [f32]) -> Result<Encoded> + 'a;
+
 /// Encodes `rows` (`[planes, n, head_dim]`, f32) as one page of a tensor
 /// shaped like `info` with `n` tokens by `encode` (the encoder of `codec`),
-/// and decodes it again with `codec`.
+/// and decodes it again with `codec` unless the encoder did.
 ///
 /// # Errors
 /// The codec's encode or decode error.
 pub(crate) fn round_trip(
     codec: &dyn Codec,
-    encode: &mut dyn FnMut(&PageIn<'_>) -> Result<Vec<Section>>,
+    encode: &mut Encoder<'_>,
     info: &TensorInfo,
     rows: &[f32],
     n: usize,
@@ -107,7 +121,17 @@ pub(crate) fn round_trip(
             .map(crate::cache::Elems::F32)
             .collect(),
     };
-    let sections = encode(&page)?;
+    let mut out = vec![0.0f32; planes * n * d];
+    let sections = match encode(&page, &mut out)? {
+        Encoded::Decoded { payload, sections } => {
+            return Ok(RoundTrip {
+                rows: out,
+                payload,
+                sections,
+            });
+        }
+        Encoded::Sections(s) => s,
+    };
     let payload = sections.iter().map(|s| s.data.len() as u64).sum();
     let meta = PageMeta {
         tensor: 0,
@@ -124,7 +148,6 @@ pub(crate) fn round_trip(
     )?;
     let stored = &frame.bytes[64..64 + header.stored_len as usize];
     let view = PageView::from_stored(header, Cow::Borrowed(stored), 0, "sample".into(), &at)?;
-    let mut out = vec![0.0f32; planes * n * d];
     let mut dst = PageOut {
         tensor: &info,
         tokens: info.tokens,

@@ -13,6 +13,9 @@ pub fn packed_len(n: usize, bits: u32) -> usize {
 }
 
 /// LSB-first packing of `codes` (masked to `bits` bits, 1..=32) into `out`.
+/// Whole 32-bit words leave the accumulator at once (at most `31 + 32`
+/// bits are pending), then the last bytes: the same stream as a byte at a
+/// time, with one store per 32 bits.
 fn pack_bits(codes: impl Iterator<Item = u64>, bits: u32, out: &mut [u8]) {
     let mask = (1u64 << bits) - 1;
     let mut acc: u64 = 0;
@@ -21,15 +24,18 @@ fn pack_bits(codes: impl Iterator<Item = u64>, bits: u32, out: &mut [u8]) {
     for c in codes {
         acc |= (c & mask) << nacc;
         nacc += bits;
-        while nacc >= 8 {
-            out[o] = acc as u8;
-            o += 1;
-            acc >>= 8;
-            nacc -= 8;
+        if nacc >= 32 {
+            out[o..o + 4].copy_from_slice(&(acc as u32).to_le_bytes());
+            o += 4;
+            acc >>= 32;
+            nacc -= 32;
         }
     }
-    if nacc > 0 {
+    while nacc > 0 {
         out[o] = acc as u8;
+        o += 1;
+        acc >>= 8;
+        nacc = nacc.saturating_sub(8);
     }
 }
 

@@ -44,6 +44,27 @@ pub fn simd_available() -> bool {
     })
 }
 
+/// True when the AVX-512F paths may be used on this CPU: AVX-512F and
+/// [`simd_available`] (so `KVPACK_NO_SIMD=1` turns them off too;
+/// `KVPACK_NO_AVX512=1` turns off these alone, to compare paths). Cached
+/// after the first call; always false on non-x86-64 targets.
+pub fn avx512_available() -> bool {
+    use std::sync::OnceLock;
+    static AVAILABLE: OnceLock<bool> = OnceLock::new();
+    *AVAILABLE.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            simd_available()
+                && std::env::var_os("KVPACK_NO_AVX512").is_none_or(|v| v == "0")
+                && is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 fn detect() -> bool {
     is_x86_feature_detected!("avx2")
@@ -54,6 +75,28 @@ fn detect() -> bool {
 #[cfg(not(target_arch = "x86_64"))]
 fn detect() -> bool {
     false
+}
+
+/// Runs `f` inside a function compiled for AVX2 when [`simd_available`],
+/// else as it is: loops of `f` inlined there are vectorized 8 lanes wide
+/// instead of the baseline's 4. Rust neither reassociates nor contracts
+/// floating-point operations (an `a * b + c` stays two rounded operations
+/// whatever the target features), so the result is bit-identical either
+/// way; only the instructions differ. For the effect, `f` and its hot
+/// helpers must be inlined (`#[inline(always)]` on the closure and on
+/// them).
+#[inline(always)]
+pub fn with_avx2<T>(f: impl FnOnce() -> T) -> T {
+    #[cfg(target_arch = "x86_64")]
+    if simd_available() {
+        #[target_feature(enable = "avx2")]
+        fn run<T>(f: impl FnOnce() -> T) -> T {
+            f()
+        }
+        // SAFETY: simd_available() checked AVX2.
+        return unsafe { run(f) };
+    }
+    f()
 }
 
 /// Multiplies every element of `x` by `c` (one IEEE multiplication each).
@@ -75,4 +118,54 @@ pub fn scale(x: &mut [f32], c: f32) {
 pub fn l2_norm(x: &[f32]) -> f32 {
     let acc: f64 = x.iter().fold(0.0, |a, &v| a + f64::from(v) * f64::from(v));
     acc.sqrt() as f32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The loops the budget planner's distortion runs (eight-accumulator
+    /// dot products, an axpy, an f64 quadratic form) give the same bits
+    /// through [`with_avx2`] as in the portable build.
+    #[test]
+    fn with_avx2_is_bit_identical() {
+        #[inline(always)]
+        fn work(a: &[f32], b: &[f32]) -> (f32, Vec<f32>, f64) {
+            let mut acc = [0.0f32; 8];
+            for (x, y) in a.chunks_exact(8).zip(b.chunks_exact(8)) {
+                for i in 0..8 {
+                    acc[i] += x[i] * y[i];
+                }
+            }
+            let dot = acc.iter().sum::<f32>();
+            let mut o = b.to_vec();
+            for (o, x) in o.iter_mut().zip(a) {
+                *o += dot * x;
+            }
+            let q = a
+                .iter()
+                .zip(&o)
+                .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                .sum();
+            (dot, o, q)
+        }
+        let mut r = rng::SplitMix64::new(3);
+        let mut v = || (r.next_u64() >> 40) as f32 / 16_777_216.0 - 0.5;
+        let a: Vec<f32> = (0..1000).map(|_| v()).collect();
+        let b: Vec<f32> = (0..1000).map(|_| v() * 1e3).collect();
+        let plain = work(&a, &b);
+        let wide = with_avx2(
+            #[inline(always)]
+            || work(&a, &b),
+        );
+        assert_eq!(plain.0.to_bits(), wide.0.to_bits());
+        assert!(
+            plain
+                .1
+                .iter()
+                .zip(&wide.1)
+                .all(|(x, y)| x.to_bits() == y.to_bits())
+        );
+        assert_eq!(plain.2.to_bits(), wide.2.to_bits());
+    }
 }

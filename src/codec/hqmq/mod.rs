@@ -162,6 +162,30 @@ impl Hqmq {
         symbol_split(self.secondaries, self.radius_bits)
     }
 
+    /// A copy of this configuration that shares its codebook cache (the
+    /// codebooks it built and will build are used by both).
+    pub fn clone_with_codebooks(&self) -> Hqmq {
+        Hqmq {
+            cache: self.cache.clone(),
+            ..*self
+        }
+    }
+
+    /// This configuration using the codebook cache of `other` when both
+    /// have the same `S` and seed (codebooks depend on nothing else), else
+    /// unchanged: configurations differing only in radius bits, outlier
+    /// extraction or digit grouping then build each codebook once.
+    pub fn with_codebooks_of(self, other: &Hqmq) -> Hqmq {
+        if self.secondaries == other.secondaries && self.seed == other.seed {
+            Hqmq {
+                cache: other.cache.clone(),
+                ..self
+            }
+        } else {
+            self
+        }
+    }
+
     /// The codebook of `(layer, kv head, kind)`.
     pub fn codebook(&self, layer: u32, head: u32, kind: crate::cache::Kind) -> Arc<Codebook> {
         self.cache
@@ -190,35 +214,79 @@ fn check_ranges(secondaries: u32, radius_bits: u8) -> Result<()> {
 }
 
 /// The direction index of every chunk of one page, as the search of a
-/// configuration with `S` secondaries and `seed` found it
-/// ([`Hqmq::encode_shared`]).
-#[derive(Debug, Clone, Default)]
-pub struct Directions {
+/// configuration with `S` secondaries and `seed` found it, and its filter
+/// pass per plane (a search of more secondaries of the seed continues it).
+#[derive(Debug, Clone)]
+struct Directions {
     secondaries: u32,
     seed: u64,
     js: Vec<u32>,
+    progress: Vec<search::Progress>,
+}
+
+/// The sizes of a page's sections ([`Hqmq::trial`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trial {
+    /// Section payload bytes (the `data` of every section).
+    pub payload: u64,
+    /// Number of sections.
+    pub sections: usize,
+}
+
+/// Work that hqmq configurations encoding the same page share
+/// ([`Hqmq::encode_shared`]): the page's chunks and radii, and the
+/// direction search of each `(S, seed)` met so far. One per page.
+#[derive(Debug, Clone, Default)]
+pub struct Shared {
+    chunks: Option<page::Chunks>,
+    directions: Vec<Directions>,
 }
 
 impl Hqmq {
-    /// Encodes `page` exactly as [`Codec::encode`] does, sharing the
-    /// direction search (most of an encode) between configurations: when
-    /// `shared` holds the directions of a configuration with the same `S`
-    /// and seed for as many chunks, they are used, else the search is done
-    /// and stored in `shared`. Radius bits and outlier extraction do not
-    /// change the directions, so `hqmq:s96r4`, `hqmq:s96r6` and
-    /// `hqmq:s96r4+med3` encoding one page share one search (the budget
-    /// planner tries them all on each tensor's sample). The caller passes
-    /// one `shared` per page: directions of another page with as many
-    /// chunks would be taken as they are.
+    /// Encodes `page` exactly as [`Codec::encode`] does, sharing work
+    /// between configurations: when `shared` holds the chunks of a page
+    /// with as many chunks they are used, else loaded and stored (the
+    /// searches stored before are dropped); when it holds the direction
+    /// search of a configuration with the same `S` and seed it is used,
+    /// else done and stored. The chunks do not depend on the
+    /// configuration, and radius bits and outlier extraction do not
+    /// change the directions, so `hqmq:s96r4`, `hqmq:s96r6`,
+    /// `hqmq:s96r4+med3` and `hqmq:s24r3` encoding one page load it once
+    /// and search it twice. A search of more secondaries than one stored
+    /// for the seed continues its filter pass (a codebook's secondaries
+    /// start with those of every smaller codebook of its seed): encoding
+    /// `hqmq:s24r3` then `hqmq:s96r4` scores secondaries `0..24` once.
+    /// (The budget planner tries them all on each tensor's sample.) The
+    /// caller passes one `shared` per page: the
+    /// chunks of another page with as many chunks would be taken as they
+    /// are.
     ///
     /// # Errors
     /// As [`Codec::encode`].
-    pub fn encode_shared(
+    pub fn encode_shared(&self, page: &PageIn<'_>, shared: &mut Shared) -> Result<Vec<Section>> {
+        page::encode(self, page, Some(shared), None).map(page::Coded::into_sections)
+    }
+
+    /// What [`Hqmq::encode_shared`] would store, measured, and the page it
+    /// would decode to: writes to `recon` the page as [`Codec::decode`]
+    /// returns it from the sections, bit for bit, without decoding
+    /// (`[planes, tokens, head_dim]` f32, the rows of `page` in order),
+    /// and returns the sections' payload bytes and number without packing
+    /// them (the budget planner's round trips).
+    ///
+    /// # Errors
+    /// As [`Codec::encode`], and [`Error::Parameter`] when `recon` does not
+    /// hold exactly the page's values.
+    pub fn trial(
         &self,
         page: &PageIn<'_>,
-        shared: &mut Option<Directions>,
-    ) -> Result<Vec<Section>> {
-        page::encode(self, page, Some(shared))
+        shared: &mut Shared,
+        recon: &mut [f32],
+    ) -> Result<Trial> {
+        match page::encode(self, page, Some(shared), Some(recon))? {
+            page::Coded::Sizes(t) => Ok(t),
+            page::Coded::Sections(_) => unreachable!("a reconstruction returns sizes"),
+        }
     }
 
     /// Rebuilds the codec from its parameter block (format/codecs/hqmq.md):
@@ -272,7 +340,7 @@ impl Codec for Hqmq {
     }
 
     fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
-        page::encode(self, page, None)
+        page::encode(self, page, None, None).map(page::Coded::into_sections)
     }
 
     fn decode(&self, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
@@ -285,5 +353,40 @@ impl Codec for Hqmq {
     /// s192r6) to two decimals.
     fn bits_per_element(&self, t: &TensorInfo) -> f64 {
         self.bits_per_chunk() / 4.0 + 16.0 / f64::from(t.head_dim)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::Kind;
+
+    /// Configurations of one `S` and seed share codebooks when asked;
+    /// others keep their own; a shared codebook is the one each would
+    /// build.
+    #[test]
+    fn codebooks_are_shared_only_between_equal_s_and_seed() {
+        let a = Hqmq::new(24, 3, None, 5).unwrap();
+        let b = Hqmq::new(24, 6, Some(3.0), 5)
+            .unwrap()
+            .with_codebooks_of(&a);
+        let c = Hqmq::new(48, 3, None, 5).unwrap().with_codebooks_of(&a);
+        let d = Hqmq::new(24, 3, None, 6).unwrap().with_codebooks_of(&a);
+        assert!(Arc::ptr_eq(&a.cache, &b.cache));
+        assert!(!Arc::ptr_eq(&a.cache, &c.cache));
+        assert!(!Arc::ptr_eq(&a.cache, &d.cache));
+        let e = b.clone_with_codebooks();
+        assert!(Arc::ptr_eq(&a.cache, &e.cache));
+        assert_eq!(e.params(), b.params());
+        let own = Hqmq::new(24, 6, Some(3.0), 5).unwrap();
+        assert_eq!(
+            *e.codebook(3, 0, Kind::Value),
+            *own.codebook(3, 0, Kind::Value)
+        );
+        assert_eq!(c.codebook(3, 0, Kind::Value).s(), 48);
+        assert_ne!(
+            *d.codebook(3, 0, Kind::Value),
+            *a.codebook(3, 0, Kind::Value)
+        );
     }
 }

@@ -19,7 +19,7 @@ use crate::kernels::bitpack;
 
 use super::super::outliers::OutlierTable;
 use super::super::{PageIn, PageOut, expect_section, expect_section_count};
-use super::{Directions, Hqmq, search};
+use super::{Directions, Hqmq, Shared, search};
 
 /// `1.5 * 2^23`: `(t + M) - M` rounds `t` in `[0, 2^22]` to the nearest
 /// integer, ties to even.
@@ -40,44 +40,33 @@ fn f16_ceil(v: f32) -> Option<f16> {
     h.is_finite().then_some(h)
 }
 
-/// Encodes one page (format/codecs/hqmq.md "Encoding"). With `shared`,
-/// the direction search is taken from it when it holds one of `h`'s `S`
-/// and seed for as many chunks, else done and stored there
-/// ([`super::Hqmq::encode_shared`]).
-pub(super) fn encode(
-    h: &Hqmq,
-    page: &PageIn<'_>,
-    shared: Option<&mut Option<Directions>>,
-) -> Result<Vec<Section>> {
-    let info = page.tensor;
-    let d = page.head_dim();
-    if !d.is_multiple_of(4) {
-        return Err(Error::param(format!(
-            "{} ({}): head_dim {d} is not a multiple of 4",
-            info.name,
-            info.describe()
-        )));
-    }
-    let nc = d / 4;
-    let t = page.tokens as usize;
-    let rows = page.rows();
-    let planes = page.planes.len();
-    let n = rows * nc;
-    let at_row = |r: usize| {
-        format!(
-            "{} ({}) plane {} token {}",
-            info.name,
-            info.describe(),
-            r / t,
-            page.token_start as usize + r % t
-        )
-    };
-    let universe = u32::try_from(n).map_err(|_| Error::param("hqmq page over 2^32 chunks"))?;
+/// A page's chunks in structure-of-arrays form and their radii: what
+/// every configuration encoding the page computes first.
+#[derive(Debug, Clone)]
+pub(super) struct Chunks {
+    /// Component `k` of chunk `i` (row `i / n_c`, chunk `i % n_c`) at
+    /// `xs[k][i]`.
+    xs: [Vec<f32>; 4],
+    /// `|x_i|`: `sqrt(((a*a + b*b) + c*c) + d*d)` in binary32.
+    radii: Vec<f32>,
+}
 
-    // Chunks (structure of arrays) and their radii.
+/// The chunks of `page` (`n` of them, `nc` per row) and their radii.
+///
+/// # Errors
+/// [`Error::Parameter`] naming the row of a value that is not finite or
+/// outside the fp16 range.
+#[inline(always)]
+fn load_chunks(
+    page: &PageIn<'_>,
+    n: usize,
+    nc: usize,
+    at_row: impl Fn(usize) -> String,
+) -> Result<Chunks> {
+    let d = 4 * nc;
     let mut xs: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; n]);
     let mut row = vec![0f32; d];
-    for r in 0..rows {
+    for r in 0..page.rows() {
         page.load_row(r, &mut row);
         // Branch-free check (vectorizes); NaN fails the comparison.
         if !row.iter().fold(true, |ok, v| ok & (v.abs() <= F16_MAX))
@@ -110,6 +99,107 @@ pub(super) fn encode(
     {
         *r = (((a * a + b * b) + c * c) + e * e).sqrt();
     }
+    Ok(Chunks { xs, radii })
+}
+
+/// What [`encode`] returns: the page's sections, or (with a
+/// reconstruction) only their payload bytes and number.
+pub(super) enum Coded {
+    Sections(Vec<Section>),
+    Sizes(super::Trial),
+}
+
+impl Coded {
+    /// The sections (encodes without a reconstruction return them).
+    pub(super) fn into_sections(self) -> Vec<Section> {
+        match self {
+            Coded::Sections(s) => s,
+            Coded::Sizes(_) => unreachable!("sizes come only with a reconstruction"),
+        }
+    }
+}
+
+/// Encodes one page (format/codecs/hqmq.md "Encoding"). With `shared`,
+/// the chunks and the direction search are taken from it when it holds
+/// them for as many chunks (the search for `h`'s `S` and seed), else
+/// computed and stored there ([`super::Hqmq::encode_shared`]). With
+/// `recon`, the page as [`decode`] would return it is written there
+/// (`[planes, tokens, head_dim]` f32, the page's row order) and only the
+/// sizes of the sections are returned ([`super::Hqmq::trial`]).
+pub(super) fn encode(
+    h: &Hqmq,
+    page: &PageIn<'_>,
+    shared: Option<&mut Shared>,
+    recon: Option<&mut [f32]>,
+) -> Result<Coded> {
+    // The loops vectorize 8 wide in the AVX2 build, with the same results.
+    crate::kernels::with_avx2(
+        #[inline(always)]
+        || encode_page(h, page, shared, recon),
+    )
+}
+
+/// [`encode`]'s body.
+#[inline(always)]
+fn encode_page(
+    h: &Hqmq,
+    page: &PageIn<'_>,
+    shared: Option<&mut Shared>,
+    recon: Option<&mut [f32]>,
+) -> Result<Coded> {
+    let info = page.tensor;
+    let d = page.head_dim();
+    if !d.is_multiple_of(4) {
+        return Err(Error::param(format!(
+            "{} ({}): head_dim {d} is not a multiple of 4",
+            info.name,
+            info.describe()
+        )));
+    }
+    let nc = d / 4;
+    let t = page.tokens as usize;
+    let rows = page.rows();
+    let planes = page.planes.len();
+    let n = rows * nc;
+    let at_row = |r: usize| {
+        format!(
+            "{} ({}) plane {} token {}",
+            info.name,
+            info.describe(),
+            r / t,
+            page.token_start as usize + r % t
+        )
+    };
+    let universe = u32::try_from(n).map_err(|_| Error::param("hqmq page over 2^32 chunks"))?;
+    if let Some(out) = &recon
+        && out.len() != n * 4
+    {
+        return Err(Error::param(format!(
+            "hqmq reconstruction buffer of {} values for a page of {}",
+            out.len(),
+            n * 4
+        )));
+    }
+
+    // Chunks (structure of arrays) and their radii.
+    let fresh_chunks;
+    let (chunks, dirs): (&Chunks, Option<&mut Vec<Directions>>) = match shared {
+        Some(Shared { chunks, directions }) => {
+            if chunks.as_ref().is_none_or(|c| c.radii.len() != n) {
+                *chunks = Some(load_chunks(page, n, nc, at_row)?);
+                directions.clear();
+            }
+            (
+                chunks.as_ref().expect("chunks just stored"),
+                Some(directions),
+            )
+        }
+        None => {
+            fresh_chunks = load_chunks(page, n, nc, at_row)?;
+            (&fresh_chunks, None)
+        }
+    };
+    let (xs, radii) = (&chunks.xs, &chunks.radii);
 
     // Med-C outlier extraction per plane: r > C * lower median.
     let per_plane = t * nc;
@@ -153,43 +243,59 @@ pub(super) fn encode(
     // Direction search, one codebook per (layer, kv head, K|V). Outlier
     // chunks are searched too (their result is unused): simpler than
     // compacting, and they are a few percent. Radius bits and outlier
-    // extraction do not change it.
-    let search_all = || {
+    // extraction do not change it. With `progress` (one per plane) the
+    // filter pass continues from a smaller codebook's and is left there.
+    let search_all = |mut progress: Option<&mut [search::Progress]>| {
         let mut js = vec![0u32; n];
         for p in 0..planes {
             let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
             let span = p * per_plane..(p + 1) * per_plane;
-            search::search(
-                &cb,
-                [
-                    &xs[0][span.clone()],
-                    &xs[1][span.clone()],
-                    &xs[2][span.clone()],
-                    &xs[3][span.clone()],
-                ],
-                &mut js[span],
-            );
+            let x = [
+                &xs[0][span.clone()],
+                &xs[1][span.clone()],
+                &xs[2][span.clone()],
+                &xs[3][span.clone()],
+            ];
+            match progress.as_deref_mut() {
+                Some(pr) => search::search_resume(&cb, x, &mut pr[p], &mut js[span]),
+                None => search::search(&cb, x, &mut js[span]),
+            }
         }
         js
     };
     let fresh;
-    let js: &[u32] = match shared {
+    let js: &[u32] = match dirs {
         None => {
-            fresh = search_all();
+            fresh = search_all(None);
             &fresh
         }
-        Some(slot) => {
-            let fits = |d: &Directions| {
-                d.secondaries == h.secondaries && d.seed == h.seed && d.js.len() == n
+        Some(list) => {
+            let found = list
+                .iter()
+                .position(|d| d.secondaries == h.secondaries && d.seed == h.seed);
+            let i = match found {
+                Some(i) => i,
+                None => {
+                    // Secondaries of one seed extend each other
+                    // (codebook::secondaries): continue the largest
+                    // smaller search of this seed.
+                    let mut progress = list
+                        .iter()
+                        .filter(|d| d.seed == h.seed && d.secondaries < h.secondaries)
+                        .max_by_key(|d| d.secondaries)
+                        .map(|d| d.progress.clone())
+                        .unwrap_or_else(|| vec![search::Progress::default(); planes]);
+                    let js = search_all(Some(&mut progress));
+                    list.push(Directions {
+                        secondaries: h.secondaries,
+                        seed: h.seed,
+                        js,
+                        progress,
+                    });
+                    list.len() - 1
+                }
             };
-            if !slot.as_ref().is_some_and(fits) {
-                *slot = Some(Directions {
-                    secondaries: h.secondaries,
-                    seed: h.seed,
-                    js: search_all(),
-                });
-            }
-            &slot.as_ref().expect("directions just stored").js
+            &list[i].js
         }
     };
 
@@ -208,11 +314,60 @@ pub(super) fn encode(
         }
     }
 
+    // What the decoder returns (format/codecs/hqmq.md "Decoding"): the
+    // same operations on the same numbers, so the same bits.
+    let sizes_only = recon.is_some();
+    if let Some(out) = recon {
+        for p in 0..planes {
+            let cb = h.codebook(info.layer, p as u32 % info.heads, info.kind);
+            for (r, &step) in steps.iter().enumerate().take((p + 1) * t).skip(p * t) {
+                let span = r * nc..(r + 1) * nc;
+                for (((i, o), &j), &q) in span
+                    .clone()
+                    .zip(out[4 * span.start..4 * span.end].chunks_exact_mut(4))
+                    .zip(&js[span.clone()])
+                    .zip(&qs[span])
+                {
+                    if outlier[i] {
+                        for (k, v) in o.iter_mut().enumerate() {
+                            *v = f16::from_f32(xs[k][i]).to_f32();
+                        }
+                    } else {
+                        let cw = cb.joint[j as usize];
+                        let rh = q as f32 * step;
+                        for (v, c) in o.iter_mut().zip(cw) {
+                            *v = rh * c;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     // Symbols v = j * 2^b + q, split into low E bits and a base-O digit.
     let (e, _) = h.split();
     let b = u32::from(h.radius_bits);
     let low_mask = (1u32 << e) - 1;
     let mut table = OutlierTable::new(4, universe);
+    if sizes_only {
+        // The sizes of the sections below, without packing the symbols.
+        let mut n_in = n;
+        let mut sections = 3;
+        let mut payload = scales.len();
+        if h.outlier_multiplier.is_some() {
+            for (i, _) in outlier.iter().enumerate().filter(|(_, o)| **o) {
+                table.push(i as u32, &[xs[0][i], xs[1][i], xs[2][i], xs[3][i]]);
+            }
+            n_in -= table.positions.len();
+            sections += 1;
+            payload += table.to_section().data.len();
+        }
+        payload += bitpack::packed_len(n_in, e) + h.groups.packed_len(n_in);
+        return Ok(Coded::Sizes(super::Trial {
+            payload: payload as u64,
+            sections,
+        }));
+    }
     let (low, high): (Vec<u32>, Vec<u32>) = if h.outlier_multiplier.is_none() {
         // v < 24 * 65536 * 256 < 2^32.
         let v = js.iter().zip(&qs).map(|(&j, &q)| (j << b) | q);
@@ -260,7 +415,7 @@ pub(super) fn encode(
     if h.outlier_multiplier.is_some() {
         sections.push(table.to_section());
     }
-    Ok(sections)
+    Ok(Coded::Sections(sections))
 }
 
 /// The checked sections of one hqmq page ([`page_layout`]).
@@ -355,6 +510,16 @@ pub(crate) fn page_layout<'p>(
 
 /// Decodes one page (format/codecs/hqmq.md "Decoding").
 pub(super) fn decode(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
+    // The loops vectorize 8 wide in the AVX2 build, with the same results.
+    crate::kernels::with_avx2(
+        #[inline(always)]
+        || decode_page(h, page, out),
+    )
+}
+
+/// [`decode`]'s body.
+#[inline(always)]
+fn decode_page(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<()> {
     let info = out.tensor;
     let d = info.head_dim as usize;
     let nc = d / 4;
@@ -564,6 +729,123 @@ mod tests {
         let plain = Hqmq::new(24, 3, None, 5).unwrap();
         assert!(decode(&plain, &good).unwrap_err().is_format());
         assert!(decode(&plain, &encode(&plain)).is_ok());
+    }
+
+    /// Decodes `sections` as one page of `ti` (`tokens` rows per plane,
+    /// f32) through the public frame path.
+    fn decode_page_of(h: &Hqmq, ti: &TensorInfo, sections: &[Section]) -> Vec<f32> {
+        let meta = PageMeta {
+            tensor: 0,
+            token_start: 0,
+            tokens: ti.tokens,
+            codec: 0,
+        };
+        let frame = PageFrame::encode(meta, sections, None, 64).unwrap();
+        let at = crate::Location::Header;
+        let hd = PageHeader::parse(
+            frame.bytes[..64].try_into().unwrap(),
+            &at,
+            &Limits::default(),
+        )
+        .unwrap();
+        let body = std::borrow::Cow::Borrowed(&frame.bytes[64..64 + hd.stored_len as usize]);
+        let view = PageView::from_stored(hd, body, 0, "test page".into(), &at).unwrap();
+        let per_plane = ti.tokens as usize * ti.head_dim as usize;
+        let mut out = vec![0f32; ti.planes() * per_plane];
+        let mut po = PageOut {
+            tensor: ti,
+            tokens: ti.tokens,
+            planes: out.chunks_exact_mut(per_plane).map(ElemsMut::F32).collect(),
+        };
+        h.decode(&view, &mut po).unwrap();
+        out
+    }
+
+    /// `trial` (the planner's round trip) gives the payload bytes and
+    /// section count of a plain encode and, bit for bit, the values the
+    /// decoder returns from its sections (`encode_shared` the sections), for configurations sharing one `Shared` in turn: every
+    /// tensor of the real fixture (whole, and as a 64-token page), and
+    /// synthetic pages with zero rows (a zero scale: `-0.0` products),
+    /// huge outlier chunks and values at the fp16 limit.
+    #[test]
+    fn reconstruction_equals_decode() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/fixtures/gemma3-270m-gpl3-520.safetensors"
+        );
+        let bytes = std::fs::read(path).expect("fixture");
+        let cache = crate::io::safetensors::parse(&bytes, path).unwrap().cache;
+        let names = [
+            "hqmq:s6r2",
+            "hqmq:s24r3",
+            "hqmq:s24r3+med3",
+            "hqmq:s96r4",
+            "hqmq:s96r5+med3",
+            "hqmq:s96r6+med1.5",
+            "hqmq:s24r3:seed9",
+            "hqmq:s5r8+med2",
+        ];
+        let codecs: Vec<Hqmq> = names
+            .iter()
+            .map(|n| super::super::params::parse_name(n).unwrap())
+            .collect();
+        let mut pages: Vec<(TensorInfo, Vec<f32>)> = Vec::new();
+        for t in cache.tensors.iter().step_by(5) {
+            let x = t.data.to_f32();
+            let mut ti = t.info.clone();
+            ti.dtype = DType::F32;
+            pages.push((ti.clone(), x.clone()));
+            ti.tokens = 64;
+            pages.push((ti, x[..64 * t.info.head_dim as usize].to_vec()));
+        }
+        let mut v = values();
+        v[..D].fill(0.0);
+        v[3 * D + 5] = 65504.0;
+        v[4 * D + 2] = -65504.0;
+        v[5 * D + 7] = 1e-7;
+        // Outlier chunks whose values fp16 rounds.
+        v[2 * D + 1] = 1000.123;
+        v[8 * D + 9] = -777.77;
+        pages.push((info(), v));
+        for (ti, x) in &pages {
+            let per_plane = ti.tokens as usize * ti.head_dim as usize;
+            let page = PageIn {
+                tensor: ti,
+                token_start: 0,
+                tokens: ti.tokens,
+                planes: x.chunks(per_plane).map(Elems::F32).collect(),
+            };
+            let mut shared = Shared::default();
+            for (n, h) in names.iter().zip(&codecs) {
+                let mut recon = vec![f32::NAN; x.len()];
+                let trial = h.trial(&page, &mut shared, &mut recon).unwrap();
+                let s = h.encode(&page).unwrap();
+                let payload: usize = s.iter().map(|s| s.data.len()).sum();
+                assert_eq!(trial.payload, payload as u64, "{n} {}", ti.name);
+                assert_eq!(trial.sections, s.len(), "{n} {}", ti.name);
+                assert_eq!(s, h.encode_shared(&page, &mut shared).unwrap());
+                let dec = decode_page_of(h, ti, &s);
+                let bad = recon
+                    .iter()
+                    .zip(&dec)
+                    .position(|(a, b)| a.to_bits() != b.to_bits());
+                assert_eq!(bad, None, "{n} {} ({} tokens)", ti.name, ti.tokens);
+            }
+        }
+        // A buffer of the wrong size is an error.
+        let (ti, x) = &pages[0];
+        let page = PageIn {
+            tensor: ti,
+            token_start: 0,
+            tokens: ti.tokens,
+            planes: vec![Elems::F32(x)],
+        };
+        let mut short = vec![0f32; x.len() - 1];
+        assert!(
+            codecs[0]
+                .trial(&page, &mut Shared::default(), &mut short)
+                .is_err()
+        );
     }
 
     proptest! {

@@ -16,9 +16,14 @@
 //! `w = x conj(q_s)` (one quaternion product per secondary) the 24 scores
 //! of coset `s` are `+-w_i` (axis units) and `(+-w_0 +-w_1 +-w_2 +-w_3)/2`
 //! (half units), whose maximum is `max(max_i |w_i|, sum_i |w_i| / 2)`. The
-//! search computes that group maximum for every `s` (8 chunks per AVX2
-//! register, fused multiply-adds allowed), keeps the best and second-best
-//! group, then, for the winner, the best and second-best unit.
+//! search computes that group maximum for every `s` (16 chunks per
+//! AVX-512 register or 8 per AVX2 register, fused multiply-adds allowed),
+//! keeps the best and second-best group, then, for the winner, the best
+//! and second-best unit. The pass over the secondaries is a running
+//! maximum, so it can stop after the first `S'` secondaries and continue
+//! later ([`search_resume`]): a codebook's secondaries start with those of
+//! every smaller codebook of its seed, so searches of growing `S` on one
+//! page score each secondary once.
 //!
 //! These approximate scores differ from the normative binary32 scores by at
 //! most about `21 * 2^-24 * |x|` (rounding of `w`: `<= 8u|x|`; of the group
@@ -154,21 +159,45 @@ fn finish(cb: &Codebook, x: Quat, s1: usize, b2: f32) -> u32 {
     exhaustive_in_groups(cb, x, &groups)
 }
 
-/// Portable filter pass for one chunk: best group, second-best doubled
-/// group score.
-fn filter_scalar(cb: &Codebook, x: Quat) -> (usize, f32) {
-    let mut b = f32::NEG_INFINITY;
-    let mut b2 = f32::NEG_INFINITY;
-    let mut s1 = 0;
-    for (s, q) in cb.secondary.iter().enumerate() {
+/// Where the filter pass of one chunk stands: the best doubled group
+/// score, the best of the other groups and the best group.
+#[derive(Debug, Clone, Copy)]
+struct Lane {
+    b: f32,
+    b2: f32,
+    s1: u32,
+}
+
+/// The filter state before any secondary.
+const START: Lane = Lane {
+    b: f32::NEG_INFINITY,
+    b2: f32::NEG_INFINITY,
+    s1: 0,
+};
+
+/// Filter states of some chunks, by field: `(b, b2, s1)` of [`Lane`].
+type States<'a> = (&'a mut [f32], &'a mut [f32], &'a mut [u32]);
+
+/// Filter states of `L` chunks, by field, in and out of a vector kernel.
+type Block<'a, const L: usize> = (&'a mut [f32; L], &'a mut [f32; L], &'a mut [u32; L]);
+
+/// Portable filter pass for one chunk over secondaries `from..S`,
+/// continuing `st`.
+fn filter_scalar(cb: &Codebook, x: Quat, st: &mut Lane, from: usize) {
+    let Lane {
+        mut b,
+        mut b2,
+        mut s1,
+    } = *st;
+    for (s, q) in cb.secondary.iter().enumerate().skip(from) {
         let sc = group_score2(rotate(x, *q));
         b2 = b2.max(b.min(sc));
         if sc > b {
             b = sc;
-            s1 = s;
+            s1 = s as u32;
         }
     }
-    (s1, b2)
+    *st = Lane { b, b2, s1 };
 }
 
 /// Chunks in structure-of-arrays form: component `k` of chunk `i` is
@@ -176,37 +205,162 @@ fn filter_scalar(cb: &Codebook, x: Quat) -> (usize, f32) {
 pub type Soa<'a> = [&'a [f32]; 4];
 
 /// Direction index of every chunk of `x` into `out`, equal to
-/// [`exhaustive`] for each (module docs), using AVX2 + FMA when available.
+/// [`exhaustive`] for each (module docs), 16 chunks at a time with
+/// AVX-512F, else 8 with AVX2 + FMA, else one by one; every path returns
+/// the same indices.
 ///
 /// # Panics
 /// If the slices of `x` and `out` differ in length.
 pub fn search(cb: &Codebook, x: Soa<'_>, out: &mut [u32]) {
+    run(cb, x, out, None, 0);
+}
+
+/// The filter pass of [`search`] over some chunks, stopped after the
+/// first `upto` secondaries of a codebook: per chunk the best doubled
+/// group score, the best of the other groups and the best group. A search
+/// with a larger codebook of the same seed, layer, kv head and kind (whose
+/// secondaries start with the smaller one's,
+/// [`super::codebook::secondaries`]) continues from it
+/// ([`search_resume`]).
+#[derive(Debug, Clone, Default)]
+pub struct Progress {
+    upto: usize,
+    b: Vec<f32>,
+    b2: Vec<f32>,
+    s1: Vec<u32>,
+}
+
+/// [`search`] whose filter pass starts where `progress` stands and leaves
+/// it after all `S` secondaries of `cb`: equal to [`search`] when the
+/// first `progress.upto` secondaries of `cb` are those `progress` was made
+/// with. A `progress` of another chunk count, or of more secondaries than
+/// `cb` has, is started over.
+///
+/// # Panics
+/// If the slices of `x` and `out` differ in length.
+pub fn search_resume(cb: &Codebook, x: Soa<'_>, progress: &mut Progress, out: &mut [u32]) {
+    let n = out.len();
+    if progress.s1.len() != n || progress.upto > cb.s() {
+        *progress = Progress {
+            upto: 0,
+            b: vec![START.b; n],
+            b2: vec![START.b2; n],
+            s1: vec![START.s1; n],
+        };
+    }
+    let from = progress.upto;
+    let states = (
+        &mut progress.b[..],
+        &mut progress.b2[..],
+        &mut progress.s1[..],
+    );
+    run(cb, x, out, Some(states), from);
+    progress.upto = cb.s();
+}
+
+/// [`search`] with the filter states of `progress` (after `from`
+/// secondaries), or from the start.
+fn run(cb: &Codebook, x: Soa<'_>, out: &mut [u32], progress: Option<States<'_>>, from: usize) {
     let n = out.len();
     assert!(x.iter().all(|c| c.len() == n));
     #[cfg(target_arch = "x86_64")]
-    if crate::kernels::simd_available() {
-        let mut i = 0;
-        while i < n {
-            let m = (n - i).min(8);
-            let mut lanes = [[0f32; 8]; 4];
-            for k in 0..4 {
-                lanes[k][..m].copy_from_slice(&x[k][i..i + m]);
-            }
-            // SAFETY: simd_available() checked AVX2 and FMA.
-            let (j, ok, s1, b2) = unsafe { avx2::search8(cb, &lanes) };
-            for l in 0..m {
-                out[i + l] = if ok[l] {
-                    j[l]
-                } else {
-                    let q = [lanes[0][l], lanes[1][l], lanes[2][l], lanes[3][l]];
-                    finish(cb, q, s1[l] as usize, b2[l])
-                };
-            }
-            i += m;
+    {
+        if crate::kernels::avx512_available() {
+            // SAFETY: avx512_available() checked AVX-512F.
+            blocks(cb, x, out, progress, from, |l, st| unsafe {
+                avx512::search16(cb, l, st, from)
+            });
+            return;
         }
-        return;
+        if crate::kernels::simd_available() {
+            // SAFETY: simd_available() checked AVX2 and FMA.
+            blocks(cb, x, out, progress, from, |l, st| unsafe {
+                avx2::search8(cb, l, st, from)
+            });
+            return;
+        }
     }
-    search_scalar(cb, x, out);
+    scalar(cb, x, out, progress, from);
+}
+
+/// What a vector kernel returns for `L` chunks, per lane: the joint index,
+/// whether it is proven (else [`finish`] decides), the best group `s` and
+/// the doubled score of the best other group.
+type Lanes<const L: usize> = ([u32; L], [bool; L], [u32; L], [f32; L]);
+
+/// Runs `kernel` on `L` chunks at a time (the last block padded with
+/// zero chunks, whose results are dropped), with their filter states
+/// taken from and left in `progress` (else started), and [`finish`]es the
+/// lanes it could not prove.
+#[cfg(target_arch = "x86_64")]
+fn blocks<const L: usize>(
+    cb: &Codebook,
+    x: Soa<'_>,
+    out: &mut [u32],
+    mut progress: Option<States<'_>>,
+    from: usize,
+    kernel: impl Fn(&[[f32; L]; 4], Option<Block<'_, L>>) -> Lanes<L>,
+) {
+    let n = out.len();
+    let mut i = 0;
+    while i < n {
+        let m = (n - i).min(L);
+        let mut lanes = [[0f32; L]; 4];
+        for k in 0..4 {
+            lanes[k][..m].copy_from_slice(&x[k][i..i + m]);
+        }
+        let (j, ok, s1, b2) = match progress.as_mut() {
+            Some((pb, pb2, ps)) => {
+                let (mut b, mut b2, mut s) = ([START.b; L], [START.b2; L], [START.s1; L]);
+                if from > 0 {
+                    b[..m].copy_from_slice(&pb[i..i + m]);
+                    b2[..m].copy_from_slice(&pb2[i..i + m]);
+                    s[..m].copy_from_slice(&ps[i..i + m]);
+                }
+                let r = kernel(&lanes, Some((&mut b, &mut b2, &mut s)));
+                pb[i..i + m].copy_from_slice(&b[..m]);
+                pb2[i..i + m].copy_from_slice(&b2[..m]);
+                ps[i..i + m].copy_from_slice(&s[..m]);
+                r
+            }
+            None => kernel(&lanes, None),
+        };
+        for l in 0..m {
+            out[i + l] = if ok[l] {
+                j[l]
+            } else {
+                let q = [lanes[0][l], lanes[1][l], lanes[2][l], lanes[3][l]];
+                finish(cb, q, s1[l] as usize, b2[l])
+            };
+        }
+        i += m;
+    }
+}
+
+/// Portable [`run`].
+fn scalar(
+    cb: &Codebook,
+    x: Soa<'_>,
+    out: &mut [u32],
+    mut progress: Option<States<'_>>,
+    from: usize,
+) {
+    for (i, o) in out.iter_mut().enumerate() {
+        let q = [x[0][i], x[1][i], x[2][i], x[3][i]];
+        let mut st = match &progress {
+            Some((b, b2, s1)) if from > 0 => Lane {
+                b: b[i],
+                b2: b2[i],
+                s1: s1[i],
+            },
+            _ => START,
+        };
+        filter_scalar(cb, q, &mut st, from);
+        if let Some((b, b2, s1)) = progress.as_mut() {
+            (b[i], b2[i], s1[i]) = (st.b, st.b2, st.s1);
+        }
+        *o = finish(cb, q, st.s1 as usize, st.b2);
+    }
 }
 
 /// Portable implementation of [`search`] (same results).
@@ -215,11 +369,7 @@ pub fn search(cb: &Codebook, x: Soa<'_>, out: &mut [u32]) {
 /// If the slices of `x` and `out` differ in length.
 pub fn search_scalar(cb: &Codebook, x: Soa<'_>, out: &mut [u32]) {
     assert!(x.iter().all(|c| c.len() == out.len()));
-    for (i, o) in out.iter_mut().enumerate() {
-        let q = [x[0][i], x[1][i], x[2][i], x[3][i]];
-        let (s1, b2) = filter_scalar(cb, q);
-        *o = finish(cb, q, s1, b2);
-    }
+    scalar(cb, x, out, None, 0);
 }
 
 /// [`search`] over chunks given as quaternions (a convenience for tests
@@ -233,7 +383,7 @@ pub fn search_quats(cb: &Codebook, xs: &[Quat], out: &mut [u32]) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::Codebook;
+    use super::{Block, Codebook, Lanes};
 
     /// Search of 8 chunks (`x[k][lane]` = component `k` of chunk `lane`):
     /// the filter pass over all secondaries, then the winner check of
@@ -247,7 +397,9 @@ mod avx2 {
     pub unsafe fn search8(
         cb: &Codebook,
         x: &[[f32; 8]; 4],
-    ) -> ([u32; 8], [bool; 8], [u32; 8], [f32; 8]) {
+        st: Option<Block<'_, 8>>,
+        from: usize,
+    ) -> Lanes<8> {
         let [sa, sb, sc, sd] = &cb.soa;
         let n = sa.len().min(sb.len()).min(sc.len()).min(sd.len());
         let s_count = cb.s() as i32;
@@ -261,9 +413,18 @@ mod avx2 {
             let x2 = _mm256_loadu_ps(x[2].as_ptr());
             let x3 = _mm256_loadu_ps(x[3].as_ptr());
             let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
-            let mut b = _mm256_set1_ps(f32::NEG_INFINITY);
-            let mut b2 = b;
-            let mut best_s = _mm256_setzero_ps();
+            let (mut b, mut b2, mut best_s) = match &st {
+                Some((b, b2, s)) => (
+                    _mm256_loadu_ps(b.as_ptr()),
+                    _mm256_loadu_ps(b2.as_ptr()),
+                    _mm256_cvtepi32_ps(_mm256_loadu_si256(s.as_ptr() as *const __m256i)),
+                ),
+                None => (
+                    _mm256_set1_ps(f32::NEG_INFINITY),
+                    _mm256_set1_ps(f32::NEG_INFINITY),
+                    _mm256_setzero_ps(),
+                ),
+            };
             // w = x * conj(q), q = (qa, qb, qc, qd).
             let rot = |qa: __m256, qb: __m256, qc: __m256, qd: __m256| {
                 let mut w0 = _mm256_mul_ps(x0, qa);
@@ -285,7 +446,7 @@ mod avx2 {
                 [w0, w1, w2, w3]
             };
             let idx = &cb.index;
-            for s in 0..n {
+            for s in from..n {
                 let qa = _mm256_broadcast_ss(sa.get_unchecked(s));
                 let qb = _mm256_broadcast_ss(sb.get_unchecked(s));
                 let qc = _mm256_broadcast_ss(sc.get_unchecked(s));
@@ -307,6 +468,11 @@ mod avx2 {
             // Winner check (super::finish): best and second-best unit of
             // the winning group, against the margin.
             let s1 = _mm256_cvttps_epi32(best_s);
+            if let Some((sb, sb2, ss)) = st {
+                _mm256_storeu_ps(sb.as_mut_ptr(), b);
+                _mm256_storeu_ps(sb2.as_mut_ptr(), b2);
+                _mm256_storeu_si256(ss.as_mut_ptr() as *mut __m256i, s1);
+            }
             let [w0, w1, w2, w3] = rot(
                 _mm256_i32gather_ps::<4>(sa.as_ptr(), s1),
                 _mm256_i32gather_ps::<4>(sb.as_ptr(), s1),
@@ -377,6 +543,167 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{Block, Codebook, Lanes};
+
+    /// [`super::avx2::search8`] on 16 chunks: the same operations lane for
+    /// lane (the same rotations with fused multiply-adds, group scores,
+    /// winner check and margin), so every lane's result equals the 8-lane
+    /// kernel's.
+    ///
+    /// # Safety
+    /// AVX-512F must be available.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn search16(
+        cb: &Codebook,
+        x: &[[f32; 16]; 4],
+        st: Option<Block<'_, 16>>,
+        from: usize,
+    ) -> Lanes<16> {
+        let [sa, sb, sc, sd] = &cb.soa;
+        let n = sa.len().min(sb.len()).min(sc.len()).min(sd.len());
+        let s_count = cb.s() as i32;
+        // SAFETY (whole body): loads are from 16-element arrays, stores to
+        // 16-element arrays; broadcasts read index s < n of slices of
+        // length >= n; gathers read indices s1 < n (s1 is a loop index,
+        // or 0 while n >= 1: S >= 1).
+        unsafe {
+            let x0 = _mm512_loadu_ps(x[0].as_ptr());
+            let x1 = _mm512_loadu_ps(x[1].as_ptr());
+            let x2 = _mm512_loadu_ps(x[2].as_ptr());
+            let x3 = _mm512_loadu_ps(x[3].as_ptr());
+            let (mut b, mut b2, mut best_s) = match &st {
+                Some((b, b2, s)) => (
+                    _mm512_loadu_ps(b.as_ptr()),
+                    _mm512_loadu_ps(b2.as_ptr()),
+                    _mm512_loadu_si512(s.as_ptr() as *const __m512i),
+                ),
+                None => (
+                    _mm512_set1_ps(f32::NEG_INFINITY),
+                    _mm512_set1_ps(f32::NEG_INFINITY),
+                    _mm512_setzero_si512(),
+                ),
+            };
+            // w = x * conj(q), q = (qa, qb, qc, qd), as in search8.
+            let rot = |qa: __m512, qb: __m512, qc: __m512, qd: __m512| {
+                let mut w0 = _mm512_mul_ps(x0, qa);
+                w0 = _mm512_fmadd_ps(x1, qb, w0);
+                w0 = _mm512_fmadd_ps(x2, qc, w0);
+                w0 = _mm512_fmadd_ps(x3, qd, w0);
+                let mut w1 = _mm512_mul_ps(x1, qa);
+                w1 = _mm512_fnmadd_ps(x0, qb, w1);
+                w1 = _mm512_fnmadd_ps(x2, qd, w1);
+                w1 = _mm512_fmadd_ps(x3, qc, w1);
+                let mut w2 = _mm512_mul_ps(x2, qa);
+                w2 = _mm512_fnmadd_ps(x0, qc, w2);
+                w2 = _mm512_fmadd_ps(x1, qd, w2);
+                w2 = _mm512_fnmadd_ps(x3, qb, w2);
+                let mut w3 = _mm512_mul_ps(x3, qa);
+                w3 = _mm512_fnmadd_ps(x0, qd, w3);
+                w3 = _mm512_fnmadd_ps(x1, qc, w3);
+                w3 = _mm512_fmadd_ps(x2, qb, w3);
+                [w0, w1, w2, w3]
+            };
+            for s in from..n {
+                let qa = _mm512_set1_ps(*sa.get_unchecked(s));
+                let qb = _mm512_set1_ps(*sb.get_unchecked(s));
+                let qc = _mm512_set1_ps(*sc.get_unchecked(s));
+                let qd = _mm512_set1_ps(*sd.get_unchecked(s));
+                let [w0, w1, w2, w3] = rot(qa, qb, qc, qd);
+                let a0 = _mm512_abs_ps(w0);
+                let a1 = _mm512_abs_ps(w1);
+                let a2 = _mm512_abs_ps(w2);
+                let a3 = _mm512_abs_ps(w3);
+                let m = _mm512_max_ps(_mm512_max_ps(a0, a1), _mm512_max_ps(a2, a3));
+                let sum = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+                let score = _mm512_max_ps(_mm512_add_ps(m, m), sum);
+                b2 = _mm512_max_ps(b2, _mm512_min_ps(b, score));
+                let gt = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(score, b);
+                b = _mm512_max_ps(b, score);
+                best_s = _mm512_mask_mov_epi32(best_s, gt, _mm512_set1_epi32(s as i32));
+            }
+
+            let s1 = best_s;
+            if let Some((sb, sb2, ss)) = st {
+                _mm512_storeu_ps(sb.as_mut_ptr(), b);
+                _mm512_storeu_ps(sb2.as_mut_ptr(), b2);
+                _mm512_storeu_si512(ss.as_mut_ptr() as *mut __m512i, s1);
+            }
+
+            // Winner check, as in search8.
+            let [w0, w1, w2, w3] = rot(
+                _mm512_i32gather_ps::<4>(s1, sa.as_ptr()),
+                _mm512_i32gather_ps::<4>(s1, sb.as_ptr()),
+                _mm512_i32gather_ps::<4>(s1, sc.as_ptr()),
+                _mm512_i32gather_ps::<4>(s1, sd.as_ptr()),
+            );
+            let a0 = _mm512_abs_ps(w0);
+            let a1 = _mm512_abs_ps(w1);
+            let a2 = _mm512_abs_ps(w2);
+            let a3 = _mm512_abs_ps(w3);
+            let (lo01, hi01) = (_mm512_min_ps(a0, a1), _mm512_max_ps(a0, a1));
+            let (lo23, hi23) = (_mm512_min_ps(a2, a3), _mm512_max_ps(a2, a3));
+            let m1 = _mm512_max_ps(hi01, hi23);
+            let m2 = _mm512_max_ps(_mm512_min_ps(hi01, hi23), _mm512_max_ps(lo01, lo23));
+            let min4 = _mm512_min_ps(lo01, lo23);
+            let half = _mm512_set1_ps(0.5);
+            let h1 = _mm512_mul_ps(
+                _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)),
+                half,
+            );
+            let h2 = _mm512_sub_ps(h1, min4);
+            let v1 = _mm512_max_ps(m1, h1);
+            let v2 = _mm512_max_ps(
+                _mm512_max_ps(_mm512_min_ps(m1, h1), m2),
+                _mm512_max_ps(h2, _mm512_mul_ps(b2, half)),
+            );
+            let xm = _mm512_max_ps(
+                _mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)),
+                _mm512_max_ps(_mm512_abs_ps(x2), _mm512_abs_ps(x3)),
+            );
+            // 2 eps = 2 * (2 max|x_i| * 2^-17 + 1e-36).
+            let two_eps = _mm512_add_ps(
+                _mm512_mul_ps(xm, _mm512_set1_ps(4.0 / 131_072.0)),
+                _mm512_set1_ps(2e-36),
+            );
+            let ok = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_sub_ps(v1, v2), two_eps);
+
+            // Unit index, as in search8.
+            let sign = |w: __m512| _mm512_srli_epi32::<31>(_mm512_castps_si512(w));
+            let (g0, g1, g2, g3) = (sign(w0), sign(w1), sign(w2), sign(w3));
+            let half_p = _mm512_add_epi32(
+                _mm512_set1_epi32(8),
+                _mm512_add_epi32(
+                    _mm512_add_epi32(g0, _mm512_slli_epi32::<1>(g1)),
+                    _mm512_add_epi32(_mm512_slli_epi32::<2>(g2), _mm512_slli_epi32::<3>(g3)),
+                ),
+            );
+            let is = |a: __m512| _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(a, m1);
+            let mut axis_p = _mm512_add_epi32(_mm512_set1_epi32(6), g3);
+            axis_p =
+                _mm512_mask_mov_epi32(axis_p, is(a2), _mm512_add_epi32(_mm512_set1_epi32(4), g2));
+            axis_p =
+                _mm512_mask_mov_epi32(axis_p, is(a1), _mm512_add_epi32(_mm512_set1_epi32(2), g1));
+            axis_p = _mm512_mask_mov_epi32(axis_p, is(a0), g0);
+            let use_axis = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(m1, h1);
+            let p = _mm512_mask_mov_epi32(half_p, use_axis, axis_p);
+            let j = _mm512_add_epi32(_mm512_mullo_epi32(p, _mm512_set1_epi32(s_count)), s1);
+
+            let mut j_out = [0u32; 16];
+            let mut s_out = [0u32; 16];
+            let mut b2_out = [0f32; 16];
+            _mm512_storeu_si512(j_out.as_mut_ptr() as *mut __m512i, j);
+            _mm512_storeu_si512(s_out.as_mut_ptr() as *mut __m512i, s1);
+            _mm512_storeu_ps(b2_out.as_mut_ptr(), b2);
+            let ok_out = std::array::from_fn(|l| ok >> l & 1 == 1);
+            (j_out, ok_out, s_out, b2_out)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -419,16 +746,161 @@ mod tests {
         v
     }
 
-    fn check(cb: &Codebook, xs: &[Quat]) {
-        let mut fast = vec![0u32; xs.len()];
-        let mut portable = vec![0u32; xs.len()];
-        search_quats(cb, xs, &mut fast);
+    /// The search paths this CPU has.
+    fn paths() -> Vec<&'static str> {
+        let mut v = vec!["scalar"];
+        if cfg!(target_arch = "x86_64") && crate::kernels::simd_available() {
+            v.push("avx2");
+        }
+        if cfg!(target_arch = "x86_64") && crate::kernels::avx512_available() {
+            v.push("avx512");
+        }
+        v
+    }
+
+    /// [`run`] on one path.
+    fn run_path(
+        path: &str,
+        cb: &Codebook,
+        x: Soa<'_>,
+        out: &mut [u32],
+        progress: Option<States<'_>>,
+        from: usize,
+    ) {
+        match path {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: paths() lists avx2 only when simd_available().
+            "avx2" => blocks(cb, x, out, progress, from, |l, st| unsafe {
+                avx2::search8(cb, l, st, from)
+            }),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: paths() lists avx512 only when avx512_available().
+            "avx512" => blocks(cb, x, out, progress, from, |l, st| unsafe {
+                avx512::search16(cb, l, st, from)
+            }),
+            _ => scalar(cb, x, out, progress, from),
+        }
+    }
+
+    /// Every search path this CPU has (portable, AVX2, AVX-512F) on
+    /// `xs`: `(path name, indices)`.
+    fn every_path(cb: &Codebook, xs: &[Quat]) -> Vec<(&'static str, Vec<u32>)> {
         let soa: [Vec<f32>; 4] = std::array::from_fn(|k| xs.iter().map(|q| q[k]).collect());
-        search_scalar(cb, [&soa[0], &soa[1], &soa[2], &soa[3]], &mut portable);
+        let x = [&soa[0][..], &soa[1], &soa[2], &soa[3]];
+        let mut out = Vec::new();
+        for path in paths() {
+            let mut o = vec![0u32; xs.len()];
+            run_path(path, cb, x, &mut o, None, 0);
+            out.push((path, o));
+        }
+        let mut o = vec![0u32; xs.len()];
+        search(cb, x, &mut o);
+        out.push(("dispatch", o));
+        out
+    }
+
+    fn check(cb: &Codebook, xs: &[Quat]) {
+        let paths = every_path(cb, xs);
         for (i, x) in xs.iter().enumerate() {
             let want = exhaustive(&cb.joint, *x);
-            assert_eq!(fast[i], want, "S={} chunk {x:?}", cb.s());
-            assert_eq!(portable[i], want, "S={} chunk {x:?} (scalar)", cb.s());
+            for (name, got) in &paths {
+                assert_eq!(got[i], want, "S={} chunk {x:?} ({name})", cb.s());
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(200))]
+
+        /// Every path equals the exhaustive rule on random pages of any
+        /// length (the vector kernels pad the last block), mixing random
+        /// chunks with codewords, their sums and scaled units (exact ties
+        /// and near-ties), for codebooks of 1 to 200 secondaries.
+        #[test]
+        fn every_path_equals_exhaustive(
+            s in 1usize..200,
+            seed in 0u64..1000,
+            len in 0usize..70,
+            mix in 0u64..u64::MAX,
+        ) {
+            let cb = book(s, seed);
+            let mut r = SplitMix64::new(mix);
+            let adv = adversarial(&cb, &mut r, len);
+            let xs: Vec<Quat> = (0..len)
+                .map(|i| {
+                    if r.next_u64().is_multiple_of(2) {
+                        adv[i]
+                    } else {
+                        std::array::from_fn(|_| uniform(&mut r) * 4.0)
+                    }
+                })
+                .collect();
+            check(&cb, &xs);
+        }
+
+        /// A search resumed from the filter pass of a smaller codebook of
+        /// the same seed (a prefix of its secondaries), on every path and
+        /// through `search_resume`, equals the plain search, for chains of
+        /// 1 to 3 growing codebooks; a progress of too many secondaries
+        /// or another length is started over.
+        #[test]
+        fn resumed_searches_equal_plain_searches(
+            sizes in proptest::collection::vec(1usize..120, 1..4),
+            seed in 0u64..1000,
+            len in 0usize..120,
+            mix in 0u64..u64::MAX,
+        ) {
+            let mut r = SplitMix64::new(mix);
+            let sb = *sizes.iter().max().unwrap();
+            let big = book(sb, seed);
+            let sa = *sizes.iter().min().unwrap();
+            // Near-ties across the resume point: the sum of a codeword of
+            // a group the first search scores and one of a group only
+            // the continuation scores.
+            let across = |r: &mut SplitMix64| -> Quat {
+                let ga = (r.next_u64() % sa as u64) as usize;
+                let gb = sa + (r.next_u64() % (sb - sa).max(1) as u64) as usize;
+                let (p, q) = (r.next_u64() % 24, r.next_u64() % 24);
+                let a = big.joint[p as usize * sb + ga];
+                let b = big.joint[q as usize * sb + gb.min(sb - 1)];
+                std::array::from_fn(|k| a[k] + b[k])
+            };
+            let xs: Vec<Quat> = adversarial(&big, &mut r, len)
+                .into_iter()
+                .zip(0..len)
+                .map(|(a, i)| match i % 3 {
+                    0 => std::array::from_fn(|_| uniform(&mut r) * 2.0),
+                    1 => across(&mut r),
+                    _ => a,
+                })
+                .collect();
+            let soa: [Vec<f32>; 4] = std::array::from_fn(|k| xs.iter().map(|q| q[k]).collect());
+            let x = [&soa[0][..], &soa[1], &soa[2], &soa[3]];
+            let mut sorted = sizes.clone();
+            sorted.sort_unstable();
+            for path in paths() {
+                let (mut b, mut b2, mut s1) = (vec![START.b; len], vec![START.b2; len], vec![0; len]);
+                let mut from = 0;
+                for &s in &sorted {
+                    let cb = book(s, seed);
+                    let mut got = vec![0u32; len];
+                    run_path(path, &cb, x, &mut got, Some((&mut b, &mut b2, &mut s1)), from);
+                    from = s;
+                    let mut want = vec![0u32; len];
+                    search(&cb, x, &mut want);
+                    proptest::prop_assert_eq!(&got, &want, "{} S={}", path, s);
+                }
+            }
+            // The public entry, in the given (unsorted) order.
+            let mut progress = Progress::default();
+            for &s in &sizes {
+                let cb = book(s, seed);
+                let mut got = vec![0u32; len];
+                search_resume(&cb, x, &mut progress, &mut got);
+                let mut want = vec![0u32; len];
+                search(&cb, x, &mut want);
+                proptest::prop_assert_eq!(&got, &want, "resume S={}", s);
+            }
         }
     }
 
