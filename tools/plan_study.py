@@ -174,7 +174,7 @@ def cmd_plan(a) -> None:
                and (p["codec"] in decoded or p["codec"] == "raw")]
         if not pts:
             raise M.ToolError(f"{t['name']}: no decoded candidate left")
-        w = a.value_weight if t["kind"] == "V" else 1.0
+        w = a.value_weight if t["kind"] == "value" else 1.0
         options.append([(p["bytes"], w * p["distortion"]) for p in pts])
         chosen_from.append(pts)
     choice = allocate(options, a.bits * elements / 8 - fixed)

@@ -7,9 +7,9 @@
 //! - `KVPACK_PLAN_POINTS=FILE` writes every tensor's measured operating
 //!   points to `FILE` as JSON: a list, per tensor in the cache's order, of
 //!   `{"name", "kind", "points": [{"codec", "sink", "bytes", "distortion"}]}`
-//!   (`bytes`: estimated bytes of the tensor's pages; `distortion`: the
-//!   measure of [`super::distortion`]); the file is replaced atomically
-//!   if it exists.
+//!   (`kind`: `key`, `value` or `latent`; `bytes`: estimated bytes of the
+//!   tensor's pages; `distortion`: the measure of [`super::distortion`]);
+//!   the file is replaced atomically if it exists.
 
 use std::path::{Path, PathBuf};
 
