@@ -554,28 +554,14 @@ pub fn write_encoded<'a, W: Write + Send>(
     out: W,
 ) -> Result<(W, CompressReport)> {
     let start = Instant::now();
-    for i in &infos {
-        codec.check(i)?;
-    }
-    let elements: u64 = infos.iter().map(|i| i.elements()).sum();
-    let source_bytes: u64 = infos
-        .iter()
-        .map(|i| i.elements() * i.dtype.size() as u64)
-        .sum();
-    let file = FilePlan::unprepared(infos, metadata, codec, opts)?;
-    if pages != file.pages.as_slice() || opts.raw_fallback {
-        return Err(Error::param(
-            "encoded pages must be the layout's plan, without raw fallback",
-        ));
-    }
-    let raw_slot = file.header.codecs.len() - 1;
+    let file = EncodedFile::new(infos, metadata, codec, opts, pages)?;
     let mut w = Writer::new(out, &file.header)?;
     let index: Vec<usize> = (0..pages.len()).collect();
     ordered_map(
         &index,
-        source_bytes / pages.len().max(1) as u64,
+        file.source_bytes / pages.len().max(1) as u64,
         |&i| {
-            let slot = if pages[i].raw { raw_slot } else { 0 };
+            let slot = file.slot(&pages[i]);
             let meta = page_meta(&pages[i], slot);
             Ok(match sections(i)? {
                 EncodedPage::Sections(s) => Framed::Frame(page_frame(&pages[i], &s, slot, opts)?),
@@ -600,16 +586,90 @@ pub fn write_encoded<'a, W: Write + Send>(
     let (out, trailer) = w.commit(token_ids)?;
     Ok((
         out,
-        CompressReport {
-            codec: codec.name(),
-            pages: pages.len(),
+        file.report(codec, trailer.header_len + trailer.commit_end, start),
+    ))
+}
+
+/// The file of tensors `infos` whose pages `pages` were encoded elsewhere
+/// (the GPU encoders) by `codec`: its header and what its report counts,
+/// after the checks of [`write_encoded`].
+#[derive(Debug)]
+pub(crate) struct EncodedFile {
+    /// The file header.
+    pub header: FileHeader,
+    raw_slot: usize,
+    raw_pages: usize,
+    pages: usize,
+    elements: u64,
+    source_bytes: u64,
+}
+
+impl EncodedFile {
+    /// Checks `infos` against `codec` and `pages` against the layout's
+    /// plan (no raw fallback) and builds the header.
+    ///
+    /// # Errors
+    /// As [`write_encoded`].
+    pub(crate) fn new(
+        infos: Vec<TensorInfo>,
+        metadata: &BTreeMap<String, String>,
+        codec: &dyn Codec,
+        opts: &CompressOptions,
+        pages: &[PlannedPage],
+    ) -> Result<EncodedFile> {
+        for i in &infos {
+            codec.check(i)?;
+        }
+        let elements: u64 = infos.iter().map(|i| i.elements()).sum();
+        let source_bytes: u64 = infos
+            .iter()
+            .map(|i| i.elements() * i.dtype.size() as u64)
+            .sum();
+        let file = FilePlan::unprepared(infos, metadata, codec, opts)?;
+        if pages != file.pages.as_slice() || opts.raw_fallback {
+            return Err(Error::param(
+                "encoded pages must be the layout's plan, without raw fallback",
+            ));
+        }
+        Ok(EncodedFile {
+            raw_slot: file.header.codecs.len() - 1,
+            header: file.header,
             raw_pages: file.raw_pages,
+            pages: pages.len(),
             elements,
             source_bytes,
-            output_bytes: trailer.header_len + trailer.commit_end,
+        })
+    }
+
+    /// The codec slot of planned page `p`.
+    pub(crate) fn slot(&self, p: &PlannedPage) -> usize {
+        if p.raw { self.raw_slot } else { 0 }
+    }
+
+    /// The page meta of planned page `p`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn meta(&self, p: &PlannedPage) -> PageMeta {
+        page_meta(p, self.slot(p))
+    }
+
+    /// The report of the file once written: `output_bytes` long, begun at
+    /// `start`.
+    pub(crate) fn report(
+        &self,
+        codec: &dyn Codec,
+        output_bytes: u64,
+        start: Instant,
+    ) -> CompressReport {
+        CompressReport {
+            codec: codec.name(),
+            pages: self.pages,
+            raw_pages: self.raw_pages,
+            elements: self.elements,
+            source_bytes: self.source_bytes,
+            output_bytes,
             seconds: start.elapsed().as_secs_f64(),
-        },
-    ))
+        }
+    }
 }
 
 /// An upper bound of the size in bytes of [`compress`] output for tensors

@@ -165,6 +165,7 @@ def cuda_decode_paged(
     layer: int,
     layout: str,
     stream: int,
+    device_copy: Optional[Array] = None,
 ) -> CudaJob: ...
 def cuda_encode_paged(
     kv_cache: Sequence[Array],

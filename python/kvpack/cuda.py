@@ -103,6 +103,7 @@ def decode_paged(
     layout: str = "flash_attn",
     stream: Any = None,
     wait: bool = True,
+    device_copy: Any = None,
 ) -> Union[Dict[str, int], "CudaJob"]:
     """Decodes layer ``layer`` (its K and V, batch 1, all stored tokens) of a
     kvpack file into a paged KV cache on the GPU.
@@ -113,8 +114,16 @@ def decode_paged(
     dtype. Blocks not named are not touched.
 
     Args:
-        data_or_archive: the file: :class:`kvpack.Archive`, ``bytes``, or a
-            contiguous uint8 host array (read in place).
+        data_or_archive: the file: :class:`kvpack.Archive`, ``bytes``, a
+            contiguous uint8 host array (read in place), or a contiguous
+            uint8 CUDA tensor on the cache's device (e.g. a NIXL landing
+            buffer; unchanged until the work is done): then the host reads
+            back only the file's header, index and page headers, the GPU
+            checks every page body's CRC and padding and decodes it in
+            place; pages of codecs that check section content on the host
+            (kivi, innerq, octopus, turbo, hqmq), zstd pages and files
+            found at fault are read back whole and checked on the host,
+            whose error names the page.
         kv_cache: the layer's cache (see the module docs for the layouts;
             ``(k, v)`` for ``"hnd"``), bfloat16/float16 CUDA tensor(s).
         block_ids: the sequence's block table (list, numpy array or tensor
@@ -129,6 +138,14 @@ def decode_paged(
             output_bytes}``; with ``False`` return the :class:`CudaJob` at
             once (keep it alive while the work runs; ``job.wait()`` checks
             the status; dropping it waits).
+        device_copy: the same file bytes in CUDA memory of the cache's
+            device (a contiguous uint8 tensor, e.g. a NIXL landing buffer
+            the host copy ``data_or_archive`` was read back from). The
+            pages are still validated on the host from ``data_or_archive``,
+            but the kernels read the bodies of uncompressed pages from
+            ``device_copy``, so nothing is uploaded but descriptors. Its
+            bytes must equal the host copy's and stay unchanged until the
+            work is done (a differing body would be decoded unchecked).
 
     Raises:
         ParameterError: shapes that do not match the file (kv_heads,
@@ -147,6 +164,7 @@ def decode_paged(
         layer=int(layer),
         layout=layout,
         stream=_stream(stream, tensors[0]),
+        device_copy=device_copy,
     )
     if not wait:
         return job
@@ -193,9 +211,13 @@ def encode_paged(
         stream: CUDA stream (default: the current stream).
         page_tokens, sink, recent, zstd_level, raw_fallback: as for
             :func:`kvpack.compress` (windows default to the codec's own).
-        out: a writable contiguous uint8 host array (e.g. pinned) to write
-            the file into (size it with :func:`kvpack.max_size` and
-            ``raw_fallback=True``).
+        out: a writable contiguous uint8 array to write the file into
+            (size it with :func:`kvpack.max_size` and ``raw_fallback=True``):
+            host memory (e.g. pinned), or CUDA memory of the cache's device
+            (e.g. a NIXL send buffer), where codecs with fixed page layouts
+            (all but ``hqmq...+med``, zstd and the CPU fallback) build and
+            checksum the page frames on the GPU, so no byte of the file
+            passes through the host.
 
     Returns:
         The file as a 1-d uint8 numpy array that owns the encoder's memory

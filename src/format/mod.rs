@@ -25,11 +25,12 @@ mod writer;
 
 pub use bytes::align_up;
 pub use header::{CodecEntry, FileHeader};
-pub use index::{Index, IndexEntry, Trailer};
+pub use index::{ENTRY_LEN, Index, IndexEntry, Trailer};
 pub use page::{FLAG_ZSTD, PageFrame, PageHeader, PageMeta, PageView};
 pub use reader::{Reader, Release};
 pub use section::{ElemType, Section, SectionDesc, SectionKind};
 pub use stream::{StreamEvent, StreamReader};
+pub(crate) use writer::Skeleton;
 pub use writer::Writer;
 
 /// The 8 magic bytes at the start of every file and at the end of every

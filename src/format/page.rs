@@ -383,6 +383,30 @@ impl<'a> PageView<'a> {
         })
     }
 
+    /// A page from its header and uncompressed body bytes of which only
+    /// the section table (and its padding) is checked: no CRC, no padding
+    /// check after the sections ([`super::Reader::page_structure`]).
+    ///
+    /// # Errors
+    /// [`Error::Format`] naming the page for an invalid section table.
+    pub(crate) fn structure(
+        header: PageHeader,
+        body: &'a [u8],
+        number: u64,
+        what: String,
+        at: &Location,
+    ) -> Result<PageView<'a>> {
+        let sections = section::parse_table(body, header.n_sections as usize, at)?;
+        Ok(PageView {
+            header,
+            number,
+            what,
+            at: at.clone(),
+            body: Cow::Borrowed(body),
+            sections,
+        })
+    }
+
     /// The page's section table.
     pub fn sections(&self) -> &[SectionDesc] {
         &self.sections

@@ -468,6 +468,23 @@ impl<'a> Reader<'a> {
     /// a header that disagrees with the index, non-zero padding or an
     /// invalid section table.
     pub fn page(&self, i: usize) -> Result<PageView<'a>> {
+        self.page_checked(i, true)
+    }
+
+    /// Page `i` checked as [`Reader::page`] does except for what lies in
+    /// its body past the section table: no body CRC and no check that the
+    /// padding after each section and after the body is zero. For a buffer
+    /// that holds only headers and section tables of the pages (the
+    /// bodies stay in device memory, where `gpu` checks CRC and padding).
+    ///
+    /// # Errors
+    /// As [`Reader::page`]; [`Error::Unsupported`] for a zstd page (its
+    /// table is inside the compressed bytes).
+    pub(crate) fn page_structure(&self, i: usize) -> Result<PageView<'a>> {
+        self.page_checked(i, false)
+    }
+
+    fn page_checked(&self, i: usize, body: bool) -> Result<PageView<'a>> {
         let e: &IndexEntry = self.index.entries.get(i).ok_or_else(|| {
             Error::param(format!(
                 "page {i} does not exist ({} pages)",
@@ -506,6 +523,14 @@ impl<'a> Reader<'a> {
             .saturating_mul(u64::from(info.head_dim));
         h.check_body_bound(elements, &self.limits, &at)?;
         let end = FRAME_HEADER_LEN + h.stored_len as usize;
+        if !body {
+            if h.flags & super::FLAG_ZSTD != 0 {
+                return Err(Error::Unsupported(
+                    "a zstd page's section table is checked on the host".into(),
+                ));
+            }
+            return PageView::structure(h, &f[FRAME_HEADER_LEN..end], i as u64, what, &at);
+        }
         check_zero_padding(
             &f[end..],
             self.header_len + e.offset + end as u64,

@@ -285,11 +285,25 @@ pub(crate) fn encode_body_into(out: &mut Vec<u8>, sections: &[Section]) -> Resul
 /// Parses and validates the section table of an uncompressed body,
 /// including canonical offsets and zero padding.
 pub(crate) fn parse_body(body: &[u8], n: usize, at: &Location) -> Result<Vec<SectionDesc>> {
+    let descs = parse_table(body, n, at)?;
+    // Zero padding after each section (the table's is checked by
+    // `parse_table`).
+    for (i, d) in descs.iter().enumerate() {
+        let to = descs.get(i + 1).map_or(body.len(), |n| n.offset as usize);
+        check_pad(body, (d.offset + d.len) as usize, to, at)?;
+    }
+    Ok(descs)
+}
+
+/// [`parse_body`] without the padding after the sections: the table, its
+/// canonical offsets, the body length, and the zero padding between the
+/// table and the first section.
+pub(crate) fn parse_table(body: &[u8], n: usize, at: &Location) -> Result<Vec<SectionDesc>> {
     let err = |m: String| Error::format(at.clone(), m);
     let mut c = Cursor::new(body, at.clone());
     let mut descs: Vec<SectionDesc> = Vec::with_capacity(n);
     let mut expect = (n * SECTION_DESC_LEN).next_multiple_of(SECTION_ALIGN);
-    let mut pad_from = n * SECTION_DESC_LEN;
+    let pad_from = n * SECTION_DESC_LEN;
     for i in 0..n {
         let what = format!("section table entry {i}");
         let kind_code = c.u8(&what)?;
@@ -341,12 +355,13 @@ pub(crate) fn parse_body(body: &[u8], n: usize, at: &Location) -> Result<Vec<Sec
             body.len()
         )));
     }
-    // Zero padding: after the table and after each section.
-    for d in &descs {
-        check_pad(body, pad_from, d.offset as usize, at)?;
-        pad_from = d.offset as usize + d.len as usize;
-    }
-    check_pad(body, pad_from, body.len(), at)?;
+    // Zero padding after the table.
+    check_pad(
+        body,
+        pad_from,
+        descs.first().map_or(body.len(), |d| d.offset as usize),
+        at,
+    )?;
     Ok(descs)
 }
 

@@ -245,6 +245,71 @@ impl<W: Write> Writer<W> {
     }
 }
 
+/// A [`Write`] sink for a file whose page bodies are written elsewhere (a
+/// device buffer, `gpu::frame`): it keeps every byte the [`Writer`] emits
+/// (header, page headers, index, trailer) with its file offset, and
+/// [`Writer::write_header_only`] advances it past each body and its padding
+/// without bytes.
+#[derive(Debug, Default)]
+pub(crate) struct Skeleton {
+    /// File length so far, bytes.
+    pub len: u64,
+    /// The kept bytes, in file order.
+    pub bytes: Vec<u8>,
+    /// `(file offset, offset in bytes, length)` of each contiguous piece.
+    pub pieces: Vec<(u64, usize, usize)>,
+}
+
+impl Skeleton {
+    /// Keeps `b` at file offset `at` (a piece the writer does not emit,
+    /// such as a body's section table).
+    pub(crate) fn place(&mut self, at: u64, b: &[u8]) {
+        match self.pieces.last_mut() {
+            Some((off, _, n)) if *off + *n as u64 == at => *n += b.len(),
+            _ => self.pieces.push((at, self.bytes.len(), b.len())),
+        }
+        self.bytes.extend_from_slice(b);
+    }
+}
+
+impl Write for Skeleton {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.place(self.len, b);
+        self.len += b.len() as u64;
+        Ok(b.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Writer<Skeleton> {
+    /// Emits the page header `header` (whose `body_crc` and header CRC the
+    /// body's owner fills in later) and skips the stored body and the
+    /// frame padding, which the caller writes (the padding as zeros).
+    /// Returns the file offset of the stored body.
+    ///
+    /// # Errors
+    /// As [`Writer::write_parts`].
+    pub(crate) fn write_header_only(&mut self, header: &PageHeader) -> Result<u64> {
+        let len = header.frame_len(self.align);
+        self.check_page(header, len)?;
+        self.out
+            .write_all(&header.encode())
+            .map_err(|e| Error::io("writing a page header", e))?;
+        let at = self.out.len;
+        self.out.len += len - FRAME_HEADER_LEN as u64;
+        self.push_entry(header, len);
+        Ok(at)
+    }
+
+    /// The sink, to [`Skeleton::place`] bytes the writer does not emit.
+    pub(crate) fn skeleton(&mut self) -> &mut Skeleton {
+        &mut self.out
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

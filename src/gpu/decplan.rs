@@ -47,7 +47,33 @@ pub(crate) struct Staged<'a> {
 /// Validates page `pi` of `archive` (CRC, zstd, sections against the
 /// codec's spec) and returns its uncompressed body.
 pub(crate) fn stage_page<'a>(archive: &Archive<'a>, pi: usize) -> Result<Staged<'a>> {
-    let view = archive.reader().page(pi)?;
+    stage_view(archive, archive.reader().page(pi)?, BodyCheck::Host)
+}
+
+/// Where page bodies are checked: on the host (CRC, padding, and content
+/// the codec checks on the host) or, for a file whose bodies are only in
+/// device memory, on the device (CRC and padding; only pages whose codec
+/// checks no section content on the host qualify).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BodyCheck {
+    /// Bodies validated on the host ([`Reader::page`]).
+    Host,
+    /// Only headers and section tables on the host
+    /// ([`Reader::page_structure`]); [`PagedImage::device_checks`] lists
+    /// the rest.
+    Device,
+}
+
+/// [`stage_page`] of a page read already (`check` says how).
+///
+/// # Errors
+/// As [`stage_page`]; with [`BodyCheck::Device`], [`Error::Unsupported`]
+/// for a page whose codec checks section content on the host.
+fn stage_view<'a>(
+    archive: &Archive<'a>,
+    view: crate::format::PageView<'a>,
+    check: BodyCheck,
+) -> Result<Staged<'a>> {
     let m = view.header.meta;
     let h = archive.reader().header();
     let info = crate::cache::TensorInfo {
@@ -55,6 +81,9 @@ pub(crate) fn stage_page<'a>(archive: &Archive<'a>, pi: usize) -> Result<Staged<
         ..h.tensors[m.tensor as usize].clone()
     };
     let kc = KernelCodec::of(archive.codec(m.codec as usize), &info)?;
+    if check == BodyCheck::Device {
+        bulk_checked(kc)?;
+    }
     let (sections, extra) = page_sections(kc, &view, &info)?;
     let geom = PageGeom {
         kc,
@@ -208,6 +237,134 @@ pub(crate) fn check_status(s: &[u64]) -> Result<()> {
     Ok(())
 }
 
+/// The checks of pages whose bodies are only in device memory
+/// ([`PagedImage::device_checks`]); offsets are file offsets.
+#[derive(Debug, Default)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct DeviceChecks {
+    /// `(offset, len)` of each page's stored body.
+    pub crc: Vec<(u64, u64)>,
+    /// The body CRC each page's header declares.
+    pub want: Vec<u32>,
+    /// `(offset, len)` spans that must be zero.
+    pub zero: Vec<(u64, u64)>,
+}
+
+/// [`Error::Unsupported`] for pages whose host checks read their code
+/// streams or raw elements (the bulk of a body, `hqmq`): those are checked
+/// with the whole body on the host.
+fn bulk_checked(kc: KernelCodec) -> Result<()> {
+    use crate::format::SectionKind;
+    let kinds = crate::gpu::family::host_checked(kc);
+    if kinds.contains(&SectionKind::Index) || kinds.contains(&SectionKind::Raw) {
+        return Err(Error::Unsupported(format!(
+            "{kc:?} pages check their code streams on the host"
+        )));
+    }
+    Ok(())
+}
+
+/// The file spans `(offset, len)` of the sections the host checks the
+/// content of (`GpuFamily::host_checked`) in `pages` of `archive`, a host
+/// image holding only the headers and section tables of those pages
+/// ([`BodyCheck::Device`]).
+///
+/// # Errors
+/// As [`crate::format::Reader::page_structure`]; [`Error::Unsupported`]
+/// for pages whose checks read their code streams.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn host_checked_spans(
+    archive: &Archive<'_>,
+    pages: &[usize],
+) -> Result<Vec<(u64, u64)>> {
+    let per_page = pages
+        .par_iter()
+        .map(|&pi| page_checked_spans(archive, pi))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(per_page.concat())
+}
+
+/// [`host_checked_spans`] of page `pi`.
+fn page_checked_spans(archive: &Archive<'_>, pi: usize) -> Result<Vec<(u64, u64)>> {
+    let r = archive.reader();
+    let mut spans = Vec::new();
+    {
+        let view = r.page_structure(pi)?;
+        let m = view.header.meta;
+        let info = crate::cache::TensorInfo {
+            tokens: r.tokens(m.tensor as usize),
+            ..r.header().tensors[m.tensor as usize].clone()
+        };
+        let kc = KernelCodec::of(archive.codec(m.codec as usize), &info)?;
+        bulk_checked(kc)?;
+        let kinds = crate::gpu::family::host_checked(kc);
+        let body =
+            r.header_len() + r.index().entries[pi].offset + crate::format::FRAME_HEADER_LEN as u64;
+        spans.extend(
+            view.sections()
+                .iter()
+                .filter(|d| kinds.contains(&d.kind))
+                .map(|d| (body + u64::from(d.offset), u64::from(d.len))),
+        );
+    }
+    Ok(spans)
+}
+
+/// True when some page of `pages` has sections the host checks the content
+/// of ([`host_checked_spans`] would list spans), judged from the codec
+/// slots alone (no page is read).
+///
+/// # Errors
+/// As [`KernelCodec::of`].
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn any_host_checked(archive: &Archive<'_>, pages: &[usize]) -> Result<bool> {
+    let r = archive.reader();
+    let mut seen = std::collections::BTreeSet::new();
+    for &pi in pages {
+        let m = r.index().entries[pi].meta;
+        if seen.insert((m.tensor, m.codec)) {
+            let info = crate::cache::TensorInfo {
+                tokens: r.tokens(m.tensor as usize),
+                ..r.header().tensors[m.tensor as usize].clone()
+            };
+            let kc = KernelCodec::of(archive.codec(m.codec as usize), &info)?;
+            if !crate::gpu::family::host_checked(kc).is_empty() {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// A layer's K and V tensors (index, kind), token count and pages.
+pub(crate) type LayerPages = ([(u32, Kind); 2], u32, Vec<usize>);
+
+/// The K and V tensors of layer `layer` (which must fit `shape`), their
+/// token count, and the pages holding them, in file order.
+///
+/// # Errors
+/// [`Error::Parameter`] when the file lacks the layer, its tensors do not
+/// fit the cache, or K and V hold different token counts.
+pub(crate) fn layer_pages(
+    archive: &Archive<'_>,
+    layer: u32,
+    shape: &PagedShape,
+) -> Result<LayerPages> {
+    let tensors = layer_tensors(archive, layer, shape)?;
+    let tokens = archive.reader().tokens(tensors[0].0 as usize);
+    let v_tokens = archive.reader().tokens(tensors[1].0 as usize);
+    if v_tokens != tokens {
+        return Err(Error::param(format!(
+            "layer {layer} holds {tokens} K tokens but {v_tokens} V tokens"
+        )));
+    }
+    let pages = tensors
+        .iter()
+        .flat_map(|&(t, _)| archive.reader().pages_overlapping(t as usize, 0, tokens))
+        .collect();
+    Ok((tensors, tokens, pages))
+}
+
 /// Serializes groups as `[descs of group 0][work of group 0][descs of
 /// group 1]...` (each part 256-aligned) into `out`, returning per group
 /// `(key, descs offset, work offset, blocks)`.
@@ -236,8 +393,15 @@ pub(crate) type Launch = (GroupKey, usize, usize, u32);
 /// carries them to the device (module docs).
 pub(crate) struct PagedImage<'a> {
     staged: Vec<Staged<'a>>,
-    /// Body offset of each staged page in the image.
+    /// Body offset of each staged page in the image (unused for pages
+    /// read in place, `resident`).
     pub bodies: Vec<usize>,
+    /// Device address of each staged page's body when it is read in place
+    /// from a copy of the file in device memory ([`PagedImage::resident`]).
+    resident: Vec<Option<u64>>,
+    /// File offset and length of each staged page's frame.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    frames: Vec<(u64, u64)>,
     tables: Vec<u8>,
     side_at: BTreeMap<(u16, u32), u64>,
     side0: usize,
@@ -266,30 +430,85 @@ impl<'a> PagedImage<'a> {
         shape: &PagedShape,
         block_ids: &[i64],
     ) -> Result<PagedImage<'a>> {
-        let tensors = layer_tensors(archive, layer, shape)?;
-        let tokens = archive.reader().tokens(tensors[0].0 as usize);
-        let v_tokens = archive.reader().tokens(tensors[1].0 as usize);
-        if v_tokens != tokens {
-            return Err(Error::param(format!(
-                "layer {layer} holds {tokens} K tokens but {v_tokens} V tokens"
-            )));
+        Self::resident(archive, layer, shape, block_ids, None, BodyCheck::Host)
+    }
+
+    /// What the device must check of pages staged with
+    /// [`BodyCheck::Device`]: per page the file offset and length of its
+    /// stored body and the CRC its header declares, and the file spans
+    /// that must be zero (the padding after each section and after the
+    /// body).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn device_checks(&self) -> DeviceChecks {
+        let mut c = DeviceChecks::default();
+        for (s, &(frame, frame_len)) in self.staged.iter().zip(&self.frames) {
+            let h = &s.view.header;
+            let body = frame + crate::format::FRAME_HEADER_LEN as u64;
+            c.crc.push((body, h.stored_len));
+            c.want.push(h.body_crc);
+            let secs = s.view.sections();
+            for (i, d) in secs.iter().enumerate() {
+                let end = u64::from(d.offset) + u64::from(d.len);
+                let to = secs.get(i + 1).map_or(h.body_len, |n| u64::from(n.offset));
+                c.zero.push((body + end, to - end));
+            }
+            c.zero
+                .push((body + h.stored_len, frame + frame_len - body - h.stored_len));
         }
+        c.zero.retain(|&(_, n)| n > 0);
+        c
+    }
+
+    /// As [`PagedImage::new`]; with `file = Some(address)`, the device
+    /// holds a copy of the archive's bytes at `address`, and every page
+    /// stored uncompressed is decoded from there: its body is validated on
+    /// the host (from the archive) but takes no room in the image. zstd
+    /// pages are inflated into the image as before.
+    ///
+    /// # Errors
+    /// As [`Gpu::decode_paged`].
+    pub fn resident(
+        archive: &Archive<'a>,
+        layer: u32,
+        shape: &PagedShape,
+        block_ids: &[i64],
+        file: Option<u64>,
+        check: BodyCheck,
+    ) -> Result<PagedImage<'a>> {
+        let (tensors, tokens, pages) = layer_pages(archive, layer, shape)?;
         let slots = slot_mapping(block_ids, shape, tokens)?;
-        let pages: Vec<usize> = tensors
-            .iter()
-            .flat_map(|&(t, _)| archive.reader().pages_overlapping(t as usize, 0, tokens))
-            .collect();
         let entries = &archive.reader().index().entries;
         let file_bytes = pages.iter().map(|&p| entries[p].frame_len).sum();
         let staged: Vec<Staged<'a>> = pages
             .par_iter()
-            .map(|&pi| stage_page(archive, pi))
+            .map(|&pi| match check {
+                BodyCheck::Host => stage_page(archive, pi),
+                BodyCheck::Device => {
+                    stage_view(archive, archive.reader().page_structure(pi)?, check)
+                }
+            })
             .collect::<Result<_>>()?;
+        let header_len = archive.reader().header_len();
+        let frames = pages
+            .iter()
+            .map(|&p| (header_len + entries[p].offset, entries[p].frame_len))
+            .collect();
+        let resident: Vec<Option<u64>> = pages
+            .iter()
+            .map(|&p| {
+                let e = &entries[p];
+                let stored = header_len + e.offset + crate::format::FRAME_HEADER_LEN as u64;
+                file.filter(|_| e.flags & crate::format::FLAG_ZSTD == 0)
+                    .map(|f| f + stored)
+            })
+            .collect();
         let mut bodies = Vec::with_capacity(staged.len());
         let mut at = 0usize;
-        for s in &staged {
+        for (s, r) in staged.iter().zip(&resident) {
             bodies.push(at);
-            at += s.view.body().len().next_multiple_of(BODY_ALIGN);
+            if r.is_none() {
+                at += s.view.body().len().next_multiple_of(BODY_ALIGN);
+            }
         }
         let (tables, side_at) =
             crate::gpu::side::for_archive(archive, staged.iter().map(|s| (s.codec, s.tensor)))?;
@@ -300,6 +519,8 @@ impl<'a> PagedImage<'a> {
         Ok(PagedImage {
             staged,
             bodies,
+            resident,
+            frames,
             tables,
             side_at,
             side0,
@@ -319,7 +540,10 @@ impl<'a> PagedImage<'a> {
         let mut parts = Vec::with_capacity(self.staged.len());
         let mut tail = head;
         let mut pos = 0;
-        for (s, &o) in self.staged.iter().zip(&self.bodies) {
+        for ((s, &o), r) in self.staged.iter().zip(&self.bodies).zip(&self.resident) {
+            if r.is_some() {
+                continue;
+            }
             let (_, r) = std::mem::take(&mut tail).split_at_mut(o - pos);
             let n = s.view.body().len();
             let (mine, r) = r.split_at_mut(n);
@@ -369,7 +593,7 @@ impl<'a> PagedImage<'a> {
             self.tensors.iter().map(|&(t, k)| (t, dst(k))).collect();
         let mut groups = BTreeMap::new();
         let mut written = 0;
-        for (s, &o) in self.staged.iter().zip(&self.bodies) {
+        for ((s, &o), r) in self.staged.iter().zip(&self.bodies).zip(&self.resident) {
             let mut g = s.geom;
             if let Some(&t) = self.side_at.get(&(s.codec, s.tensor)) {
                 g.side = base + (self.side0 as u64) + t;
@@ -377,7 +601,7 @@ impl<'a> PagedImage<'a> {
             let (_, w) = add_page(
                 &mut groups,
                 &g,
-                base + o as u64,
+                r.unwrap_or(base + o as u64),
                 &by_tensor[&s.tensor],
                 out,
                 opts,

@@ -360,3 +360,126 @@ fn paged_decode_host_cost() {
         }
     }
 }
+
+/// The host side of `Gpu::decode_paged_device` for one Llama-3-8B layer
+/// (as in [`paged_decode_host_cost`]) whose file is "on the device": the
+/// host image holding only what is read back (head, tail, page headers and
+/// section tables, the sections the codec checks), the archive opened on
+/// it, the pages staged with `BodyCheck::Device`, the device checks and
+/// the descriptor tables. `KVPACK_HOSTCOST_DECODE` picks codecs.
+#[test]
+#[ignore = "timing harness: run with --ignored --nocapture"]
+fn paged_device_decode_host_cost() {
+    use crate::cache::{Kind, KvCache, Tensor, TensorData};
+    use crate::decode::Archive;
+    use crate::gpu::decplan::{
+        BodyCheck, PagedImage, any_host_checked, host_checked_spans, layer_pages,
+    };
+    use crate::gpu::spec::OutType;
+    let (shape, tokens) = (LLAMA, LLAMA_TOKENS);
+    let infos = paged::layer_infos(&shape, DType::Bf16, 0, tokens);
+    let tensors = infos
+        .iter()
+        .map(|i| {
+            let mut s = 0x9E37_79B9_7F4A_7C15u64;
+            let v = (0..i.elements())
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    half::bf16::from_f32((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                })
+                .collect();
+            Tensor::new(i.clone(), TensorData::Bf16(v)).unwrap()
+        })
+        .collect();
+    let cache = KvCache {
+        tensors,
+        ..Default::default()
+    };
+    let ids: Vec<i64> = (0..i64::from(shape.num_blocks)).rev().collect();
+    let list =
+        std::env::var("KVPACK_HOSTCOST_DECODE").unwrap_or_else(|_| "int4,bdr128,kivi:2".into());
+    println!(
+        "| codec | shadow + open + heads | content spans | staged | checks | tables x2 | total (wall ms) |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for name in list.split(',') {
+        let codec = crate::codec::parse(name).unwrap();
+        let (file, _) = crate::compress::compress(
+            &cache,
+            codec.as_ref(),
+            &CompressOptions::default(),
+            Vec::new(),
+            &|_| {},
+        )
+        .unwrap();
+        for _ in 0..3 {
+            let all = Clock::start();
+            let n = file.len();
+            let w = n.min(1 << 16);
+            let mut shadow = vec![0u8; n];
+            shadow[..w].copy_from_slice(&file[..w]);
+            shadow[n - w..].copy_from_slice(&file[n - w..]);
+            let (heads, content) = {
+                let a = Archive::open(&shadow).unwrap();
+                let (_, _, pages) = layer_pages(&a, 0, &shape).unwrap();
+                let r = a.reader();
+                let e = &r.index().entries;
+                let heads: Vec<(u64, u64)> = pages
+                    .iter()
+                    .map(|&p| (r.header_len() + e[p].offset, e[p].frame_len.min(384)))
+                    .collect();
+                (heads, any_host_checked(&a, &pages).unwrap())
+            };
+            for &(o, l) in &heads {
+                let (o, l) = (o as usize, l as usize);
+                shadow[o..o + l].copy_from_slice(&file[o..o + l]);
+            }
+            let t_heads = all.ms();
+            let t0 = Clock::start();
+            if content {
+                let spans = {
+                    let a = Archive::open(&shadow).unwrap();
+                    let (_, _, pages) = layer_pages(&a, 0, &shape).unwrap();
+                    host_checked_spans(&a, &pages).unwrap()
+                };
+                for &(o, l) in &spans {
+                    let (o, l) = (o as usize, l as usize);
+                    shadow[o..o + l].copy_from_slice(&file[o..o + l]);
+                }
+            }
+            let t_content = t0.ms();
+            let t0 = Clock::start();
+            let archive = Archive::open(&shadow).unwrap();
+            let img =
+                PagedImage::resident(&archive, 0, &shape, &ids, Some(1 << 40), BodyCheck::Device)
+                    .unwrap();
+            let t_stage = t0.ms();
+            let t0 = Clock::start();
+            let checks = img.device_checks();
+            assert_eq!(checks.crc.len(), img.bodies.len());
+            let t_checks = t0.ms();
+            let t0 = Clock::start();
+            let target = |k: Kind| {
+                let (off, len, addr) = shape.image_target(paged::PagedLayout::FlashAttn, k);
+                (0x10_0000_0000 + 2 * off, len, addr)
+            };
+            let opts = KernelOptions::default();
+            let _ = img.tables(0, target, OutType::Bf16, opts).unwrap();
+            let _ = img
+                .tables(0x20_0000_0000, target, OutType::Bf16, opts)
+                .unwrap();
+            let t_tab = t0.ms();
+            println!(
+                "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                t_heads[0],
+                t_content[0],
+                t_stage[0],
+                t_checks[0],
+                t_tab[0],
+                all.ms()[0]
+            );
+        }
+    }
+}

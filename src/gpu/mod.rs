@@ -118,6 +118,8 @@ mod decplan;
 pub mod encplan;
 #[doc(hidden)]
 pub mod family;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod frame;
 pub mod host;
 #[cfg(test)]
 mod hostcost;

@@ -92,10 +92,18 @@ pub const SPHERE_ENC: Source = Source {
     code: include_str!("kernels/sphere_enc.cu"),
 };
 
+/// Page frames on the device: copies into a file, CRC-32 of spans, and the
+/// CRC fields of page headers, index entries and the index header
+/// (`gpu::frame`).
+pub const FRAME: Source = Source {
+    name: "frame",
+    code: include_str!("kernels/frame.cu"),
+};
+
 /// Every kernel source.
-pub const ALL: [Source; 12] = [
+pub const ALL: [Source; 13] = [
     COPY, RAW, AFFINE, KIVI, INNERQ, POLAR, SPHERE, HQMQ, HQMQ_ENC, GROUP_ENC, POLAR_ENC,
-    SPHERE_ENC,
+    SPHERE_ENC, FRAME,
 ];
 
 impl Source {

@@ -494,4 +494,71 @@ impl Gpu {
     ) -> Result<(W, CompressReport)> {
         match self.never {}
     }
+
+    /// Encodes a layer of a paged cache into a kvpack file in device
+    /// memory.
+    ///
+    /// # Safety
+    /// As the CUDA build's.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn encode_paged_device(
+        &self,
+        _cache: &PagedCache,
+        _block_ids: &[i64],
+        _num_tokens: u32,
+        _codec: &dyn Codec,
+        _layer: u32,
+        _opts: &CompressOptions,
+        _out: u64,
+        _cap: u64,
+    ) -> Result<(u64, CompressReport)> {
+        match self.never {}
+    }
+
+    /// Decodes a layer of a file also held in device memory.
+    ///
+    /// # Safety
+    /// As the CUDA build's.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub unsafe fn decode_paged_resident(
+        &self,
+        _archive: &Archive<'_>,
+        _file: u64,
+        _layer: u32,
+        _cache: &PagedCache,
+        _block_ids: &[i64],
+    ) -> Result<PagedJob> {
+        match self.never {}
+    }
+
+    /// Decodes a layer of a file held in device memory only.
+    ///
+    /// # Safety
+    /// As the CUDA build's.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub unsafe fn decode_paged_device(
+        &self,
+        _file: u64,
+        _len: u64,
+        _layer: u32,
+        _cache: &PagedCache,
+        _block_ids: &[i64],
+    ) -> Result<PagedJob> {
+        match self.never {}
+    }
+
+    /// CRC-32 of spans of a device buffer.
+    ///
+    /// # Errors
+    /// Unreachable in this build.
+    pub fn crc32_spans(&self, _buf: &GpuBuffer<u8>, _spans: &[(usize, usize)]) -> Result<Vec<u32>> {
+        match self.never {}
+    }
 }

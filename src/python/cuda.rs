@@ -20,8 +20,21 @@ use crate::cache::DType;
 use crate::gpu::paged::{PagedCache, PagedLayout};
 use crate::gpu::{Gpu, PagedJob, PagedStats};
 
-/// `kDLCUDA`.
-const DEVICE_CUDA: i32 = 2;
+use dlpack::DEVICE_CUDA;
+
+/// True when `obj` says (`__dlpack_device__`) it is CUDA device memory.
+fn is_cuda(obj: &Bound<'_, PyAny>) -> bool {
+    obj.getattr(pyo3::intern!(obj.py(), "__dlpack_device__"))
+        .and_then(|f| f.call0())
+        .and_then(|d| d.extract::<(i32, i32)>())
+        .is_ok_and(|(ty, _)| ty == DEVICE_CUDA)
+}
+
+/// The DLPack stream argument for a raw `CUstream` (DLPack names the
+/// legacy default stream 1, where a raw handle is 0).
+fn dlpack_stream(stream: u64) -> isize {
+    if stream == 0 { 1 } else { stream as isize }
+}
 
 /// The cache tensors (one for the joint layouts, K and V for `hnd`),
 /// borrowed through DLPack, described as a [`PagedCache`], with the CUDA
@@ -48,15 +61,7 @@ fn import_cache(
     }
     let imported = tensors
         .iter()
-        .map(|t| {
-            let cuda = t
-                .getattr(pyo3::intern!(t.py(), "__dlpack_device__"))
-                .and_then(|f| f.call0())
-                .and_then(|d| d.extract::<(i32, i32)>())
-                .is_ok_and(|(ty, _)| ty == DEVICE_CUDA);
-            let s = if stream == 0 { 1 } else { stream as isize };
-            dlpack::import(t, cuda.then_some(s))
-        })
+        .map(|t| dlpack::import(t, is_cuda(t).then_some(dlpack_stream(stream))))
         .collect::<PyResult<Vec<_>>>()?;
     let first = &imported[0];
     let what = |i: usize| {
@@ -212,7 +217,8 @@ impl CudaJob {
 /// `bytes` or a contiguous uint8 host array; `kv_cache` the cache
 /// tensor(s). Returns the enqueued [`CudaJob`].
 #[pyfunction]
-#[pyo3(signature = (data, kv_cache, block_ids, *, layer, layout, stream))]
+#[pyo3(signature = (data, kv_cache, block_ids, *, layer, layout, stream, device_copy=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn cuda_decode_paged(
     py: Python<'_>,
     data: &Bound<'_, PyAny>,
@@ -221,13 +227,52 @@ pub fn cuda_decode_paged(
     layer: u32,
     layout: &str,
     stream: u64,
+    device_copy: Option<Bound<'_, PyAny>>,
 ) -> PyResult<CudaJob> {
     let layout = PagedLayout::parse(layout).py_err()?;
     let block_ids = block_table(block_ids)?;
-    let (hold, cache, ordinal) = import_cache(&kv_cache, layout, true, stream)?;
+    let (mut hold, cache, ordinal) = import_cache(&kv_cache, layout, true, stream)?;
     let gpu = gpu_on(ordinal, stream)?;
-    let run = |a: &crate::decode::Archive<'_>| gpu.decode_paged(a, layer, &cache, &block_ids);
-    let job = if let Ok(ar) = data.cast::<Archive>() {
+    let resident = match device_copy {
+        Some(d) => {
+            let t = dlpack::import(&d, Some(dlpack_stream(stream)))?;
+            let (ptr, len) = t.cuda_bytes("device_copy", ordinal)?;
+            hold.push(t);
+            Some((ptr, len))
+        }
+        None => None,
+    };
+    let run = |a: &crate::decode::Archive<'_>| match resident {
+        Some((ptr, len)) => {
+            let need = a.reader().committed_len();
+            if (len as u64) < need {
+                return Err(crate::Error::param(format!(
+                    "device_copy holds {len} bytes, the file {need}"
+                )));
+            }
+            // SAFETY: `ptr` is `len` bytes of CUDA memory on this device,
+            // held by `hold` for as long as the job lives; the caller
+            // promised (kvpack.cuda.decode_paged's docs) that they equal the
+            // file's bytes and stay unchanged until the job is done.
+            unsafe { gpu.decode_paged_resident(a, ptr, layer, &cache, &block_ids) }
+        }
+        None => gpu.decode_paged(a, layer, &cache, &block_ids),
+    };
+    let job = if is_cuda(data) {
+        if resident.is_some() {
+            return Err(PyValueError::new_err(
+                "device_copy is for a host copy of the file; the file is on the device already",
+            ));
+        }
+        let t = dlpack::import(data, Some(dlpack_stream(stream)))?;
+        let (ptr, len) = t.cuda_bytes("data", ordinal)?;
+        hold.push(t);
+        // SAFETY: `ptr` is `len` bytes of CUDA memory on this device, held
+        // by `hold` for as long as the job lives; the caller hands the
+        // tensor over unchanged until the job is done
+        // (kvpack.cuda.decode_paged's docs).
+        py.detach(|| unsafe { gpu.decode_paged_device(ptr, len as u64, layer, &cache, &block_ids) })
+    } else if let Ok(ar) = data.cast::<Archive>() {
         let ar = ar.get();
         py.detach(|| ar.with(run))
     } else {
@@ -297,6 +342,22 @@ pub fn cuda_encode_paged<'py>(
     let (_hold, cache, ordinal) = import_cache(&kv_cache, layout, false, stream)?;
     let gpu = gpu_on(ordinal, stream)?;
     let c = codec.as_ref();
+    if let Some(out) = out.as_ref().filter(|o| is_cuda(o)) {
+        let buf = dlpack::import(out, Some(dlpack_stream(stream)))?;
+        let (ptr, cap) = buf.cuda_bytes("out", ordinal)?;
+        buf.check_writable("out")?;
+        // SAFETY: `ptr` is `cap` writable bytes of CUDA memory on this
+        // device, held by `buf` for the whole call, which returns once the
+        // file is written (a stream synchronize).
+        let (n, report) = py
+            .detach(|| unsafe {
+                gpu.encode_paged_device(
+                    &cache, &block_ids, num_tokens, c, layer, &opts, ptr, cap as u64,
+                )
+            })
+            .py_err()?;
+        return Ok((super::report_dict(py, &report)?, None, Some(n as usize)));
+    }
     if let Some(out) = out {
         let buf = dlpack::import(&out, None)?;
         let bytes = buf.host_bytes_mut("out")?;

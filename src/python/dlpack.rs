@@ -84,6 +84,8 @@ const VERSIONED: &CStr = c"dltensor_versioned";
 pub const DEVICE_CPU: i32 = 1;
 /// `kDLCUDAHost` (pinned host memory, readable by the CPU).
 pub const DEVICE_CUDA_HOST: i32 = 3;
+/// `kDLCUDA`: CUDA device memory.
+pub const DEVICE_CUDA: i32 = 2;
 
 /// Element types kvpack exchanges.
 pub const BF16: DLDataType = DLDataType {
@@ -217,6 +219,27 @@ impl Imported {
         Ok(unsafe {
             std::slice::from_raw_parts_mut(self.ptr as *mut u8, self.len() * self.elem_bytes())
         })
+    }
+
+    /// The device address and byte length of a contiguous tensor on CUDA
+    /// device `ordinal`.
+    ///
+    /// # Errors
+    /// `ValueError` when the tensor is not CUDA memory of that device or
+    /// not contiguous.
+    pub fn cuda_bytes(&self, what: &str, ordinal: usize) -> PyResult<(u64, usize)> {
+        if self.device.device_type != DEVICE_CUDA
+            || usize::try_from(self.device.device_id).ok() != Some(ordinal)
+        {
+            return Err(PyValueError::new_err(format!(
+                "{what} is not on CUDA device {ordinal} (DLPack device type {}, id {})",
+                self.device.device_type, self.device.device_id
+            )));
+        }
+        if !self.is_contiguous() {
+            return Err(PyValueError::new_err(format!("{what} is not contiguous")));
+        }
+        Ok((self.ptr as u64, self.len() * self.elem_bytes()))
     }
 
     /// `ValueError` when read-only.

@@ -141,6 +141,26 @@ def test_decode_paged_is_bit_exact(layout, dtype, codec):
         exp = bits(want[key][0])
         assert torch.equal(got, exp), f"{codec} {layout} {dtype} {key}: not bit-identical to the CPU"
     untouched(cache, layout, ids)
+    # Bodies read in place from a device copy of the file: the same result.
+    again = empty_cache(layout, dtype)
+    dev = torch.from_numpy(np.frombuffer(data, np.uint8).copy()).cuda()
+    st = kvpack.cuda.decode_paged(data, again, ids, layer=0, layout=layout, device_copy=dev)
+    assert st["uploaded_bytes"] < stats["uploaded_bytes"]
+    for a, b in zip(again if isinstance(again, tuple) else [again], cache if isinstance(cache, tuple) else [cache]):
+        assert torch.equal(bits(a), bits(b)), f"{codec} {layout}: resident decode differs"
+    with pytest.raises(kvpack.ParameterError):
+        kvpack.cuda.decode_paged(data, again, ids, layer=0, layout=layout, device_copy=dev[:-1])
+    # The file on the device only: checked on the GPU, decoded in place.
+    third = empty_cache(layout, dtype)
+    kvpack.cuda.decode_paged(dev, third, ids, layer=0, layout=layout)
+    for a, b in zip(third if isinstance(third, tuple) else [third], cache if isinstance(cache, tuple) else [cache]):
+        assert torch.equal(bits(a), bits(b)), f"{codec} {layout}: device decode differs"
+    bad = dev.clone()
+    bad[len(data) // 2] ^= 0x40
+    fourth = empty_cache(layout, dtype)
+    with pytest.raises(kvpack.FormatError):
+        kvpack.cuda.decode_paged(bad, fourth, ids, layer=0, layout=layout)
+    untouched(fourth, layout, [])
 
 
 @cuda_only
@@ -159,6 +179,11 @@ def test_encode_paged_matches_compress_bytes(layout, dtype, codec):
     buf = torch.empty(len(want) + 4096, dtype=torch.uint8)
     n = kvpack.cuda.encode_paged(cache, ids, TOKENS, codec, layout=layout, page_tokens=32, out=buf)
     assert n == len(want) and bytes(buf[:n].numpy()) == want
+    # Into CUDA memory: the frames are built and checksummed on the GPU.
+    dev = torch.full((len(want) + 4096,), 0xA5, dtype=torch.uint8, device="cuda")
+    n = kvpack.cuda.encode_paged(cache, ids, TOKENS, codec, layout=layout, page_tokens=32, out=dev)
+    assert n == len(want) and bytes(dev[:n].cpu().numpy()) == want, f"{codec} {layout}: device-framed file differs"
+    assert bool((dev[n:] == 0xA5).all())
     ar = kvpack.open(data)
     assert [t.shape for t in ar.tensors] == [(1, HEADS, TOKENS, HEAD_DIM)] * 2
 

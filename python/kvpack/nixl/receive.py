@@ -184,16 +184,17 @@ class Incoming:
         frame = self.wait_layer(layer, timeout=timeout)
         st = self.stats.setdefault(layer, LayerStats(layer))
         st.decode_start = time.perf_counter()
-        data = self._host_frame(frame)
         if _is_cuda(kv_cache):
             from .. import cuda
 
+            # A VRAM landing buffer is checked and decoded on the GPU in
+            # place (only headers are read back); a DRAM one is uploaded.
             try:
-                cuda.decode_paged(data, kv_cache, self._ids, layer=layer, layout=layout, stream=stream)
+                cuda.decode_paged(frame, kv_cache, self._ids, layer=layer, layout=layout, stream=stream)
             except FormatError as e:
-                raise self._faults(data, layer, e, whole=True) from e
+                raise self._faults(self._host_frame(frame), layer, e, whole=True) from e
         else:
-            self._decode_host(data, layer, kv_cache, layout)
+            self._decode_host(self._host_frame(frame), layer, kv_cache, layout)
         st.decode_end = time.perf_counter()
         return st
 

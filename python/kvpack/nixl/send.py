@@ -84,6 +84,10 @@ class Outgoing:
         lo = layer * self.slot
         if self.buffer.host is not None:
             dst = self.buffer.host[lo : lo + self.slot]
+        elif _is_cuda(kv_cache):
+            # VRAM to VRAM: the GPU writes the frames straight into the
+            # registered buffer (built and checksummed on the device).
+            dst = self.buffer.tensor[lo : lo + self.slot]
         else:
             import torch
 
@@ -115,7 +119,7 @@ class Outgoing:
                 {(layer, "K"): k, (layer, "V"): v}, s.codec, out=dst, raw_fallback=True,
                 page_tokens=s.page_tokens, sink=s.sink, recent=s.recent, dtype=h,
             ).written
-        if self.buffer.host is None:
+        if self.buffer.host is None and not _is_cuda(kv_cache):
             self.buffer.tensor[lo : lo + n].copy_(self._stage[:n])
         return int(n)
 

@@ -201,6 +201,21 @@ impl EncodePlan<'_> {
         *off..*off + l.body_len as usize
     }
 
+    /// Page `k`'s body layout and the device address of its body.
+    ///
+    /// # Panics
+    /// If `k` is out of range.
+    pub(crate) fn layout(&self, k: usize) -> (&CanonicalBody, u64) {
+        let (l, off) = &self.layouts[k];
+        (l, self.bodies.device_ptr() + *off as u64)
+    }
+
+    /// How the host cuts data-dependent bodies (`hqmq+med`), or `None`
+    /// for canonical bodies.
+    pub(crate) fn cut(&self) -> Option<SectionCut> {
+        self.cut
+    }
+
     /// The kernels this plan launches, `+`-separated.
     pub fn kernel(&self) -> String {
         self.launches

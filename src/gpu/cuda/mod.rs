@@ -9,6 +9,7 @@
 
 mod decode;
 mod encode;
+mod frame;
 mod paged;
 mod stage;
 mod stream;
@@ -381,6 +382,29 @@ impl Gpu {
     pub fn upload<T: GpuElem>(&self, data: &[T]) -> Result<GpuBuffer<T>> {
         let b = self.alloc::<T>(data.len())?;
         b.write(data)?;
+        Ok(b)
+    }
+
+    /// A buffer holding a copy of `data`, enqueued on this handle's stream
+    /// without waiting. `data` must be pageable host memory (an ordinary
+    /// allocation, neither pinned nor registered with CUDA): an
+    /// asynchronous copy from pageable memory returns once the driver has
+    /// copied the bytes to its own staging (CUDA's documented behaviour),
+    /// so `data` may change or be freed as soon as this returns, and the
+    /// device sees the copy in stream order. Saves [`Gpu::upload`]'s
+    /// memset and stream synchronize on the hot paths.
+    ///
+    /// # Errors
+    /// As [`Gpu::alloc`].
+    pub(crate) fn upload_pageable<T: GpuElem>(&self, data: &[T]) -> Result<GpuBuffer<T>> {
+        let b = self.alloc_uninit::<T>(data.len())?;
+        if !data.is_empty() {
+            // SAFETY: `b` holds data.len() elements; the copy is ordered on
+            // our stream before any use of `b`, and `data` is pageable (the
+            // caller's contract), staged by the driver before the return.
+            unsafe { result::memcpy_htod_async(b.ptr, data, self.stream().cu_stream()) }
+                .map_err(cuda_err("host-to-device copy"))?;
+        }
         Ok(b)
     }
 

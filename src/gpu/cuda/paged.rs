@@ -130,8 +130,64 @@ impl Gpu {
         cache: &PagedCache,
         block_ids: &[i64],
     ) -> Result<PagedJob> {
+        self.decode_paged_at(archive, layer, cache, block_ids, None)
+    }
+
+    /// As [`Gpu::decode_paged`] for a file that is also in device memory
+    /// (a NIXL landing buffer, say) at `file`: the pages are validated on
+    /// the host from `archive`, which must be a copy of those device
+    /// bytes, and the kernels read every uncompressed page body in place
+    /// from `file`, so only descriptors and side tables are uploaded
+    /// (zstd pages are inflated on the host and uploaded as before).
+    ///
+    /// # Safety
+    /// `file` must be the device address of `archive.len()` bytes on this
+    /// handle's device, equal to the archive's bytes and unchanged until
+    /// the job is done: the host checks the copy, the kernels read the
+    /// device bytes (a body that differs is decoded unchecked; a shorter
+    /// buffer is read past its end).
+    ///
+    /// # Errors
+    /// As [`Gpu::decode_paged`].
+    pub unsafe fn decode_paged_resident(
+        &self,
+        archive: &Archive<'_>,
+        file: u64,
+        layer: u32,
+        cache: &PagedCache,
+        block_ids: &[i64],
+    ) -> Result<PagedJob> {
+        self.decode_paged_at(archive, layer, cache, block_ids, Some(file))
+    }
+
+    fn decode_paged_at(
+        &self,
+        archive: &Archive<'_>,
+        layer: u32,
+        cache: &PagedCache,
+        block_ids: &[i64],
+        file: Option<u64>,
+    ) -> Result<PagedJob> {
+        let img = PagedImage::resident(
+            archive,
+            layer,
+            &cache.shape(),
+            block_ids,
+            file,
+            crate::gpu::decplan::BodyCheck::Host,
+        )?;
+        self.enqueue_image(&img, cache)
+    }
+
+    /// Uploads the image's staged part and tables and enqueues its decode
+    /// kernels and status read-back (the second half of
+    /// [`Gpu::decode_paged`]).
+    pub(super) fn enqueue_image(
+        &self,
+        img: &PagedImage<'_>,
+        cache: &PagedCache,
+    ) -> Result<PagedJob> {
         let out = OutType::from_dtype(cache.dtype())?;
-        let img = PagedImage::new(archive, layer, &cache.shape(), block_ids)?;
         let target = |k: Kind| cache.target(k);
         // The tables' size does not depend on the base address.
         let tlen = img.tables(0, target, out, self.options)?.0.len();
@@ -243,13 +299,180 @@ impl Gpu {
         opts: &crate::compress::CompressOptions,
         out: W,
     ) -> Result<(W, crate::compress::CompressReport)> {
+        let mut clock = Stages::new();
+        let r = self.encode_layer(
+            cache,
+            block_ids,
+            num_tokens,
+            codec,
+            layer,
+            opts,
+            &mut clock,
+            |e| match e {
+                Encoded::Host { infos, host, codec } => {
+                    crate::gpu::paged::file_from_host(infos, host, codec, opts, out)
+                }
+                Encoded::Device(d) => {
+                    let bodies = d.download()?;
+                    crate::gpu::paged::file_from_bodies(
+                        d.infos, d.codec, opts, &d.pages, &bodies, out,
+                    )
+                }
+            },
+        );
+        clock.mark("file written");
+        clock.print();
+        r
+    }
+
+    /// As [`Gpu::encode_paged`], but the file is written into device memory
+    /// at `out` (`cap` bytes), on this handle's stream, and its length is
+    /// returned with the report: for codecs whose pages the GPU encodes
+    /// into fixed layouts, the page frames are built and checksummed on
+    /// the device (`gpu::frame`) and no byte of the file passes through
+    /// the host. The other cases (`hqmq` with `+med`, whose outlier tables
+    /// size the pages; zstd; the CPU fallback) are written on the host as
+    /// by [`Gpu::encode_paged`] and copied to `out`. Byte-identical to
+    /// [`Gpu::encode_paged`] either way. Returns when the file is in `out`
+    /// (a stream synchronize).
+    ///
+    /// # Safety
+    /// `out` must be device memory of this handle's device holding `cap`
+    /// writable bytes, not used by other work until the call returns.
+    ///
+    /// # Errors
+    /// As [`Gpu::encode_paged`]; [`Error::Parameter`] when the file is
+    /// longer than `cap`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn encode_paged_device(
+        &self,
+        cache: &PagedCache,
+        block_ids: &[i64],
+        num_tokens: u32,
+        codec: &dyn crate::codec::Codec,
+        layer: u32,
+        opts: &crate::compress::CompressOptions,
+        out: u64,
+        cap: u64,
+    ) -> Result<(u64, crate::compress::CompressReport)> {
+        let too_long = |n: u64| {
+            Error::param(format!(
+                "the encoded layer takes {n} bytes, the output holds {cap}"
+            ))
+        };
+        let host_file = |file: Vec<u8>, report: crate::compress::CompressReport| {
+            if file.len() as u64 > cap {
+                return Err(too_long(file.len() as u64));
+            }
+            // SAFETY: `out` holds `cap` >= file.len() bytes (the caller's
+            // contract); the stream is synchronized before `file` drops.
+            unsafe { result::memcpy_htod_async(out, &file[..], self.stream().cu_stream()) }
+                .map_err(cuda_err("host-to-device copy"))?;
+            self.synchronize()?;
+            Ok((file.len() as u64, report))
+        };
+        let mut clock = Stages::new();
+        let r = self.encode_layer(
+            cache,
+            block_ids,
+            num_tokens,
+            codec,
+            layer,
+            opts,
+            &mut clock,
+            |e| {
+                match e {
+                    Encoded::Host { infos, host, codec } => {
+                        let (f, r) = crate::gpu::paged::file_from_host(
+                            infos,
+                            host,
+                            codec,
+                            opts,
+                            Vec::new(),
+                        )?;
+                        host_file(f, r)
+                    }
+                    Encoded::Device(d)
+                        if d.plans.iter().any(|p| p.cut().is_some())
+                            || opts.zstd_level.is_some() =>
+                    {
+                        let bodies = d.download()?;
+                        let (f, r) = crate::gpu::paged::file_from_bodies(
+                            d.infos,
+                            d.codec,
+                            opts,
+                            &d.pages,
+                            &bodies,
+                            Vec::new(),
+                        )?;
+                        host_file(f, r)
+                    }
+                    Encoded::Device(d) => {
+                        let start = std::time::Instant::now();
+                        let file = crate::compress::EncodedFile::new(
+                            d.infos,
+                            &Default::default(),
+                            d.codec,
+                            opts,
+                            &d.pages,
+                        )?;
+                        let mut at = vec![(0usize, 0usize); d.pages.len()];
+                        for (g, group) in d.groups.iter().enumerate() {
+                            for (k, &i) in group.at.iter().enumerate() {
+                                at[i] = (g, k);
+                            }
+                        }
+                        let layouts: Vec<_> =
+                            at.iter().map(|&(g, k)| d.plans[g].layout(k)).collect();
+                        let pages: Vec<_> = d
+                            .pages
+                            .iter()
+                            .zip(&layouts)
+                            .map(|(p, (l, _))| (file.meta(p), *l))
+                            .collect();
+                        let framed = crate::gpu::frame::DeviceFile::new(&file.header, &pages, &[])?;
+                        if framed.len() > cap {
+                            return Err(too_long(framed.len()));
+                        }
+                        let bodies: Vec<u64> = layouts.iter().map(|(_, a)| *a).collect();
+                        // SAFETY: `out` holds `cap` >= framed.len() bytes (the
+                        // caller's contract); the bodies live in `d.plans`,
+                        // finished, until the synchronize below.
+                        let tables = unsafe { self.frame_file(&framed, out, &bodies)? };
+                        self.synchronize()?;
+                        drop(tables);
+                        Ok((framed.len(), file.report(d.codec, framed.len(), start)))
+                    }
+                }
+            },
+        );
+        clock.mark("file framed on the device");
+        clock.print();
+        r
+    }
+
+    /// The encode of one layer up to its page bodies: the gather, the
+    /// codec's preparation, every page group planned, launched and
+    /// finished on the device; or, where the GPU has no encoder, the
+    /// gathered rows on the host. `finish` turns either into the result.
+    #[allow(clippy::too_many_arguments)]
+    fn encode_layer<R>(
+        &self,
+        cache: &PagedCache,
+        block_ids: &[i64],
+        num_tokens: u32,
+        codec: &dyn crate::codec::Codec,
+        layer: u32,
+        opts: &crate::compress::CompressOptions,
+        clock: &mut Stages,
+        finish: impl FnOnce(Encoded<'_>) -> Result<R>,
+    ) -> Result<R> {
         if num_tokens == 0 {
             return Err(Error::param("encode_paged needs at least one token"));
         }
-        let mut clock = Stages::new();
         let shape = cache.shape();
         let infos = crate::gpu::paged::layer_infos(&shape, cache.dtype(), layer, num_tokens);
-        let slots = self.upload(&slot_mapping(block_ids, &shape, num_tokens)?)?;
+        let slots = self.upload_pageable(&slot_mapping(block_ids, &shape, num_tokens)?)?;
         let n = infos[0].elements() as usize;
         let gathered = [self.alloc_uninit::<u16>(n)?, self.alloc_uninit::<u16>(n)?];
         let gather = self.plan_gather(cache, &slots, num_tokens, [&gathered[0], &gathered[1]])?;
@@ -269,7 +492,7 @@ impl Gpu {
         if !crate::gpu::paged::encodes_on_gpu(&infos, &pages, codec, opts) {
             gather.finish()?;
             let host = [gathered[0].to_vec()?, gathered[1].to_vec()?];
-            return crate::gpu::paged::file_from_host(infos, host, codec, opts, out);
+            return finish(Encoded::Host { infos, host, codec });
         }
         clock.mark("codec prepared");
         // Every group planned and launched before the first wait, so the
@@ -290,33 +513,65 @@ impl Gpu {
             .collect::<Result<Vec<_>>>()?;
         clock.mark("encodes planned, launched");
         gather.finish()?;
-        let bodies = plans
+        for p in &plans {
+            p.finish()?;
+        }
+        clock.mark("kernels done");
+        finish(Encoded::Device(DeviceBodies {
+            infos,
+            codec,
+            pages,
+            groups,
+            plans,
+        }))
+    }
+}
+
+/// What [`Gpu::encode_layer`] hands to its `finish`.
+enum Encoded<'a> {
+    /// No GPU encoder: the gathered K and V rows on the host, and the
+    /// (prepared) codec.
+    Host {
+        infos: Vec<crate::cache::TensorInfo>,
+        host: [Vec<u16>; 2],
+        codec: &'a dyn crate::codec::Codec,
+    },
+    /// The page bodies in device memory.
+    Device(DeviceBodies<'a>),
+}
+
+/// Page bodies encoded on the device, per page group.
+struct DeviceBodies<'a> {
+    infos: Vec<crate::cache::TensorInfo>,
+    codec: &'a dyn crate::codec::Codec,
+    pages: Vec<crate::plan::PlannedPage>,
+    groups: Vec<crate::gpu::paged::PageGroup>,
+    plans: Vec<super::EncodePlan<'a>>,
+}
+
+impl DeviceBodies<'_> {
+    /// The bodies downloaded into pinned staging, in plan order.
+    fn download(&self) -> Result<crate::gpu::paged::PagedBodies> {
+        let bodies = self
+            .plans
             .iter()
-            .map(|p| {
-                p.finish()?;
-                p.download()
-            })
+            .map(|p| p.download())
             .collect::<Result<Vec<_>>>()?;
-        clock.mark("kernels done, bodies downloaded");
-        let bodies = crate::gpu::paged::PagedBodies::new(pages.len(), &groups, bodies)?;
-        let r = crate::gpu::paged::file_from_bodies(infos, codec, opts, &pages, &bodies, out);
-        clock.mark("file written");
-        clock.print();
-        r
+        crate::gpu::paged::PagedBodies::new(self.pages.len(), &self.groups, bodies)
     }
 }
 
 /// Wall-clock stages of one call, printed to stderr when the environment
 /// variable `KVPACK_GPU_TIMING` is set (a profiling aid for the host side
 /// of [`Gpu::encode_paged`] on a device).
-struct Stages {
+pub(super) struct Stages {
     on: bool,
     last: std::time::Instant,
     marks: Vec<(&'static str, f64)>,
 }
 
 impl Stages {
-    fn new() -> Stages {
+    pub(super) fn new() -> Stages {
         Stages {
             on: std::env::var_os("KVPACK_GPU_TIMING").is_some(),
             last: std::time::Instant::now(),
@@ -325,7 +580,7 @@ impl Stages {
     }
 
     /// Ends the stage `what`.
-    fn mark(&mut self, what: &'static str) {
+    pub(super) fn mark(&mut self, what: &'static str) {
         if self.on {
             let now = std::time::Instant::now();
             self.marks
@@ -334,7 +589,12 @@ impl Stages {
         }
     }
 
-    fn print(&self) {
+    pub(super) fn print(&self) {
+        self.print_as("encode_paged");
+    }
+
+    /// Prints the stages as those of `call`.
+    pub(super) fn print_as(&self, call: &str) {
         if self.on {
             let total: f64 = self.marks.iter().map(|m| m.1).sum();
             let parts: Vec<String> = self
@@ -342,10 +602,7 @@ impl Stages {
                 .iter()
                 .map(|(w, ms)| format!("{w} {ms:.3}"))
                 .collect();
-            eprintln!(
-                "kvpack encode_paged ms: {} | total {total:.3}",
-                parts.join(" | ")
-            );
+            eprintln!("kvpack {call} ms: {} | total {total:.3}", parts.join(" | "));
         }
     }
 }
@@ -406,10 +663,10 @@ impl Gpu {
         Ok(GatherPlan {
             gpu: self.clone(),
             kernel,
-            table: self.upload::<u8>(bytemuck::cast_slice(&descs))?,
-            items: self.upload::<u32>(bytemuck::cast_slice(&work))?,
+            table: self.upload_pageable::<u8>(bytemuck::cast_slice(&descs))?,
+            items: self.upload_pageable::<u32>(bytemuck::cast_slice(&work))?,
             blocks: work.len() as u32,
-            status: self.upload(&[u64::MAX; 2])?,
+            status: self.upload_pageable(&[u64::MAX; 2])?,
             bytes: 2 * n * 2,
             _borrow: std::marker::PhantomData,
         })

@@ -52,10 +52,12 @@ pub(crate) fn launch_all(gpu: &Gpu, launches: &[Launch]) -> Result<()> {
 
 impl Place for Stage<'_> {
     fn place(&mut self, bytes: &[u8]) -> Result<u64> {
+        // Descriptor tables and side tables built in ordinary (pageable)
+        // host memory.
         let buf = if bytes.is_empty() {
-            self.gpu.upload(&[0u8; BODY_ALIGN])?
+            self.gpu.upload_pageable(&[0u8; BODY_ALIGN])?
         } else {
-            self.gpu.upload(bytes)?
+            self.gpu.upload_pageable(bytes)?
         };
         let at = buf.device_ptr();
         self.bufs.push(buf);

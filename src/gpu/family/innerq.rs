@@ -76,6 +76,11 @@ impl GpuFamily for Family {
         ))
     }
 
+    /// The page checks read the scales, zero points / slot words and the hybrid flags.
+    fn host_checked(&self) -> &'static [SectionKind] {
+        &[SectionKind::Scale, SectionKind::Zero, SectionKind::Aux]
+    }
+
     fn decode_kernel(
         &self,
         kc: KernelCodec,

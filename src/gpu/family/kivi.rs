@@ -66,6 +66,11 @@ impl GpuFamily for Family {
         ))
     }
 
+    /// The page checks read the scales and zero points finite.
+    fn host_checked(&self) -> &'static [SectionKind] {
+        &[SectionKind::Scale, SectionKind::Zero]
+    }
+
     fn decode_kernel(
         &self,
         kc: KernelCodec,

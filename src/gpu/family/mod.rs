@@ -90,6 +90,15 @@ pub(crate) trait GpuFamily: Sync {
         t: &TensorInfo,
     ) -> Result<([u32; 5], u32)>;
 
+    /// The kinds of the sections whose content [`GpuFamily::page_sections`]
+    /// reads (beyond the section table): what a host must hold of a page
+    /// whose body is in device memory to check it (`gpu::decplan`,
+    /// `BodyCheck::Device`). Defaults to every kind; families whose checks
+    /// are the section table alone return none.
+    fn host_checked(&self) -> &'static [SectionKind] {
+        &ALL_KINDS
+    }
+
     /// The decode kernel (source, name, grid, shared memory) for pages of
     /// head_dim `head_dim` written as `out`.
     ///
@@ -234,6 +243,21 @@ pub fn page_sections(
     t: &TensorInfo,
 ) -> Result<([u32; 5], u32)> {
     of(kc).page_sections(kc, page, t)
+}
+
+/// Every section kind.
+const ALL_KINDS: [SectionKind; 6] = [
+    SectionKind::Scale,
+    SectionKind::Zero,
+    SectionKind::Index,
+    SectionKind::Outliers,
+    SectionKind::Raw,
+    SectionKind::Aux,
+];
+
+/// `GpuFamily::host_checked` of `kc`'s family.
+pub fn host_checked(kc: KernelCodec) -> &'static [SectionKind] {
+    of(kc).host_checked()
 }
 
 /// `GpuFamily::decode_kernel` of `kc`'s family.

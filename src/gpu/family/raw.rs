@@ -39,6 +39,11 @@ impl GpuFamily for Family {
         Ok(([at(page, s), 0, 0, 0, 0], 0))
     }
 
+    /// The page checks are the section table's (`expect_section`).
+    fn host_checked(&self) -> &'static [SectionKind] {
+        &[]
+    }
+
     fn decode_kernel(
         &self,
         kc: KernelCodec,

@@ -115,6 +115,11 @@ impl GpuFamily for Family {
         ))
     }
 
+    /// The page checks read the row norms (and QJL residual norms) finite and non-negative.
+    fn host_checked(&self) -> &'static [SectionKind] {
+        &[SectionKind::Scale]
+    }
+
     fn decode_kernel(
         &self,
         kc: KernelCodec,

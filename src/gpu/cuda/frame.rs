@@ -1,0 +1,407 @@
+//! Page frames built on the device ([`Gpu::frame_file`], the launches of
+//! `kernels/frame.cu` planned by [`crate::gpu::frame`]), checked on the
+//! device ([`Gpu::decode_paged_device`]), and the CRC-32 of device memory
+//! ([`Gpu::crc32_spans`]).
+
+use cudarc::driver::{LaunchConfig, PushKernelArg, result};
+
+use super::{Gpu, GpuBuffer, PagedJob, cuda_err};
+use crate::decode::Archive;
+use crate::error::{Error, Location, Result};
+use crate::gpu::decplan::{
+    BodyCheck, PagedImage, any_host_checked, host_checked_spans, layer_pages,
+};
+use crate::gpu::frame::{DeviceFile, FrameCopy, FrameCrcSpan, FrameLaunches};
+use crate::gpu::paged::PagedCache;
+
+/// Bytes of the head and of the tail of a file read back first (header;
+/// index and trailer).
+const WINDOW: u64 = 1 << 16;
+
+/// Bytes of each page frame read back first: the page header and a
+/// section table of up to 20 sections (every codec has fewer).
+const PAGE_HEAD: u64 = 64 + 320;
+
+/// Threads per block of the frame kernels (`FRAME_THREADS`).
+const THREADS: u32 = 256;
+
+/// `[tables][crcs]` of one framing, and where each table starts.
+struct Tables {
+    bytes: Vec<u8>,
+    copies: usize,
+    work: usize,
+    spans: usize,
+    seals: usize,
+    index_span: usize,
+    crcs: usize,
+}
+
+fn pack(skeleton: &[u8], l: &FrameLaunches) -> Tables {
+    let mut bytes = skeleton.to_vec();
+    let mut put = |b: &[u8]| {
+        bytes.resize(bytes.len().next_multiple_of(256), 0);
+        let at = bytes.len();
+        bytes.extend_from_slice(b);
+        at
+    };
+    let copies = put(bytemuck::cast_slice(&l.copies));
+    let work = put(bytemuck::cast_slice(&l.work));
+    let spans = put(bytemuck::cast_slice(&l.spans));
+    let seals = put(bytemuck::cast_slice(&l.seals));
+    let index_span = put(bytemuck::bytes_of(&l.index_span));
+    let crcs = put(&vec![0u8; 4 * (l.spans.len() + 1)]);
+    Tables {
+        bytes,
+        copies,
+        work,
+        spans,
+        seals,
+        index_span,
+        crcs,
+    }
+}
+
+impl Gpu {
+    /// Writes the kvpack file `file` into device memory at `out` (at least
+    /// `file.len()` bytes) from its page bodies at device addresses
+    /// `bodies` (page order), on this handle's stream: zeroes the output,
+    /// places the skeleton and the bodies, and fills in every CRC
+    /// (`gpu::frame` module docs). Asynchronous: the returned buffer holds
+    /// the launches' tables and must live until the stream has passed
+    /// them (the caller synchronizes).
+    ///
+    /// # Safety
+    /// `out` must be device memory of this handle's device holding at least
+    /// `file.len()` writable bytes, and each of `bodies` a device address of
+    /// a finished page body of its page's `body_len` bytes, all valid until
+    /// the stream has passed the launches.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] (internal) for a body count that does not
+    /// match; [`Error::Device`] for a CUDA failure.
+    pub(crate) unsafe fn frame_file(
+        &self,
+        file: &DeviceFile,
+        out: u64,
+        bodies: &[u64],
+    ) -> Result<GpuBuffer<u8>> {
+        let sized = pack(&file.skeleton.bytes, &file.launches(0, 0, bodies)?);
+        let dev = self.alloc_uninit::<u8>(sized.bytes.len())?;
+        let base = dev.device_ptr();
+        let l = file.launches(out, base, bodies)?;
+        let t = pack(&file.skeleton.bytes, &l);
+        // SAFETY: `t.bytes` (pageable) fits `dev` (the same packing);
+        // ordered on our stream before the launches.
+        unsafe { result::memcpy_htod_async(base, &t.bytes[..], self.stream().cu_stream()) }
+            .map_err(cuda_err("host-to-device copy"))?;
+        let s = self.stream().cu_stream();
+        // SAFETY: `out` holds `file.len()` bytes (the caller's contract).
+        unsafe { result::memset_d8_async(out, 0, file.len() as usize, s) }
+            .map_err(cuda_err("memset"))?;
+        let at = |o: usize| base + o as u64;
+        let n = l.spans.len() as u32;
+        let cfg = |blocks: u32| LaunchConfig {
+            grid_dim: (blocks.max(1), 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (copies, work, spans, seals) = (at(t.copies), at(t.work), at(t.spans), at(t.seals));
+        let (index_span, crcs) = (at(t.index_span), at(t.crcs));
+        let index_crc = crcs + 4 * u64::from(n);
+        // SAFETY (every launch below): the tables were built by
+        // `DeviceFile::launches` for this output, these bodies and this
+        // upload; every copy and span lies inside `out`, the upload or a
+        // body; the kernels' signatures are those of kernels/frame.cu.
+        if !l.work.is_empty() {
+            let f = self.function("frame", "frame_copy")?;
+            let mut b = self.stream().launch_builder(&f);
+            b.arg(&copies).arg(&work);
+            unsafe { b.launch(cfg(l.work.len() as u32)) }.map_err(cuda_err("launch frame_copy"))?;
+        }
+        if n > 0 {
+            let f = self.function("frame", "frame_crc")?;
+            let mut b = self.stream().launch_builder(&f);
+            b.arg(&spans).arg(&crcs);
+            unsafe { b.launch(cfg(n)) }.map_err(cuda_err("launch frame_crc"))?;
+            let f = self.function("frame", "frame_seal_pages")?;
+            let mut b = self.stream().launch_builder(&f);
+            b.arg(&seals).arg(&crcs).arg(&n);
+            unsafe { b.launch(cfg(n.div_ceil(THREADS))) }
+                .map_err(cuda_err("launch frame_seal_pages"))?;
+        }
+        let f = self.function("frame", "frame_crc")?;
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(&index_span).arg(&index_crc);
+        unsafe { b.launch(cfg(1)) }.map_err(cuda_err("launch frame_crc"))?;
+        let f = self.function("frame", "frame_seal_index")?;
+        let mut b = self.stream().launch_builder(&f);
+        b.arg(&l.index_header).arg(&index_crc);
+        unsafe { b.launch(cfg(1)) }.map_err(cuda_err("launch frame_seal_index"))?;
+        Ok(dev)
+    }
+
+    /// The CRC-32 (ISO-HDLC, as `crc32fast`) of each `(offset, len)` span
+    /// of `buf`, computed on the device (`frame_crc`). Waits for the
+    /// result.
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] for a span outside `buf`; [`Error::Device`]
+    /// for a CUDA failure.
+    pub fn crc32_spans(&self, buf: &GpuBuffer<u8>, spans: &[(usize, usize)]) -> Result<Vec<u32>> {
+        if spans
+            .iter()
+            .any(|&(o, n)| o.checked_add(n).is_none_or(|e| e > buf.len()))
+        {
+            return Err(Error::param("CRC span outside the buffer"));
+        }
+        let table: Vec<FrameCrcSpan> = spans
+            .iter()
+            .map(|&(o, n)| FrameCrcSpan {
+                at: buf.device_ptr() + o as u64,
+                len: n as u64,
+            })
+            .collect();
+        self.span_kernel("frame_crc", &table)
+    }
+
+    /// Decodes layer `layer` of a kvpack file that is in device memory
+    /// only (`len` bytes at `file`, e.g. a NIXL landing buffer) into the
+    /// paged cache `cache`, as [`Gpu::decode_paged`] does, without copying
+    /// the file to the host where it can be avoided: the host reads back
+    /// the head and tail of the file (header, index, trailer) and each
+    /// page's header and section table, and checks them as
+    /// [`crate::format::Reader`] does; the device computes each page body's
+    /// CRC-32 and checks the padding after each section and body; the
+    /// kernels then read the bodies in place. Pages whose codec checks
+    /// section content on the host (kivi, innerq, octopus, turbo, hqmq),
+    /// zstd pages, and any file the quick path finds at fault go the
+    /// authoritative way: the whole file is read back, validated on the
+    /// host (whose error names the page) and decoded from `file` as
+    /// [`Gpu::decode_paged_resident`] does.
+    ///
+    /// # Safety
+    /// `file` must be the device address of `len` readable bytes on this
+    /// handle's device, unchanged until the job is done.
+    ///
+    /// # Errors
+    /// As [`Gpu::decode_paged`].
+    pub unsafe fn decode_paged_device(
+        &self,
+        file: u64,
+        len: u64,
+        layer: u32,
+        cache: &PagedCache,
+        block_ids: &[i64],
+    ) -> Result<PagedJob> {
+        match self.decode_checked_here(file, len, layer, cache, block_ids) {
+            Err(Error::Format { .. } | Error::Unsupported(_) | Error::Limits(_)) => {
+                let n = usize::try_from(len).map_err(|_| Error::param("file too large"))?;
+                let mut staging = self.take_pinned(n)?;
+                let copied = (|| {
+                    let host = staging.as_mut_slice().map_err(cuda_err("pinned buffer"))?;
+                    // SAFETY: `file` holds `len` bytes (the caller's
+                    // contract), the staging at least as many; synchronized
+                    // before they are read.
+                    unsafe {
+                        result::memcpy_dtoh_async(&mut host[..n], file, self.stream().cu_stream())
+                    }
+                    .map_err(cuda_err("device-to-host copy"))?;
+                    self.synchronize()
+                })();
+                if let Err(e) = copied {
+                    // A copy may still be writing into it: never reused.
+                    std::mem::forget(staging);
+                    return Err(e);
+                }
+                let r = (|| {
+                    let host = &staging.as_slice().map_err(cuda_err("pinned buffer"))?[..n];
+                    let archive = Archive::open(host)?;
+                    // SAFETY: `host` is a copy of the device bytes, which
+                    // stay unchanged (the caller's contract). The job does
+                    // not borrow the staging.
+                    unsafe { self.decode_paged_resident(&archive, file, layer, cache, block_ids) }
+                })();
+                self.give_pinned(staging);
+                r
+            }
+            r => r,
+        }
+    }
+
+    /// The quick path of [`Gpu::decode_paged_device`]: structure on the
+    /// host from read-back headers, bodies checked on the device.
+    fn decode_checked_here(
+        &self,
+        file: u64,
+        len: u64,
+        layer: u32,
+        cache: &PagedCache,
+        block_ids: &[i64],
+    ) -> Result<PagedJob> {
+        let mut clock = super::paged::Stages::new();
+        let n = usize::try_from(len).map_err(|_| Error::param("file too large"))?;
+        // A zeroed host image of the file (its pages are mapped only where
+        // bytes are placed), filled with what the host checks.
+        let mut shadow = vec![0u8; n];
+        let w = WINDOW.min(len);
+        let s = self.stream().cu_stream();
+        // SAFETY: both ranges lie in `file`'s `len` bytes and in `shadow`;
+        // synchronized before `shadow` is read.
+        unsafe {
+            result::memcpy_dtoh_async(&mut shadow[..w as usize], file, s)
+                .map_err(cuda_err("device-to-host copy"))?;
+            result::memcpy_dtoh_async(&mut shadow[(len - w) as usize..], file + len - w, s)
+                .map_err(cuda_err("device-to-host copy"))?;
+        }
+        self.synchronize()?;
+        clock.mark("head and tail read back");
+        let (heads, content) = {
+            let a = Archive::open(&shadow)?;
+            let (_, _, pages) = layer_pages(&a, layer, &cache.shape())?;
+            let r = a.reader();
+            let entries = &r.index().entries;
+            let heads: Vec<(u64, u64)> = pages
+                .iter()
+                .map(|&p| {
+                    (
+                        r.header_len() + entries[p].offset,
+                        entries[p].frame_len.min(PAGE_HEAD),
+                    )
+                })
+                .collect();
+            (heads, any_host_checked(&a, &pages)?)
+        };
+        self.gather_into(file, &heads, &mut shadow)?;
+        clock.mark("page headers read back");
+        if content {
+            let spans = {
+                let a = Archive::open(&shadow)?;
+                let (_, _, pages) = layer_pages(&a, layer, &cache.shape())?;
+                host_checked_spans(&a, &pages)?
+            };
+            self.gather_into(file, &spans, &mut shadow)?;
+            clock.mark("checked sections read back");
+        }
+        let archive = Archive::open(&shadow)?;
+        let img = PagedImage::resident(
+            &archive,
+            layer,
+            &cache.shape(),
+            block_ids,
+            Some(file),
+            BodyCheck::Device,
+        )?;
+        clock.mark("pages staged");
+        let checks = img.device_checks();
+        let spans = |v: &[(u64, u64)]| -> Vec<FrameCrcSpan> {
+            v.iter()
+                .map(|&(o, l)| FrameCrcSpan {
+                    at: file + o,
+                    len: l,
+                })
+                .collect()
+        };
+        let crcs = self.span_kernel("frame_crc", &spans(&checks.crc))?;
+        let nonzero = self.span_kernel("frame_zero", &spans(&checks.zero))?;
+        if let Some(i) = (0..crcs.len()).find(|&i| crcs[i] != checks.want[i]) {
+            return Err(Error::format(
+                Location::Data {
+                    offset: checks.crc[i].0,
+                },
+                format!(
+                    "page body CRC mismatch on the device: stored 0x{:08x}, computed 0x{:08x}",
+                    checks.want[i], crcs[i]
+                ),
+            ));
+        }
+        if let Some(i) = nonzero.iter().position(|&z| z != 0) {
+            return Err(Error::format(
+                Location::Data {
+                    offset: checks.zero[i].0,
+                },
+                "page padding is not zero",
+            ));
+        }
+        clock.mark("bodies checked");
+        let job = self.enqueue_image(&img, cache);
+        clock.mark("enqueued");
+        clock.print_as("decode_paged_device");
+        job
+    }
+
+    /// Copies the `(offset, len)` spans of the device file at `file` into
+    /// the same offsets of `host` (one `frame_copy` launch into a packed
+    /// buffer, one read-back).
+    fn gather_into(&self, file: u64, spans: &[(u64, u64)], host: &mut [u8]) -> Result<()> {
+        let total: u64 = spans.iter().map(|s| s.1).sum();
+        if total == 0 {
+            return Ok(());
+        }
+        let out = self.alloc_uninit::<u8>(total as usize)?;
+        let mut at = 0;
+        let copies: Vec<FrameCopy> = spans
+            .iter()
+            .map(|&(o, l)| {
+                let c = FrameCopy {
+                    src: file + o,
+                    dst: out.device_ptr() + at,
+                    len: l,
+                };
+                at += l;
+                c
+            })
+            .collect();
+        let mut work = Vec::new();
+        for (i, c) in copies.iter().enumerate() {
+            for j in 0..c.len.div_ceil(crate::gpu::frame::COPY_CHUNK) {
+                work.push([i as u32, j as u32]);
+            }
+        }
+        let c = self.upload_pageable::<u8>(bytemuck::cast_slice(&copies))?;
+        let w = self.upload_pageable::<u32>(bytemuck::cast_slice(&work))?;
+        let f = self.function("frame", "frame_copy")?;
+        let mut b = self.stream().launch_builder(&f);
+        let (cp, wp) = (c.device_ptr(), w.device_ptr());
+        b.arg(&cp).arg(&wp);
+        let cfg = LaunchConfig {
+            grid_dim: (work.len() as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: frame_copy(const FrameCopy*, const uint2*): each copy
+        // reads a span of the file (inside its `len` bytes: spans come from
+        // index entries and section tables the reader checked against the
+        // file) and writes its own range of `out`; one work item per 64 KiB.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("launch frame_copy"))?;
+        let got = out.to_vec()?;
+        let mut at = 0usize;
+        for &(o, l) in spans {
+            host[o as usize..(o + l) as usize].copy_from_slice(&got[at..at + l as usize]);
+            at += l as usize;
+        }
+        Ok(())
+    }
+
+    /// Runs `frame_crc` or `frame_zero` over `spans` (one block each) and
+    /// reads back one u32 per span.
+    fn span_kernel(&self, name: &str, spans: &[FrameCrcSpan]) -> Result<Vec<u32>> {
+        if spans.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t = self.upload_pageable::<u8>(bytemuck::cast_slice(spans))?;
+        let out = self.alloc_uninit::<u32>(spans.len())?;
+        let f = self.function("frame", name)?;
+        let mut b = self.stream().launch_builder(&f);
+        let (tp, op) = (t.device_ptr(), out.device_ptr());
+        b.arg(&tp).arg(&op);
+        let cfg = LaunchConfig {
+            grid_dim: (spans.len() as u32, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: (const FrameCrcSpan*, u32*): one block per span, every
+        // span inside the caller's buffer, one u32 out per span.
+        unsafe { b.launch(cfg) }.map_err(cuda_err(&format!("launch {name}")))?;
+        out.to_vec()
+    }
+}
