@@ -28,6 +28,7 @@ mod allocate;
 mod candidates;
 pub mod distortion;
 mod sample;
+mod study;
 mod timing;
 
 use std::io::Write;
@@ -416,13 +417,17 @@ fn fixed_bytes(cache: &CacheView<'_>, cands: &[Candidate], opts: &CompressOption
     Ok((h + index + 64) as f64)
 }
 
-/// The planner's candidate codec names for the head_dims of `cache`.
+/// The planner's candidate codec names for the head_dims of `cache`
+/// ([`candidates::CODECS`], or the patterns of `KVPACK_PLAN_CODECS`, see
+/// [`study`]).
 fn planner_names(cache: &CacheView<'_>) -> Vec<String> {
     let mut dims: Vec<u32> = cache.tensors.iter().map(|t| t.info.head_dim).collect();
     dims.sort_unstable();
     dims.dedup();
     let mut names: Vec<String> = Vec::new();
-    for p in candidates::CODECS {
+    let patterns = study::codecs_override()
+        .unwrap_or_else(|| candidates::CODECS.iter().map(|s| s.to_string()).collect());
+    for p in &patterns {
         for &d in &dims {
             if let Some(n) = candidates::name_for(p, d)
                 && !names.contains(&n)
@@ -507,7 +512,7 @@ fn measure_names(
     for (t, p) in per_layer.into_iter().flatten() {
         tensors[t] = Some(p);
     }
-    Ok(Measured {
+    let m = Measured {
         fixed: fixed_bytes(cache, &candidates, opts)?,
         candidates,
         tensors: tensors
@@ -515,10 +520,34 @@ fn measure_names(
             .map(|t| t.expect("every tensor measured"))
             .collect(),
         elements: cache.elements(),
-    })
+    };
+    if let Some(path) = study::points_path() {
+        study::write_points(&path, cache, m.study_points())?;
+    }
+    Ok(m)
 }
 
 impl Measured {
+    /// Every tensor's operating points as [`study::write_points`] writes
+    /// them.
+    fn study_points(&self) -> Vec<Vec<study::PointOut>> {
+        self.tensors
+            .iter()
+            .map(|t| {
+                t.points
+                    .iter()
+                    .zip(&t.choice)
+                    .map(|(p, &(c, sink))| study::PointOut {
+                        codec: self.candidates[c].codec.name(),
+                        sink,
+                        bytes: p.bytes,
+                        distortion: p.distortion,
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// The plan for `bits` per element with `slack` bytes kept free.
     fn plan(&self, cache: &CacheView<'_>, bits: f64, slack: f64) -> Result<Plan> {
         let budget = bits * self.elements as f64 / 8.0;

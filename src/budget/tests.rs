@@ -116,3 +116,35 @@ fn print_uniform_points() {
         );
     }
 }
+
+#[test]
+fn study_points_file_lists_every_measured_point() {
+    let cache = fixture();
+    let view = cache.view();
+    let opts = CompressOptions::default();
+    let m = measure(&view, &opts).unwrap();
+    let points = m.study_points();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("points.json");
+    study::write_points(&path, &view, points).unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let list = json.as_array().unwrap();
+    assert_eq!(list.len(), cache.tensors.len());
+    for ((j, t), tp) in list.iter().zip(&cache.tensors).zip(&m.tensors) {
+        assert_eq!(j["name"], t.info.name.as_str());
+        assert_eq!(j["kind"], t.info.kind.name());
+        let pts = j["points"].as_array().unwrap();
+        assert_eq!(pts.len(), tp.points.len());
+        // raw is exact; every other point was measured with some error.
+        for (p, q) in pts.iter().zip(&tp.points) {
+            // serde_json's default float parsing may differ in the last bit.
+            let close = |a: f64, b: f64| (a - b).abs() <= 1e-12 * b.abs();
+            assert!(close(p["bytes"].as_f64().unwrap(), q.bytes), "{p}");
+            assert!(
+                close(p["distortion"].as_f64().unwrap(), q.distortion),
+                "{p}"
+            );
+            assert_eq!(p["codec"] == "raw", q.distortion == 0.0, "{p}");
+        }
+    }
+}
