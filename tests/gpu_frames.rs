@@ -54,6 +54,24 @@ fn layer(
     (rng, shape, DType::Bf16, image, src_image, ids)
 }
 
+/// The codec `codec` and compress options with layout `l` and zstd level
+/// `zstd`.
+fn codec_opts(
+    codec: &str,
+    l: Layout,
+    zstd: Option<i32>,
+) -> (
+    Box<dyn kvpack::codec::Codec>,
+    kvpack::compress::CompressOptions,
+) {
+    let opts = kvpack::compress::CompressOptions {
+        layout: l,
+        zstd_level: zstd,
+        ..Default::default()
+    };
+    (kvpack::codec::parse(codec).unwrap(), opts)
+}
+
 /// The cache over a device copy of `image`.
 fn cache(buf: &GpuBuffer<u16>, pl: PagedLayout, shape: &PagedShape, dtype: DType) -> PagedCache {
     let at = buf.device_ptr();
@@ -130,12 +148,7 @@ fn device_framed_files_equal_host_framed_files() {
                     (layout(16, 8, 20), None),
                     (layout(32, 0, 0), Some(1)),
                 ] {
-                    let cd = kvpack::codec::parse(codec).unwrap();
-                    let opts = kvpack::compress::CompressOptions {
-                        layout: l,
-                        zstd_level: zstd,
-                        ..Default::default()
-                    };
+                    let (cd, opts) = codec_opts(codec, l, zstd);
                     let (want, _) = g
                         .encode_paged(&c, &ids, tokens, cd.as_ref(), 3, &opts, Vec::new())
                         .unwrap();
@@ -225,12 +238,7 @@ fn device_memory_decodes_equal_staged_decode() {
             "hqmq:s24r3+med3",
         ] {
             for (l, zstd) in [(layout(32, 4, 16), None), (layout(64, 0, 0), Some(3))] {
-                let cd = kvpack::codec::parse(codec).unwrap();
-                let opts = kvpack::compress::CompressOptions {
-                    layout: l,
-                    zstd_level: zstd,
-                    ..Default::default()
-                };
+                let (cd, opts) = codec_opts(codec, l, zstd);
                 let (file, _) = g
                     .encode_paged(&src, &ids, tokens, cd.as_ref(), 0, &opts, Vec::new())
                     .unwrap();

@@ -300,15 +300,7 @@ fn paged_decode_host_cost() {
     println!("|---|---|---|---|---|---|---|");
     let mut image = vec![1u8; 200 << 20];
     for name in list.split(',') {
-        let codec = crate::codec::parse(name).unwrap();
-        let (file, _) = crate::compress::compress(
-            &cache,
-            codec.as_ref(),
-            &CompressOptions::default(),
-            Vec::new(),
-            &|_| {},
-        )
-        .unwrap();
+        let file = compressed(&cache, name);
         for _ in 0..2 {
             let archive = crate::decode::Archive::open(&file).unwrap();
             let all = Clock::start();
@@ -368,15 +360,7 @@ fn paged_device_decode_host_cost() {
     );
     println!("|---|---|---|---|---|---|---|");
     for name in list.split(',') {
-        let codec = crate::codec::parse(name).unwrap();
-        let (file, _) = crate::compress::compress(
-            &cache,
-            codec.as_ref(),
-            &CompressOptions::default(),
-            Vec::new(),
-            &|_| {},
-        )
-        .unwrap();
+        let file = compressed(&cache, name);
         for _ in 0..3 {
             let all = Clock::start();
             let n = file.len();
@@ -471,4 +455,18 @@ fn uniform_cache(infos: &[crate::cache::TensorInfo]) -> crate::cache::KvCache {
         tensors,
         ..Default::default()
     }
+}
+
+/// `cache` compressed by codec `name` with the default options.
+fn compressed(cache: &crate::cache::KvCache, name: &str) -> Vec<u8> {
+    let codec = crate::codec::parse(name).unwrap();
+    crate::compress::compress(
+        cache,
+        codec.as_ref(),
+        &CompressOptions::default(),
+        Vec::new(),
+        &|_| {},
+    )
+    .unwrap()
+    .0
 }
