@@ -78,6 +78,10 @@ struct Inner {
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// Dynamic shared memory limit raised per kernel (bytes).
     smem: Mutex<HashMap<String, u32>>,
+    /// File length and page-head spans of the last device-checked decode
+    /// (`frame.rs`): the next file of that length (the next layer of a
+    /// handoff) reads them back speculatively with its head and tail.
+    frame_heads: Mutex<Option<(u64, Vec<(u64, u64)>)>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -156,6 +160,7 @@ impl Gpu {
                 modules: Mutex::new(HashMap::new()),
                 functions: Mutex::new(HashMap::new()),
                 smem: Mutex::new(HashMap::new()),
+                frame_heads: Mutex::new(None),
             }),
             stream,
             options: KernelOptions::default(),
