@@ -69,6 +69,9 @@ pub struct Gpu {
     pub(crate) options: KernelOptions,
 }
 
+/// A device file's length and the `(offset, len)` spans of its page heads.
+type FrameHeads = (u64, Vec<(u64, u64)>);
+
 struct Inner {
     ctx: Arc<CudaContext>,
     info: GpuInfo,
@@ -81,7 +84,7 @@ struct Inner {
     /// File length and page-head spans of the last device-checked decode
     /// (`frame.rs`): the next file of that length (the next layer of a
     /// handoff) reads them back speculatively with its head and tail.
-    frame_heads: Mutex<Option<(u64, Vec<(u64, u64)>)>>,
+    frame_heads: Mutex<Option<FrameHeads>>,
 }
 
 impl std::fmt::Debug for Gpu {
