@@ -332,18 +332,23 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
         // (se_norm_exact says when that is the CPU's sum); every lane of
         // the row (one warp) then takes gamma and f itself, the index-order
         // sum from the staged row when the exact shortcut does not apply.
+        // The square of a binary32 value is exact in binary64, so one
+        // fused multiply-add rounds exactly as the product-then-sum does.
+        // mk: the smallest 2|x| - 1 over the bits of x (zeros wrap to the
+        // maximum), i.e. the smallest non-zero magnitude.
         double a[4] = {0.0, 0.0, 0.0, 0.0};
-        float mn = __int_as_float(0x7f800000);
+        u32 mk = 0xffffffffu;
 #pragma unroll
         for (int i = 0; i < 32; i++) {
-            a[i & 3] = __dadd_rn(a[i & 3], __dmul_rn((double)v[i], (double)v[i]));
-            mn = fminf(mn, v[i] == 0.0f ? __int_as_float(0x7f800000) : fabsf(v[i]));
+            a[i & 3] = __fma_rn((double)v[i], (double)v[i], a[i & 3]);
+            mk = min(mk, (__float_as_uint(v[i]) << 1) - 1u);
         }
         double acc = __dadd_rn(__dadd_rn(a[0], a[1]), __dadd_rn(a[2], a[3]));
         for (u32 m = 1; m < lpr; m <<= 1) {
             acc = __dadd_rn(acc, __shfl_xor_sync(FULL_MASK, acc, (int)m));
-            mn = fminf(mn, __shfl_xor_sync(FULL_MASK, mn, (int)m));
+            mk = min(mk, __shfl_xor_sync(FULL_MASK, mk, (int)m));
         }
+        const float mn = mk == 0xffffffffu ? __int_as_float(0x7f800000) : __uint_as_float((mk + 1u) >> 1);
         float gamma = se_norm_exact(acc, mn, SRC == SRC_BF16 ? 549755813888.0 : SRC == SRC_F16 ? 8589934592.0 : 128.0);
         if (gamma < 0.0f) gamma = se_norm_fast(xs + rl * RS, D);
         const bool first = live && j == 0u;
