@@ -34,6 +34,13 @@ fn grid(blocks: u32) -> LaunchConfig {
     }
 }
 
+/// A host image of a device file for the device-checked decode: zero
+/// except the `written` spans read back from the device.
+pub(super) struct Shadow {
+    bytes: Vec<u8>,
+    written: Vec<(u64, u64)>,
+}
+
 /// `[tables][crcs]` of one framing, and where each table starts.
 struct Tables {
     bytes: Vec<u8>,
@@ -243,11 +250,49 @@ impl Gpu {
         cache: &PagedCache,
         block_ids: &[i64],
     ) -> Result<PagedJob> {
-        let mut clock = super::paged::Stages::new();
         let n = usize::try_from(len).map_err(|_| Error::param("file too large"))?;
-        // A zeroed host image of the file (its pages are mapped only where
-        // bytes are placed), filled with what the host checks.
-        let mut shadow = vec![0u8; n];
+        let mut shadow = self.take_shadow(n);
+        let r = self.decode_checked_in(&mut shadow, file, len, layer, cache, block_ids);
+        *self.inner.shadow.lock().unwrap_or_else(|e| e.into_inner()) = Some(shadow);
+        r
+    }
+
+    /// A zeroed host image of `n` bytes: the last call's, with the spans it
+    /// read back zeroed again (a handoff's layers share one length: no
+    /// fresh mapping to fault in per layer), or a new one.
+    fn take_shadow(&self, n: usize) -> Shadow {
+        let last = self
+            .inner
+            .shadow
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        match last {
+            Some(mut s) if s.bytes.len() == n => {
+                for (o, l) in s.written.drain(..) {
+                    s.bytes[o as usize..(o + l) as usize].fill(0);
+                }
+                s
+            }
+            _ => Shadow {
+                bytes: vec![0u8; n],
+                written: Vec::new(),
+            },
+        }
+    }
+
+    /// [`Gpu::decode_checked_here`] into the host image `shadow`, filled
+    /// with what the host checks.
+    fn decode_checked_in(
+        &self,
+        shadow: &mut Shadow,
+        file: u64,
+        len: u64,
+        layer: u32,
+        cache: &PagedCache,
+        block_ids: &[i64],
+    ) -> Result<PagedJob> {
+        let mut clock = super::paged::Stages::new();
         let w = WINDOW.min(len);
         // Head and tail, and the page heads of the last file of this length
         // (the previous layer of a handoff: the same layout), in one read
@@ -266,10 +311,10 @@ impl Gpu {
         };
         let mut first = vec![(0, w), (len - w, w)];
         first.extend(guess.iter().filter(|&&(o, l)| o + l <= len));
-        self.gather_into(file, &first, &mut shadow)?;
+        self.read_back(file, &first, shadow)?;
         clock.mark("head, tail (and page headers) read back");
         let (heads, content) = {
-            let a = Archive::open(&shadow)?;
+            let a = Archive::open(&shadow.bytes)?;
             let (_, _, pages) = layer_pages(&a, layer, &cache.shape())?;
             let r = a.reader();
             let entries = &r.index().entries;
@@ -285,7 +330,7 @@ impl Gpu {
             (heads, any_host_checked(&a, &pages)?)
         };
         if heads != guess {
-            self.gather_into(file, &heads, &mut shadow)?;
+            self.read_back(file, &heads, shadow)?;
             clock.mark("page headers read back");
             *self
                 .inner
@@ -295,14 +340,14 @@ impl Gpu {
         }
         if content {
             let spans = {
-                let a = Archive::open(&shadow)?;
+                let a = Archive::open(&shadow.bytes)?;
                 let (_, _, pages) = layer_pages(&a, layer, &cache.shape())?;
                 host_checked_spans(&a, &pages)?
             };
-            self.gather_into(file, &spans, &mut shadow)?;
+            self.read_back(file, &spans, shadow)?;
             clock.mark("checked sections read back");
         }
-        let archive = Archive::open(&shadow)?;
+        let archive = Archive::open(&shadow.bytes)?;
         let img = PagedImage::resident(
             &archive,
             layer,
@@ -346,6 +391,12 @@ impl Gpu {
         clock.mark("enqueued");
         clock.print_as("decode_paged_device");
         job
+    }
+
+    /// [`Gpu::gather_into`] the host image, recording the spans written.
+    fn read_back(&self, file: u64, spans: &[(u64, u64)], shadow: &mut Shadow) -> Result<()> {
+        shadow.written.extend_from_slice(spans);
+        self.gather_into(file, spans, &mut shadow.bytes)
     }
 
     /// Copies the `(offset, len)` spans of the device file at `file` into

@@ -85,6 +85,8 @@ struct Inner {
     /// (`frame.rs`): the next file of that length (the next layer of a
     /// handoff) reads them back speculatively with its head and tail.
     frame_heads: Mutex<Option<FrameHeads>>,
+    /// The host image of the last device-checked decode, for reuse.
+    shadow: Mutex<Option<frame::Shadow>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -164,6 +166,7 @@ impl Gpu {
                 functions: Mutex::new(HashMap::new()),
                 smem: Mutex::new(HashMap::new()),
                 frame_heads: Mutex::new(None),
+                shadow: Mutex::new(None),
             }),
             stream,
             options: KernelOptions::default(),
