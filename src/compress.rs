@@ -97,11 +97,17 @@ fn encode_page(
     let (t0, n) = (p.token_start as usize, p.tokens as usize);
     let (count, len) = (tensor.info.planes(), n * tensor.info.head_dim as usize);
     let scratch;
+    let mut source = None;
     let planes = match (0..count)
         .map(|pl| tensor.plane_rows(pl, t0, n))
         .collect::<Option<Vec<_>>>()
     {
         Some(planes) => planes,
+        // A row-wise codec reads the rows where they are.
+        None if codec.row_wise() => {
+            source = Some(tensor);
+            Vec::new()
+        }
         None => {
             // Rows are not contiguous (e.g. token-major memory): gather
             // this page into kvpack's order.
@@ -114,6 +120,7 @@ fn encode_page(
         }
     };
     let page = PageIn {
+        source,
         tensor: &tensor.info,
         token_start: p.token_start,
         tokens: p.tokens,

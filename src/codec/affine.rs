@@ -19,9 +19,10 @@
 //! (f32 per row), ZERO stream 0 (f32 per row), INDEX stream 0 (`b`-bit
 //! codes, row-major, LSB-first).
 
-use crate::cache::{Kind, Role, TensorInfo};
+use crate::cache::{Elems, ElemsMut, Kind, Role, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
+use crate::kernels::affine::{RowDst, RowSrc};
 use crate::kernels::{affine, bitpack, wht};
 
 use super::{
@@ -221,8 +222,27 @@ impl Affine {
     }
 }
 
+/// The order to code a page's `rows` (plane-major, `tokens` per plane) in:
+/// as stored, or token by token (every plane of a token, then the next
+/// token) when the rows live in the caller's token-major or paged memory,
+/// so that memory is walked forward.
+fn row_order(rows: usize, tokens: usize, token_major: bool) -> impl Iterator<Item = usize> {
+    let planes = rows / tokens.max(1);
+    (0..rows).map(move |i| {
+        if token_major {
+            (i % planes) * tokens + i / planes
+        } else {
+            i
+        }
+    })
+}
+
 impl Codec for Affine {
     fn size_depends_only_on_shape(&self) -> bool {
+        true
+    }
+
+    fn row_wise(&self) -> bool {
         true
     }
 
@@ -305,6 +325,43 @@ impl Codec for Affine {
         };
         let mut buf = vec![0f32; d];
         let mut codes = vec![0u8; d];
+        let located = |r: usize, e: Error| {
+            let t = page.tokens as usize;
+            Error::param(format!(
+                "{} ({}) plane {} token {}: {e}",
+                page.tensor.name,
+                page.tensor.describe(),
+                r / t,
+                page.token_start as usize + r % t
+            ))
+        };
+        if bits == 4 && row_aligned {
+            // The 4-bit row step, straight from the page's elements.
+            let mut wide = vec![0f32; d];
+            scales.resize(rows, 0.0);
+            zeros.resize(rows, 0.0);
+            for r in row_order(rows, page.tokens as usize, page.source.is_some()) {
+                let src = match page.row(r) {
+                    Elems::Bf16(v) => RowSrc::Bf16(v),
+                    Elems::F32(v) => RowSrc::F32(v),
+                    _ => {
+                        page.load_row(r, &mut wide);
+                        RowSrc::F32(&wide)
+                    }
+                };
+                let out = &mut index[r * row_bytes..(r + 1) * row_bytes];
+                let p =
+                    affine::encode_row4(src, block, &mut buf, out).map_err(|e| located(r, e))?;
+                (scales[r], zeros[r]) = (p.scale, p.zero);
+            }
+            let count =
+                u32::try_from(n_codes).map_err(|_| Error::param("page over 2^32 elements"))?;
+            return Ok(vec![
+                Section::f32s(SectionKind::Scale, 0, &scales),
+                Section::f32s(SectionKind::Zero, 0, &zeros),
+                Section::packed(SectionKind::Index, 0, self.bits, count, index),
+            ]);
+        }
         for r in 0..rows {
             page.load_row(r, &mut buf);
             let range = match block {
@@ -331,16 +388,7 @@ impl Codec for Affine {
                         p
                     }
                 })
-                .map_err(|e| {
-                    let t = page.tokens as usize;
-                    Error::param(format!(
-                        "{} ({}) plane {} token {}: {e}",
-                        page.tensor.name,
-                        page.tensor.describe(),
-                        r / t,
-                        page.token_start as usize + r % t
-                    ))
-                })?;
+                .map_err(|e| located(r, e))?;
             scales.push(p.scale);
             zeros.push(p.zero);
         }
@@ -372,6 +420,30 @@ impl Codec for Affine {
             v
         };
         let mut buf = vec![0f32; d];
+        if bits == 4 {
+            // The 4-bit row step, straight into the output's elements.
+            let mut wide = vec![0f32; d];
+            for r in row_order(rows, out.tokens as usize, out.scatter.is_some()) {
+                let p = affine::RowParams {
+                    scale: f32_at(scales, r) * c,
+                    zero: f32_at(zeros, r),
+                };
+                let codes = &index[r * row_bytes..(r + 1) * row_bytes];
+                match out.row_mut(r) {
+                    ElemsMut::Bf16(v) => {
+                        affine::decode_row4(codes, p, block, &mut buf, RowDst::Bf16(v))
+                    }
+                    ElemsMut::F32(v) => {
+                        affine::decode_row4(codes, p, block, &mut buf, RowDst::F32(v))
+                    }
+                    mut other => {
+                        affine::decode_row4(codes, p, block, &mut buf, RowDst::F32(&mut wide));
+                        other.store(0, &wide);
+                    }
+                }
+            }
+            return Ok(());
+        }
         for r in 0..rows {
             let p = affine::RowParams {
                 scale: f32_at(scales, r) * c,

@@ -37,7 +37,7 @@ use crate::cache::{Elems, ElemsMut, TensorInfo};
 use crate::error::Result;
 use crate::format::{PageView, Section};
 use crate::plan::Layout;
-use crate::view::CacheView;
+use crate::view::{CacheView, RowsOut, TensorView};
 
 pub use registry::{Example, Family, from_entry, parse};
 
@@ -51,11 +51,16 @@ pub struct PageIn<'a> {
     pub token_start: u32,
     /// Tokens in the page.
     pub tokens: u32,
-    /// One `[tokens, head_dim]` row-major slice per plane.
+    /// One `[tokens, head_dim]` row-major slice per plane (empty when
+    /// `source` is set).
     pub planes: Vec<Elems<'a>>,
+    /// For codecs that read rows one at a time ([`Codec::row_wise`]): the
+    /// tensor the rows are read from in place (any strides, or a paged
+    /// cache), instead of `planes`.
+    pub source: Option<&'a TensorView<'a>>,
 }
 
-impl PageIn<'_> {
+impl<'a> PageIn<'a> {
     /// Elements per head vector.
     pub fn head_dim(&self) -> usize {
         self.tensor.head_dim as usize
@@ -63,7 +68,24 @@ impl PageIn<'_> {
 
     /// Number of rows (`planes * tokens`), in plane-major order.
     pub fn rows(&self) -> usize {
-        self.planes.len() * self.tokens as usize
+        let planes = match self.source {
+            Some(v) => v.info.planes(),
+            None => self.planes.len(),
+        };
+        planes * self.tokens as usize
+    }
+
+    /// Row `r` (plane `r / tokens`, token `r % tokens`): its `head_dim`
+    /// elements.
+    ///
+    /// # Panics
+    /// If `r >= rows()`.
+    pub fn row(&self, r: usize) -> Elems<'a> {
+        let (t, d) = (self.tokens as usize, self.head_dim());
+        match self.source {
+            Some(v) => v.row(r / t, self.token_start as usize + r % t),
+            None => self.planes[r / t].slice((r % t) * d, d),
+        }
     }
 
     /// Widens row `r` (plane `r / tokens`, token `r % tokens`) to f32.
@@ -71,8 +93,7 @@ impl PageIn<'_> {
     /// # Panics
     /// If `r >= rows()` or `out.len() != head_dim()`.
     pub fn load_row(&self, r: usize, out: &mut [f32]) {
-        let t = self.tokens as usize;
-        self.planes[r / t].load((r % t) * out.len(), out);
+        self.row(r).load(0, out);
     }
 }
 
@@ -84,14 +105,36 @@ pub struct PageOut<'a> {
     pub tensor: &'a TensorInfo,
     /// Tokens in the page.
     pub tokens: u32,
-    /// One `[tokens, head_dim]` row-major slice per plane.
+    /// One `[tokens, head_dim]` row-major slice per plane (empty when
+    /// `scatter` is set).
     pub planes: Vec<ElemsMut<'a>>,
+    /// For codecs that write rows one at a time ([`Codec::row_wise`]):
+    /// the destination's rows written in place (any strides, or a paged
+    /// cache), instead of `planes`.
+    pub scatter: Option<RowsOut<'a>>,
 }
 
 impl PageOut<'_> {
     /// Number of rows (`planes * tokens`).
     pub fn rows(&self) -> usize {
-        self.planes.len() * self.tokens as usize
+        let planes = match &self.scatter {
+            Some(_) => self.tensor.planes(),
+            None => self.planes.len(),
+        };
+        planes * self.tokens as usize
+    }
+
+    /// Row `r` (plane `r / tokens`, token `r % tokens`): its `head_dim`
+    /// elements, writable.
+    ///
+    /// # Panics
+    /// If `r >= rows()`.
+    pub fn row_mut(&mut self, r: usize) -> ElemsMut<'_> {
+        let (t, d) = (self.tokens as usize, self.tensor.head_dim as usize);
+        match &mut self.scatter {
+            Some(s) => s.row(r / t, r % t),
+            None => self.planes[r / t].slice_mut((r % t) * d, d),
+        }
     }
 
     /// Narrows `row` (f32, `head_dim` values) into row `r`.
@@ -99,8 +142,7 @@ impl PageOut<'_> {
     /// # Panics
     /// If `r >= rows()`.
     pub fn store_row(&mut self, r: usize, row: &[f32]) {
-        let t = self.tokens as usize;
-        self.planes[r / t].store((r % t) * row.len(), row);
+        self.row_mut(r).store(0, row);
     }
 }
 
@@ -152,6 +194,17 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
     /// exact size instead of the raw size. Default `false` (always safe);
     /// `tests/views.rs` checks every codec that claims it.
     fn size_depends_only_on_shape(&self) -> bool {
+        false
+    }
+
+    /// True when [`Codec::encode`] reads the page only through
+    /// [`PageIn::row`] / [`PageIn::load_row`] and [`Codec::decode`] writes
+    /// it only through [`PageOut::row_mut`] / [`PageOut::store_row`]: then
+    /// pages of tensors in other memory orders (token-major, paged caches)
+    /// are read and written in place ([`PageIn::source`],
+    /// [`PageOut::scatter`]) instead of through a page-sized copy.
+    /// Default `false`.
+    fn row_wise(&self) -> bool {
         false
     }
 
