@@ -49,6 +49,7 @@ pub mod io;
 pub mod kernels;
 pub mod metrics;
 pub mod net;
+pub mod paged;
 pub mod plan;
 pub mod prompt;
 pub mod stream_decode;
