@@ -17,6 +17,7 @@ mod cuda;
 mod dlpack;
 mod errors;
 mod frames;
+mod paged;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -548,6 +549,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bench_decode_into, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_codec, m)?)?;
     m.add_function(wrap_pyfunction!(frames::page_faults, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::encode_paged_host, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::decode_paged_host, m)?)?;
     m.add_class::<cuda::CudaJob>()?;
     m.add_function(wrap_pyfunction!(cuda::cuda_decode_paged, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_encode_paged, m)?)?;
