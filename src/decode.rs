@@ -462,8 +462,9 @@ impl<'a> Archive<'a> {
                 let src = scratch.as_elems();
                 let heads = job.info.heads as usize;
                 let mut row = vec![0f32; d];
-                for p in 0..planes {
-                    for t in 0..n {
+                // Token by token: the destination is token-major or paged.
+                for t in 0..n {
+                    for p in 0..planes {
                         let at = plane_offset(&rows, heads, p, (a - job.lo) as usize + t);
                         let from = (p * n + t) * d;
                         // SAFETY: `decode_into` checked that the view's

@@ -331,8 +331,9 @@ impl<'a> TensorView<'a> {
     pub fn gather(&self, t0: usize, n: usize, dst: &mut TensorData) {
         let d = self.info.head_dim as usize;
         let heads = self.info.heads as usize;
-        for p in 0..self.info.planes() {
-            for t in 0..n {
+        // Token by token: a gathered view's memory is token-major or paged.
+        for t in 0..n {
+            for p in 0..self.info.planes() {
                 let src = self.rows.offset(p, heads, t0 + t);
                 let at = (p * n + t) * d;
                 copy_row(&self.data, src, dst, at, d);

@@ -27,6 +27,7 @@ use crate::kernels::{affine, bitpack, wht};
 
 use super::{
     Codec, Example, Family, PageIn, PageOut, expect_section, expect_section_count, f32_at,
+    row_order,
 };
 
 /// Codec id of `int{b}`.
@@ -222,21 +223,6 @@ impl Affine {
     }
 }
 
-/// The order to code a page's `rows` (plane-major, `tokens` per plane) in:
-/// as stored, or token by token (every plane of a token, then the next
-/// token) when the rows live in the caller's token-major or paged memory,
-/// so that memory is walked forward.
-fn row_order(rows: usize, tokens: usize, token_major: bool) -> impl Iterator<Item = usize> {
-    let planes = rows / tokens.max(1);
-    (0..rows).map(move |i| {
-        if token_major {
-            (i % planes) * tokens + i / planes
-        } else {
-            i
-        }
-    })
-}
-
 impl Codec for Affine {
     fn size_depends_only_on_shape(&self) -> bool {
         true
@@ -315,7 +301,7 @@ impl Codec for Affine {
         let mut scales = Vec::with_capacity(rows);
         let mut zeros = Vec::with_capacity(rows);
         let n_codes = rows * d;
-        let mut index = vec![0u8; bitpack::packed_len(n_codes, bits)];
+        let mut index = crate::format::pool::zeroed(bitpack::packed_len(n_codes, bits));
         let row_aligned = (d * bits as usize).is_multiple_of(8);
         let row_bytes = d * bits as usize / 8;
         let mut all_codes = if row_aligned {

@@ -146,6 +146,26 @@ impl PageOut<'_> {
     }
 }
 
+/// The order to visit a page's `rows` (plane-major, `tokens` per plane)
+/// in: as stored, or token by token (every plane of a token, then the
+/// next token) when `token_major`, i.e. when the rows live in the caller's
+/// token-major or paged memory ([`PageIn::source`], [`PageOut::scatter`]),
+/// so that memory is walked forward.
+pub(crate) fn row_order(
+    rows: usize,
+    tokens: usize,
+    token_major: bool,
+) -> impl Iterator<Item = usize> {
+    let planes = rows / tokens.max(1);
+    (0..rows).map(move |i| {
+        if token_major {
+            (i % planes) * tokens + i / planes
+        } else {
+            i
+        }
+    })
+}
+
 /// A KV cache codec.
 ///
 /// Implementations are immutable values; `encode` and `decode` may be called
