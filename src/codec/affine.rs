@@ -311,16 +311,6 @@ impl Codec for Affine {
         };
         let mut buf = vec![0f32; d];
         let mut codes = vec![0u8; d];
-        let located = |r: usize, e: Error| {
-            let t = page.tokens as usize;
-            Error::param(format!(
-                "{} ({}) plane {} token {}: {e}",
-                page.tensor.name,
-                page.tensor.describe(),
-                r / t,
-                page.token_start as usize + r % t
-            ))
-        };
         if bits == 4 && row_aligned {
             // The 4-bit row step, straight from the page's elements.
             let mut wide = vec![0f32; d];
@@ -336,8 +326,8 @@ impl Codec for Affine {
                     }
                 };
                 let out = &mut index[r * row_bytes..(r + 1) * row_bytes];
-                let p =
-                    affine::encode_row4(src, block, &mut buf, out).map_err(|e| located(r, e))?;
+                let p = affine::encode_row4(src, block, &mut buf, out)
+                    .map_err(|e| page.row_error(r, e))?;
                 (scales[r], zeros[r]) = (p.scale, p.zero);
             }
             let count =
@@ -374,7 +364,7 @@ impl Codec for Affine {
                         p
                     }
                 })
-                .map_err(|e| located(r, e))?;
+                .map_err(|e| page.row_error(r, e))?;
             scales.push(p.scale);
             zeros.push(p.zero);
         }

@@ -95,6 +95,18 @@ impl<'a> PageIn<'a> {
     pub fn load_row(&self, r: usize, out: &mut [f32]) {
         self.row(r).load(0, out);
     }
+
+    /// A parameter error `e` located at row `r` (tensor, plane, token).
+    pub fn row_error(&self, r: usize, e: impl std::fmt::Display) -> crate::Error {
+        let t = self.tokens as usize;
+        crate::Error::param(format!(
+            "{} ({}) plane {} token {}: {e}",
+            self.tensor.name,
+            self.tensor.describe(),
+            r / t,
+            self.token_start as usize + r % t
+        ))
+    }
 }
 
 /// Destination of one decoded page: the same token range of every plane, in

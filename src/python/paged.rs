@@ -13,7 +13,7 @@ use super::archive::Archive;
 use super::arrays::{check_disjoint, dtype_of, host_elems, host_elems_mut};
 use super::dlpack::{self, Imported};
 use super::errors::IntoPy;
-use super::{Compressed, SliceWriter, codec_and_options, full_buffer_is_param, report_dict};
+use super::{Compressed, codec_and_options, encoded};
 use crate::cache::{DType, ElemsMut};
 use crate::gpu::paged::{PagedLayout, PagedShape};
 use crate::paged::{HostPaged, host_shape};
@@ -100,28 +100,9 @@ pub fn encode_paged_host<'py>(
             .transpose()?,
     };
     let c = codec.as_ref();
-    if let Some(out) = out {
-        let buf = dlpack::import(&out, None)?;
-        let bytes = buf.host_bytes_mut("out")?;
-        let (w, report) = py
-            .detach(|| {
-                let w = SliceWriter { buf: bytes, pos: 0 };
-                crate::paged::encode_paged(&cache, &ids, num_tokens, c, layer, &opts, w)
-            })
-            .map_err(full_buffer_is_param)
-            .py_err()?;
-        return Ok((report_dict(py, &report)?, None, Some(w.pos)));
-    }
-    let (file, report) = py
-        .detach(|| {
-            crate::paged::encode_paged(&cache, &ids, num_tokens, c, layer, &opts, Vec::new())
-        })
-        .py_err()?;
-    Ok((
-        report_dict(py, &report)?,
-        Some(PyBytes::new(py, &file)),
-        None,
-    ))
+    encoded(py, out, |w| {
+        Ok(crate::paged::encode_paged(&cache, &ids, num_tokens, c, layer, &opts, w)?.1)
+    })
 }
 
 /// Decodes layer `layer` of a kvpack file (`data`: a
