@@ -94,3 +94,17 @@ def test_token_ranges_bad_tables_and_corruption(layers):
     bad[len(bad) // 2] ^= 0x40
     with pytest.raises(kvpack.FormatError):
         kp.decode_paged(bytes(bad), out, blocks, layer=0, dtype="bf16")
+
+
+def test_cpu_torch_caches_code_like_numpy(layers):
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    blocks = _table(4)
+    cache = paged(layers, blocks, NUM_BLOCKS, "flashinfer")[0]
+    t = torch.from_numpy(cache.view(np.int16)).view(torch.bfloat16)
+    want = kp.encode_paged(cache, blocks, TOKENS, "bdr128", layout="flashinfer", dtype="bf16")
+    assert kp.encode_paged(t, torch.tensor(blocks), TOKENS, "bdr128", layout="flashinfer") == want
+    out = torch.zeros_like(t)
+    kp.decode_paged(want, out, blocks, layer=0, layout="flashinfer")
+    ref = np.zeros_like(cache)
+    kp.decode_paged(want, ref, blocks, layer=0, layout="flashinfer", dtype="bf16")
+    assert np.array_equal(out.view(torch.int16).numpy().view(np.uint16), ref)
