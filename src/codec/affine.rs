@@ -223,6 +223,13 @@ impl Affine {
     }
 }
 
+/// How many tokens ahead the 4-bit rows are prefetched when they live in
+/// the caller's (token-major or paged) memory: the jumps between a paged
+/// cache's blocks then do not stall (measured: bdr128 encode of a layer
+/// with a shuffled block table 4.6 -> 3.6 ms on one thread, as with
+/// contiguous blocks).
+const PREFETCH_TOKENS: usize = 4;
+
 impl Codec for Affine {
     fn size_depends_only_on_shape(&self) -> bool {
         true
@@ -316,7 +323,14 @@ impl Codec for Affine {
             let mut wide = vec![0f32; d];
             scales.resize(rows, 0.0);
             zeros.resize(rows, 0.0);
-            for r in row_order(rows, page.tokens as usize, page.source.is_some()) {
+            let (t, ahead) = (
+                page.tokens as usize,
+                page.source.map_or(0, |_| PREFETCH_TOKENS),
+            );
+            for r in row_order(rows, t, page.source.is_some()) {
+                if ahead > 0 && r % t + ahead < t {
+                    page.prefetch_row(r + ahead);
+                }
                 let src = match page.row(r) {
                     Elems::Bf16(v) => RowSrc::Bf16(v),
                     Elems::F32(v) => RowSrc::F32(v),
@@ -399,7 +413,14 @@ impl Codec for Affine {
         if bits == 4 {
             // The 4-bit row step, straight into the output's elements.
             let mut wide = vec![0f32; d];
-            for r in row_order(rows, out.tokens as usize, out.scatter.is_some()) {
+            let (t, ahead) = (
+                out.tokens as usize,
+                out.scatter.as_ref().map_or(0, |_| PREFETCH_TOKENS),
+            );
+            for r in row_order(rows, t, out.scatter.is_some()) {
+                if ahead > 0 && r % t + ahead < t {
+                    out.prefetch_row(r + ahead);
+                }
                 let p = affine::RowParams {
                     scale: f32_at(scales, r) * c,
                     zero: f32_at(zeros, r),
