@@ -163,7 +163,8 @@ class Incoming:
                 tensors (decoded on the GPU by
                 :func:`kvpack.cuda.decode_paged`, bf16/fp16) or host arrays
                 (numpy, uint16 bit patterns for bf16/fp16 as ``spec.dtype``
-                says, or CPU torch tensors; decoded by the CPU decoders).
+                says, or CPU torch tensors; decoded straight into the
+                blocks by :func:`kvpack.paged.decode_paged`).
             layout: cache layout.
             timeout: seconds to wait for the layer.
             stream: CUDA stream for CUDA caches (default: current).

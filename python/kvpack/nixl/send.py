@@ -182,8 +182,8 @@ class Outgoing:
             kv_cache: this layer's paged cache (:data:`LAYOUTS`), CUDA
                 tensors (encoded by :func:`kvpack.cuda.encode_paged`) or
                 host arrays (numpy uint16 bit patterns of ``spec.dtype``, or
-                CPU torch tensors; encoded by the CPU codecs; blocks that
-                are not token-contiguous are gathered first).
+                CPU torch tensors; encoded straight from the blocks by
+                :func:`kvpack.paged.encode_paged`).
             block_ids: the prefill side's block table for the request.
             layout: cache layout.
             stream: CUDA stream for CUDA caches (default: current).
