@@ -81,7 +81,6 @@ static inline void __syncthreads() {
     }
     while (emu_bar_gen == g) emu_yield();
 }
-static inline void __syncwarp(unsigned = 0xffffffffu) {}
 static void emu_warp_barrier() {
     EmuWarp& w = emu_warps[emu_cur->tid.x / 32];
     unsigned g = w.gen;
@@ -92,6 +91,8 @@ static void emu_warp_barrier() {
     }
     while (w.gen == g) emu_yield();
 }
+// Every lane of the warp (a full mask) reaches __syncwarp before any goes on.
+static inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_barrier(); }
 template <class T>
 static T emu_shfl(T v, int src) {
     EmuWarp& w = emu_warps[emu_cur->tid.x / 32];
@@ -121,6 +122,7 @@ static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fdiv_rn(float a, float b) { return a / b; }
 static inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
+static inline double __fma_rn(double a, double b, double c) { return fma(a, b, c); }
 static inline float __fsqrt_rn(float a) { return sqrtf(a); }
 static inline double __dadd_rn(double a, double b) { return a + b; }
 static inline double __dmul_rn(double a, double b) { return a * b; }

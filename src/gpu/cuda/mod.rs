@@ -69,6 +69,9 @@ pub struct Gpu {
     pub(crate) options: KernelOptions,
 }
 
+/// A device file's length and the `(offset, len)` spans of its page heads.
+type FrameHeads = (u64, Vec<(u64, u64)>);
+
 struct Inner {
     ctx: Arc<CudaContext>,
     info: GpuInfo,
@@ -78,6 +81,10 @@ struct Inner {
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// Dynamic shared memory limit raised per kernel (bytes).
     smem: Mutex<HashMap<String, u32>>,
+    /// File length and page-head spans of the last device-checked decode
+    /// (`frame.rs`): the next file of that length (the next layer of a
+    /// handoff) reads them back speculatively with its head and tail.
+    frame_heads: Mutex<Option<FrameHeads>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -156,6 +163,7 @@ impl Gpu {
                 modules: Mutex::new(HashMap::new()),
                 functions: Mutex::new(HashMap::new()),
                 smem: Mutex::new(HashMap::new()),
+                frame_heads: Mutex::new(None),
             }),
             stream,
             options: KernelOptions::default(),

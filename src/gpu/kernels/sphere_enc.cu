@@ -111,10 +111,11 @@ __device__ __forceinline__ float se_norm_exact(double acc, float mn, double two5
 }
 
 // The factor f of a row: c_D / gamma, or 0 when u is zeroed (gamma == 0 or
-// f not finite; f is never 0 otherwise). Reports a non-finite gamma.
-__device__ __forceinline__ float se_factor(float gamma, float cd, const EncDesc& d, u32 row, u64* status) {
+// f not finite; f is never 0 otherwise). Reports a non-finite gamma when
+// `report` (one thread per row).
+__device__ __forceinline__ float se_factor(float gamma, float cd, const EncDesc& d, u32 row, u64* status, bool report) {
     if (!is_finite(gamma)) {
-        atomicMin(status, ((u64)d.page << 32) | row);
+        if (report) atomicMin(status, ((u64)d.page << 32) | row);
         return 0.0f;
     }
     float f = __fdiv_rn(cd, gamma);
@@ -134,44 +135,78 @@ __device__ __forceinline__ void se_octahedral(const float t[3], float& xi, float
     if (l == 0.0f) xi = eta = 0.0f;
 }
 
+// se_search over bounds held in shared or global memory (any size).
+struct SeBisect {
+    const float* b;
+    u32 bits;
+    __device__ __forceinline__ u32 operator()(float x) const { return se_search(b, bits, x); }
+};
+
+// se_search over at most N finite bounds held in registers: the number of
+// bounds below x, counted (the same result for non-decreasing bounds whose
+// last is +inf, and 0 for NaN; no dependent shared-memory loads).
+template <int N>
+struct SeCount {
+    float b[N];
+    __device__ __forceinline__ void load(const float* src, u32 bits) {
+#pragma unroll
+        for (int k = 0; k < N; k++) b[k] = (u32)k + 1u < (1u << bits) ? src[k] : __int_as_float(0x7f800000);
+    }
+    __device__ __forceinline__ u32 operator()(float x) const {
+        u32 c = 0;
+#pragma unroll
+        for (int k = 0; k < N; k++) c += b[k] < x ? 1u : 0u;
+        return c;
+    }
+};
+
+// Scores candidate (a, b) of triplet t, keeping the first maximum.
+__device__ __forceinline__ void se_score(const float t[3], const float4* dirs, u32 bd, u32 a, u32 b, float& best,
+                                         u32& ba, u32& bb) {
+    float4 c = dirs[(a << bd) | b];
+    float s = __fadd_rn(__fadd_rn(__fmul_rn(t[0], c.x), __fmul_rn(t[1], c.y)), __fmul_rn(t[2], c.z));
+    if (s > best) {
+        best = s;
+        ba = a;
+        bb = b;
+    }
+}
+
 // The codes (a, b, jn) of triplet t (TripletQuantizer::quantize_triplet);
-// `dirs` holds n(a, b) at a << bd | b, `db` / `nb` the direction / norm
-// bounds. Returns the maximum score's direction in n.
-__device__ __forceinline__ void se_triplet(const float t[3], const float4* dirs, const float* db, const float* nb,
-                                           u32 bd, u32 bn, u32 rounding, u32& a_out, u32& b_out, u32& jn, float4& n) {
+// `dirs` holds n(a, b) at a << bd | b, `dsearch` / `nsearch` search the
+// direction / norm bounds. Returns the maximum score's direction in n.
+template <class DS, class NS>
+__device__ __forceinline__ void se_triplet(const float t[3], const float4* dirs, const DS& dsearch, const NS& nsearch,
+                                           u32 bd, u32 rounding, u32& a_out, u32& b_out, u32& jn, float4& n) {
     float xi, eta;
     se_octahedral(t, xi, eta);
-    const u32 jx = se_search(db, bd, xi), jy = se_search(db, bd, eta);
+    const u32 jx = dsearch(xi), jy = dsearch(eta);
     const u32 top = (1u << bd) - 1u;
-    u32 a0 = jx, a1 = jx, b0 = jy, b1 = jy;
-    if (rounding == SE_LOCAL) {
-        a0 = jx > 0u ? jx - 1u : 0u;
-        a1 = min(jx + 1u, top);
-        b0 = jy > 0u ? jy - 1u : 0u;
-        b1 = min(jy + 1u, top);
-    } else if (rounding == SE_FULL) {
-        a0 = 0u;
-        a1 = top;
-        b0 = 0u;
-        b1 = top;
-    }
     float best = __int_as_float(0xff800000);
     u32 ba = jx, bb = jy;
-    for (u32 a = a0; a <= a1; a++) {
-        for (u32 b = b0; b <= b1; b++) {
-            float4 c = dirs[(a << bd) | b];
-            float s = __fadd_rn(__fadd_rn(__fmul_rn(t[0], c.x), __fmul_rn(t[1], c.y)), __fmul_rn(t[2], c.z));
-            if (s > best) {
-                best = s;
-                ba = a;
-                bb = b;
-            }
+    if (rounding == SE_LOCAL) {
+        // The 3x3 neighbourhood, indices clamped: a clamped duplicate
+        // repeats its neighbour's score right after it, which never
+        // replaces the first maximum, so this is the ascending scan of the
+        // distinct candidates.
+        const u32 as[3] = {jx > 0u ? jx - 1u : 0u, jx, min(jx + 1u, top)};
+        const u32 bs[3] = {jy > 0u ? jy - 1u : 0u, jy, min(jy + 1u, top)};
+#pragma unroll
+        for (int x = 0; x < 3; x++) {
+#pragma unroll
+            for (int y = 0; y < 3; y++) se_score(t, dirs, bd, as[x], bs[y], best, ba, bb);
+        }
+    } else {
+        const bool full = rounding == SE_FULL;
+        const u32 a0 = full ? 0u : jx, a1 = full ? top : jx, b0 = full ? 0u : jy, b1 = full ? top : jy;
+        for (u32 a = a0; a <= a1; a++) {
+            for (u32 b = b0; b <= b1; b++) se_score(t, dirs, bd, a, b, best, ba, bb);
         }
     }
     float p = best;
     if (p < 0.0f) p = 0.0f;
     if (p > 1.0f) p = 1.0f;
-    jn = se_search(nb, bn, p);
+    jn = nsearch(p);
     a_out = ba;
     b_out = bb;
     n = dirs[(ba << bd) | bb];
@@ -193,13 +228,47 @@ __device__ __forceinline__ const u8* se_signs(const EncDesc& d, u32 row, bool qj
     return reinterpret_cast<const u8*>(d.side) + d.p1 + (u64)head * (qjl ? 2u : 1u) * (d.head_dim >> 3);
 }
 
+// Octopus codes of the block's rows (staged rotated in xs, RS floats apart,
+// T triplets each), OR-ed into the word buffers wd (direction pairs) and wn
+// (norms) whose first bits sit at bd0 & 31 / bn0 & 31; with QJL the
+// residual replaces the row. Each warp codes the rows its lanes staged
+// (32 / lpr of them), one triplet per lane and step.
+template <bool QJL, class DS, class NS>
+__device__ __forceinline__ void se_code_triplets(float* xs, u32 RS, u32 lpr, u32 nrows, u32 T, u32 mT, u32 D,
+                                                 const float4* dirs, const DS& dsearch, const NS& nsearch, u32 bd,
+                                                 u32 bn, u32 rounding, u32* wd, u32* wn, u64 bd0, u64 bn0,
+                                                 const float* slut) {
+    const u32 rpw = 32u / lpr, warp = threadIdx.x >> 5;
+    const u32 end = min((warp + 1u) * rpw, nrows) * T;
+    for (u32 i = min(warp * rpw, nrows) * T + (threadIdx.x & 31u); i < end; i += 32u) {
+        const u32 r = udiv(i, T, mT), ti = i - r * T;
+        float* rp = xs + r * RS;
+        float t[3];
+#pragma unroll
+        for (u32 k = 0; k < 3u; k++) t[k] = 3u * ti + k < D ? rp[se_at(3u * ti + k)] : 0.0f;
+        u32 a, b, jn;
+        float4 n;
+        se_triplet(t, dirs, dsearch, nsearch, bd, rounding, a, b, jn, n);
+        const u32 c = r * T + ti;
+        se_or_bits(wd, (bd0 & 31u) + (u64)c * 2u * bd, a | (b << bd), 2u * bd);
+        se_or_bits(wn, (bn0 & 31u) + (u64)c * bn, jn, bn);
+        if (QJL) {
+            const float rho = slut[jn];
+            const float nn[3] = {n.x, n.y, n.z};
+#pragma unroll
+            for (u32 k = 0; k < 3u; k++) {
+                if (3u * ti + k < D) rp[se_at(3u * ti + k)] = __fsub_rn(t[k], __fmul_rn(nn[k], rho));
+            }
+        }
+    }
+}
+
 // ------------------------------------------------------------------ fast
 
 template <int SRC, bool OCT, bool QJL, int B>
 __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
                                                    u64* status) {
     DYN_SHARED(float, xs);
-    __shared__ float sf[BLOCK];
     __shared__ float sb[128];
     __shared__ float slut[64];
     __shared__ __align__(16) float4 sdir[256];
@@ -246,40 +315,55 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
 #pragma unroll
         for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
     }
+    // Octopus: the block's code word buffers (after its rows) zeroed.
+    const u32 T = (D + 2u) / 3u;
+    const u32 rows_blk = (u32)BLOCK / lpr;
+    const u32 nwd = OCT ? (rows_blk * T * 2u * bd + 31u) / 32u + 1u : 0u;
+    const u32 nwn = OCT ? (rows_blk * T * bn + 31u) / 32u + 1u : 0u;
+    u32* wd = reinterpret_cast<u32*>(xs + rows_blk * RS);
+    u32* wn = wd + nwd;
+    for (u32 i = threadIdx.x; i < nwd + nwn; i += BLOCK) wd[i] = 0u;
+    // The bounds, tables, staged rows and word buffers are visible to the
+    // whole block from here on (the only block barrier before the codes).
+    __syncthreads();
+    float f;
     {
         // The row's squares summed across its lpr lanes in any order
-        // (se_norm_exact says when that is the CPU's sum).
+        // (se_norm_exact says when that is the CPU's sum); every lane of
+        // the row (one warp) then takes gamma and f itself, the index-order
+        // sum from the staged row when the exact shortcut does not apply.
+        // The square of a binary32 value is exact in binary64, so one
+        // fused multiply-add rounds exactly as the product-then-sum does.
+        // mk: the smallest 2|x| - 1 over the bits of x (zeros wrap to the
+        // maximum), i.e. the smallest non-zero magnitude.
         double a[4] = {0.0, 0.0, 0.0, 0.0};
-        float mn = __int_as_float(0x7f800000);
+        u32 mk = 0xffffffffu;
 #pragma unroll
         for (int i = 0; i < 32; i++) {
-            a[i & 3] = __dadd_rn(a[i & 3], __dmul_rn((double)v[i], (double)v[i]));
-            mn = fminf(mn, v[i] == 0.0f ? __int_as_float(0x7f800000) : fabsf(v[i]));
+            a[i & 3] = __fma_rn((double)v[i], (double)v[i], a[i & 3]);
+            mk = min(mk, (__float_as_uint(v[i]) << 1) - 1u);
         }
         double acc = __dadd_rn(__dadd_rn(a[0], a[1]), __dadd_rn(a[2], a[3]));
         for (u32 m = 1; m < lpr; m <<= 1) {
             acc = __dadd_rn(acc, __shfl_xor_sync(FULL_MASK, acc, (int)m));
-            mn = fminf(mn, __shfl_xor_sync(FULL_MASK, mn, (int)m));
+            mk = min(mk, __shfl_xor_sync(FULL_MASK, mk, (int)m));
         }
-        // sf[row] holds the exact gamma (or -1) until the row's factor.
-        if (live && j == 0u) sf[rl] = se_norm_exact(acc, mn, SRC == SRC_BF16 ? 549755813888.0 : SRC == SRC_F16 ? 8589934592.0 : 128.0);
+        const float mn = mk == 0xffffffffu ? __int_as_float(0x7f800000) : __uint_as_float((mk + 1u) >> 1);
+        float gamma = se_norm_exact(acc, mn, SRC == SRC_BF16 ? 549755813888.0 : SRC == SRC_F16 ? 8589934592.0 : 128.0);
+        if (gamma < 0.0f) gamma = se_norm_fast(xs + rl * RS, D);
+        const bool first = live && j == 0u;
+        if (first) reinterpret_cast<float*>(body + d.sec_scale)[row] = gamma;
+        f = se_factor(gamma, __uint_as_float(d.p2), d, row, status, first);
     }
-    __syncthreads();
-    if (threadIdx.x < nrows) {
-        const u32 r = row0 + threadIdx.x;
-        float gamma = sf[threadIdx.x];
-        if (gamma < 0.0f) gamma = se_norm_fast(xs + threadIdx.x * RS, D);
-        reinterpret_cast<float*>(body + d.sec_scale)[r] = gamma;
-        sf[threadIdx.x] = se_factor(gamma, __uint_as_float(d.p2), d, r, status);
-    }
-    __syncthreads();
+    // The row's lanes are done reading its staged copy (it is overwritten
+    // below by octopus and QJL).
+    __syncwarp();
     // Rotate and scale: u = H (s ⊙ x) * f.
     const u8* signs = se_signs(d, row, QJL);
     const u32 rot = *reinterpret_cast<const u32*>(signs + 4u * j);
 #pragma unroll
     for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
     wht<32>(v, D);
-    const float f = sf[rl];
 #pragma unroll
     for (int i = 0; i < 32; i++) v[i] = f == 0.0f ? 0.0f : __fmul_rn(v[i], f);
     if (!OCT) {
@@ -311,37 +395,22 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
 #pragma unroll
             for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
         }
-        const u32 T = (D + 2u) / 3u;
         const u32 mT = (u32)((0x100000000ull + T - 1u) / T);
         const u64 bd0 = (u64)row0 * T * 2u * bd, bn0 = (u64)row0 * T * bn;
-        const u32 rows_blk = (u32)BLOCK / lpr;
-        const u32 nwd = (rows_blk * T * 2u * bd + 31u) / 32u + 1u;
-        u32* wd = reinterpret_cast<u32*>(xs + rows_blk * RS);
-        u32* wn = wd + nwd;
-        const u32 nwn = (rows_blk * T * bn + 31u) / 32u + 1u;
-        for (u32 i = threadIdx.x; i < nwd + nwn; i += BLOCK) wd[i] = 0u;
-        __syncthreads();
-        const float4* dirs = dir_smem ? sdir : reinterpret_cast<const float4*>(side);
-        for (u32 i = threadIdx.x; i < nrows * T; i += BLOCK) {
-            const u32 r = udiv(i, T, mT), ti = i - r * T;
-            float* rp = xs + r * RS;
-            float t[3];
-#pragma unroll
-            for (u32 k = 0; k < 3u; k++) t[k] = 3u * ti + k < D ? rp[se_at(3u * ti + k)] : 0.0f;
-            u32 a, b, jn;
-            float4 n;
-            se_triplet(t, dirs, sb, sb + nb0, bd, bn, rounding, a, b, jn, n);
-            const u32 c = r * T + ti;
-            se_or_bits(wd, (bd0 & 31u) + (u64)c * 2u * bd, a | (b << bd), 2u * bd);
-            se_or_bits(wn, (bn0 & 31u) + (u64)c * bn, jn, bn);
-            if (QJL) {
-                const float rho = slut[jn];
-                const float nn[3] = {n.x, n.y, n.z};
-#pragma unroll
-                for (u32 k = 0; k < 3u; k++) {
-                    if (3u * ti + k < D) rp[se_at(3u * ti + k)] = __fsub_rn(t[k], __fmul_rn(nn[k], rho));
-                }
-            }
+        // Each warp codes the triplets of its own rows: no block barrier.
+        __syncwarp();
+        if (bd <= 4u && bn <= 3u) {
+            // Small codebooks (b <= 3 splits): the bounds in registers, the
+            // directions in shared memory.
+            SeCount<15> ds;
+            SeCount<7> ns;
+            ds.load(sb, bd);
+            ns.load(sb + nb0, bn);
+            se_code_triplets<QJL>(xs, RS, lpr, nrows, T, mT, D, sdir, ds, ns, bd, bn, rounding, wd, wn, bd0, bn0, slut);
+        } else {
+            const float4* dirs = dir_smem ? sdir : reinterpret_cast<const float4*>(side);
+            se_code_triplets<QJL>(xs, RS, lpr, nrows, T, mT, D, dirs, SeBisect{sb, bd}, SeBisect{sb + nb0, bn}, bd,
+                                  bn, rounding, wd, wn, bd0, bn0, slut);
         }
         __syncthreads();
         // The word buffers out: words shared with a neighbouring block
@@ -459,7 +528,7 @@ __device__ __forceinline__ void sphere_encode_any(const EncDesc* __restrict__ de
     if (threadIdx.x == 0) {
         float gamma = se_norm_flat(xs, D);
         reinterpret_cast<float*>(body + d.sec_scale)[row] = gamma;
-        sfac = se_factor(gamma, __uint_as_float(d.p2), d, row, status);
+        sfac = se_factor(gamma, __uint_as_float(d.p2), d, row, status, true);
     }
     const u8* signs = se_signs(d, row, qjl);
     __syncthreads();
@@ -486,7 +555,7 @@ __device__ __forceinline__ void sphere_encode_any(const EncDesc* __restrict__ de
             for (u32 k = 0; k < 3u; k++) t[k] = 3u * ti + k < D ? xs[3u * ti + k] : 0.0f;
             u32 a, b, jn;
             float4 n;
-            se_triplet(t, dirs, bounds, bounds + (1u << ba), ba, bn, rounding, a, b, jn, n);
+            se_triplet(t, dirs, SeBisect{bounds, ba}, SeBisect{bounds + (1u << ba), bn}, ba, rounding, a, b, jn, n);
             const u64 c = (u64)row * T + ti;
             se_or_bits(reinterpret_cast<u32*>(body + d.sec_index), c * 2u * ba, a | (b << ba), 2u * ba);
             se_or_bits(reinterpret_cast<u32*>(body + d.sec_zero), c * bn, jn, bn);
