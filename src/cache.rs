@@ -644,6 +644,19 @@ impl<'a> ElemsMut<'a> {
         }
     }
 
+    /// Elements `[start, start + len)`, reborrowed.
+    ///
+    /// # Panics
+    /// If out of bounds.
+    pub fn slice_mut(&mut self, start: usize, len: usize) -> ElemsMut<'_> {
+        match self {
+            ElemsMut::Bf16(v) => ElemsMut::Bf16(&mut v[start..start + len]),
+            ElemsMut::F16(v) => ElemsMut::F16(&mut v[start..start + len]),
+            ElemsMut::F32(v) => ElemsMut::F32(&mut v[start..start + len]),
+            ElemsMut::Fp8(f, v) => ElemsMut::Fp8(*f, &mut v[start..start + len]),
+        }
+    }
+
     /// Splits the first `planes * per_plane` elements into `planes`
     /// consecutive runs of `per_plane` elements (the planes of a page's
     /// `[planes, tokens, head_dim]` scratch).

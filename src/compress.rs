@@ -13,7 +13,7 @@ use crate::codec::{Codec, PageIn, raw::Raw};
 use crate::error::{Error, Result};
 use crate::format::{
     CodecEntry, FileHeader, PageFrame, PageHeader, PageMeta, Reader, Section, Trailer,
-    VERSION_MAJOR, Writer,
+    VERSION_MAJOR, Writer, pool,
 };
 use crate::plan::{Layout, PlannedPage, plan};
 use crate::view::{CacheView, Strides, TensorView};
@@ -97,11 +97,17 @@ fn encode_page(
     let (t0, n) = (p.token_start as usize, p.tokens as usize);
     let (count, len) = (tensor.info.planes(), n * tensor.info.head_dim as usize);
     let scratch;
+    let mut source = None;
     let planes = match (0..count)
         .map(|pl| tensor.plane_rows(pl, t0, n))
         .collect::<Option<Vec<_>>>()
     {
         Some(planes) => planes,
+        // A row-wise codec reads the rows where they are.
+        None if codec.row_wise() => {
+            source = Some(tensor);
+            Vec::new()
+        }
         None => {
             // Rows are not contiguous (e.g. token-major memory): gather
             // this page into kvpack's order.
@@ -114,12 +120,18 @@ fn encode_page(
         }
     };
     let page = PageIn {
+        source,
         tensor: &tensor.info,
         token_start: p.token_start,
         tokens: p.tokens,
         planes,
     };
-    page_frame(p, &codec.encode(&page)?, slot, opts)
+    let sections = codec.encode(&page)?;
+    let frame = page_frame(p, &sections, slot, opts);
+    // The payloads were copied into the frame: their buffers serve the
+    // next pages.
+    sections.into_iter().for_each(|s| pool::give(s.data));
+    frame
 }
 
 /// The frame of planned page `p` holding `sections`, with codec table slot
@@ -229,13 +241,16 @@ fn write_pages<W: Write + Send>(
             {
                 let raw = encode_page(t, p, codecs[raw_slot], raw_slot, opts)?;
                 if raw.bytes.len() < frame.bytes.len() {
+                    pool::give(frame.bytes);
                     return Ok((raw, *p));
                 }
+                pool::give(raw.bytes);
             }
             Ok((frame, *p))
         },
         |(frame, p)| {
             w.write_page(&frame)?;
+            pool::give(frame.bytes);
             let t = &tensors[p.tensor as usize];
             let b = page_source_bytes(t, &p);
             source_bytes += b;

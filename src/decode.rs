@@ -10,7 +10,7 @@ use crate::cache::{DType, Elems, ElemsMut, Kind, KvCache, Tensor, TensorData, Te
 use crate::codec::{Codec, PageOut};
 use crate::error::{Error, Result};
 use crate::format::{Limits, Reader, Release};
-use crate::view::{RawDst, Strides, TensorViewMut, plane_offset};
+use crate::view::{RawDst, Rows, RowsOut, Strides, TensorViewMut, plane_offset};
 
 /// Where [`Archive::decode_into`] writes one tensor.
 #[derive(Debug)]
@@ -36,7 +36,7 @@ enum PageDst<'o> {
     /// Per-plane slices of the page's overlap (kvpack's axis order).
     Planes(Vec<ElemsMut<'o>>),
     /// Any other axis order: decode to scratch, scatter rows.
-    Scatter(RawDst, Strides),
+    Scatter(RawDst, Rows<'o>),
 }
 
 /// Which part of a cache to decode. The default selects everything.
@@ -436,9 +436,25 @@ impl<'a> Archive<'a> {
     fn decode_job(&self, job: PageJob<'_>, stats: Option<&DecodeStats>) -> Result<()> {
         match job.dst {
             PageDst::Planes(planes) => {
-                self.decode_page(job.page, &job.info, job.lo, job.hi, planes, stats)
+                self.decode_page(job.page, &job.info, job.lo, job.hi, planes, None, stats)
             }
-            PageDst::Scatter(dst, strides) => {
+            PageDst::Scatter(dst, rows) => {
+                let m = self.reader.index().entries[job.page].meta;
+                let inside = m.token_start >= job.lo && m.token_start + m.tokens <= job.hi;
+                if inside && self.codec(m.codec as usize).row_wise() {
+                    // A row-wise codec writes the page's rows in place.
+                    // SAFETY: `decode_into` checked that the view's extent
+                    // fits its buffer and that no two elements share an
+                    // address; this job is the only one writing the page's
+                    // rows (distinct pages hold distinct tokens); the buffer
+                    // stays mutably borrowed by `decode_into` until every
+                    // job has finished.
+                    let out = unsafe {
+                        RowsOut::new(dst, rows, &job.info, (m.token_start - job.lo) as usize)
+                    };
+                    let (lo, hi) = (job.lo, job.hi);
+                    return self.decode_page(job.page, &job.info, lo, hi, vec![], Some(out), stats);
+                }
                 let (a, n, scratch) =
                     self.decode_page_scratch(job.page, &job.info, job.lo, job.hi, stats)?;
                 let d = job.info.head_dim as usize;
@@ -446,9 +462,10 @@ impl<'a> Archive<'a> {
                 let src = scratch.as_elems();
                 let heads = job.info.heads as usize;
                 let mut row = vec![0f32; d];
-                for p in 0..planes {
-                    for t in 0..n {
-                        let at = plane_offset(&strides, heads, p, (a - job.lo) as usize + t);
+                // Token by token: the destination is token-major or paged.
+                for t in 0..n {
+                    for p in 0..planes {
+                        let at = plane_offset(&rows, heads, p, (a - job.lo) as usize + t);
                         let from = (p * n + t) * d;
                         // SAFETY: `decode_into` checked that the view's
                         // extent fits its buffer and that no two elements
@@ -500,13 +517,15 @@ impl<'a> Archive<'a> {
         let mut scratch = TensorData::zeros(info.dtype, planes * n * d);
         {
             let sp = scratch.as_elems_mut().split_planes(n * d, planes);
-            self.decode_page(pi, info, a, b, sp, stats)?;
+            self.decode_page(pi, info, a, b, sp, None, stats)?;
         }
         Ok((a, n, scratch))
     }
 
     /// Decodes page `pi` into `planes`, which hold the page's overlap with
-    /// slots `[lo, hi)`.
+    /// slots `[lo, hi)`, or, for a page inside `[lo, hi)` of a row-wise
+    /// codec, into the destination rows `scatter`.
+    #[allow(clippy::too_many_arguments)]
     fn decode_page(
         &self,
         pi: usize,
@@ -514,6 +533,7 @@ impl<'a> Archive<'a> {
         lo: u32,
         hi: u32,
         planes: Vec<ElemsMut<'_>>,
+        scatter: Option<RowsOut<'_>>,
         stats: Option<&DecodeStats>,
     ) -> Result<()> {
         let entry = self.reader.index().entries[pi];
@@ -531,6 +551,7 @@ impl<'a> Archive<'a> {
         let inside = m.token_start >= lo && m.token_start + m.tokens <= hi;
         if inside {
             let mut out = PageOut {
+                scatter,
                 tensor: &src_info,
                 tokens: m.tokens,
                 planes,
@@ -551,6 +572,7 @@ impl<'a> Archive<'a> {
                 .as_elems_mut()
                 .split_planes(m.tokens as usize * d, info.planes());
             let mut out = PageOut {
+                scatter: None,
                 tensor: &src_info,
                 tokens: m.tokens,
                 planes: sp,

@@ -26,7 +26,8 @@
 //! Modules: [`format`](mod@format) (the container, no codec math), [`codec`] (the
 //! [`codec::Codec`] trait, the registry and one module per codec),
 //! [`compress`](mod@compress) / [`decode`] (whole-cache pipelines on all
-//! threads), [`stream_decode`] / [`transport`] (the prefill-to-decode
+//! threads), [`paged`] (one layer from and into a paged cache in host
+//! memory), [`stream_decode`] / [`transport`] (the prefill-to-decode
 //! handoff), [`gpu`] (CUDA decode/encode kernels, feature `cuda`), [`io`]
 //! (safetensors, mmap, atomic writes and crash-safe appends), [`eval`] /
 //! [`metrics`] (quality measurement). `ARCHITECTURE.md` shows how they fit.
@@ -49,6 +50,7 @@ pub mod io;
 pub mod kernels;
 pub mod metrics;
 pub mod net;
+pub mod paged;
 pub mod plan;
 pub mod prompt;
 pub mod stream_decode;

@@ -153,6 +153,7 @@ pub fn decode_stream_with<R: Read>(
         // `run_stream` against the header's token count.
         let planes = unsafe { outputs.page_out(t, m.token_start as usize, m.tokens as usize) };
         let mut out = PageOut {
+            scatter: None,
             tensor: &header.tensors[t],
             tokens: m.tokens,
             planes,
@@ -232,6 +233,7 @@ pub fn decode_stream_pieces<R: Read>(
         {
             let sp = scratch.as_elems_mut().split_planes(n * d, planes);
             let mut out = PageOut {
+                scatter: None,
                 tensor: &header.tensors[t],
                 tokens: m.tokens,
                 planes: sp,
@@ -445,6 +447,7 @@ pub fn check_page(
         .as_elems_mut()
         .split_planes(per_plane as usize, info.planes());
     let mut out = PageOut {
+        scatter: None,
         tensor: info,
         tokens: m.tokens,
         planes,

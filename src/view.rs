@@ -13,6 +13,13 @@
 //! borrow them, otherwise each page is gathered into a page-sized scratch
 //! buffer, so no whole-cache copy is ever made.
 //!
+//! A view may also address a serving engine's paged cache ([`Paged`]):
+//! token `t` is row `slots[t] % block_size` of block `slots[t] /
+//! block_size` ([`crate::gpu::paged::PagedAddr`], the addressing the GPU
+//! kernels use, and [`crate::gpu::paged::slot_mapping`] from a block
+//! table), so a layer is encoded from, or decoded into, its blocks in
+//! place.
+//!
 //! [`TensorViewMut`] is the mirror for decoding into caller-owned memory
 //! ([`crate::decode::Archive::decode_into`]).
 
@@ -20,6 +27,7 @@ use std::collections::BTreeMap;
 
 use crate::cache::{Elems, ElemsMut, KvCache, TensorData, TensorInfo};
 use crate::error::{Error, Result};
+use crate::gpu::paged::PagedAddr;
 
 /// Element strides of the `batch`, `kv_heads` and `tokens` axes of a view
 /// (the `head_dim` axis has stride 1).
@@ -86,34 +94,124 @@ impl Strides {
     /// True when no two distinct elements share an address (required of
     /// a destination: decoding writes every element once).
     fn non_overlapping(&self, info: &TensorInfo) -> bool {
-        // Sort the axes by stride; each must step over everything the
-        // smaller axes span. An empty tensor (a layer with 0 tokens) has no
-        // elements to overlap, whatever its (then zero) strides.
-        if info.elements() == 0 {
-            return true;
-        }
-        let d = info.head_dim as usize;
-        let mut axes = [
-            (self.token, info.tokens as usize),
-            (self.head, info.heads as usize),
-            (self.batch, info.batch as usize),
-        ];
-        axes.sort_unstable();
-        let mut span = d;
-        for (stride, n) in axes {
-            if n <= 1 {
-                continue;
-            }
-            if stride < span {
-                return false;
-            }
-            span = stride.saturating_mul(n);
-        }
-        true
+        // An empty tensor (a layer with 0 tokens) has no elements to
+        // overlap, whatever its (then zero) strides.
+        info.elements() == 0
+            || disjoint(
+                info.head_dim as usize,
+                [
+                    (self.token, info.tokens as usize),
+                    (self.head, info.heads as usize),
+                    (self.batch, info.batch as usize),
+                ],
+            )
     }
 
     fn offset(&self, plane: usize, heads: usize, token: usize) -> usize {
         (plane / heads) * self.batch + (plane % heads) * self.head + token * self.token
+    }
+}
+
+/// True when rows of `d` contiguous elements addressed by the `(stride,
+/// count)` axes never share an element: sorted by stride, each axis must
+/// step over everything the smaller axes span.
+fn disjoint<const N: usize>(d: usize, mut axes: [(usize, usize); N]) -> bool {
+    axes.sort_unstable();
+    let mut span = d;
+    for (stride, n) in axes {
+        if n <= 1 {
+            continue;
+        }
+        if stride < span {
+            return false;
+        }
+        span = stride.saturating_mul(n);
+    }
+    true
+}
+
+/// The rows of a one-sequence (batch 1) view in a paged cache: token `t`
+/// of the view lives in cache slot `slots[t]` ([`PagedAddr::offset`]; the
+/// slots come from a block table through
+/// [`crate::gpu::paged::slot_mapping`]), element offsets counted from the
+/// view's first element.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Paged<'a> {
+    /// Block size, strides and block count of K or V in the cache.
+    pub addr: PagedAddr,
+    /// The cache slot of every token of the view.
+    pub slots: &'a [i64],
+}
+
+/// How a view's rows are addressed: by strides, or through a paged
+/// cache's slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rows<'a> {
+    /// Element `(b, h, t, i)` at `b * batch + h * head + t * token + i`.
+    Strided(Strides),
+    /// Element `(0, h, t, i)` at `addr.offset(slots[t], h) + i`.
+    Paged(Paged<'a>),
+}
+
+impl Rows<'_> {
+    /// Element offset of row `(plane, token)`, planes `b * heads + h`.
+    fn offset(&self, plane: usize, heads: usize, token: usize) -> usize {
+        match self {
+            Rows::Strided(s) => s.offset(plane, heads, token),
+            Rows::Paged(p) => p.addr.offset(p.slots[token] as u64, plane as u32) as usize,
+        }
+    }
+}
+
+impl<'a> Paged<'a> {
+    /// Checks that `info` (batch 1, `slots.len()` tokens) fits a buffer of
+    /// `len` elements through this addressing, with every slot in the
+    /// cache; with `exclusive`, also that no two rows share an element
+    /// (distinct slots, disjoint strides), as a destination needs.
+    fn check(&self, info: &TensorInfo, len: usize, exclusive: bool) -> Result<()> {
+        let what = || format!("{} ({})", info.name, info.describe());
+        if info.batch != 1 || self.slots.len() != info.tokens as usize {
+            return Err(Error::param(format!(
+                "{}: a paged view holds one sequence of {} tokens, {} slots given for batch {}",
+                what(),
+                info.tokens,
+                self.slots.len(),
+                info.batch
+            )));
+        }
+        self.addr
+            .check(len as u64, info.heads, info.head_dim)
+            .map_err(|e| Error::param(format!("{}: {e}", what())))?;
+        let n = self.addr.slots();
+        if let Some(s) = self.slots.iter().find(|&&s| s < 0 || s as u64 >= n) {
+            return Err(Error::param(format!(
+                "{}: slot {s} outside the cache's {n} slots",
+                what()
+            )));
+        }
+        if exclusive {
+            let mut seen = vec![false; n as usize];
+            if let Some(s) = self
+                .slots
+                .iter()
+                .find(|&&s| std::mem::replace(&mut seen[s as usize], true))
+            {
+                return Err(Error::param(format!("{}: slot {s} is used twice", what())));
+            }
+            let st = self.addr.strides;
+            let axes = [
+                (st.token as usize, self.addr.block_size as usize),
+                (st.head as usize, info.heads as usize),
+                (st.block as usize, self.addr.num_blocks as usize),
+            ];
+            if !disjoint(info.head_dim as usize, axes) {
+                return Err(Error::param(format!(
+                    "{}: paged strides {st:?} make elements overlap",
+                    what()
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -138,7 +236,7 @@ pub struct TensorView<'a> {
     /// Logical shape `[batch, kv_heads, tokens, head_dim]`, name, dtype.
     pub info: TensorInfo,
     data: Elems<'a>,
-    strides: Strides,
+    rows: Rows<'a>,
 }
 
 impl<'a> TensorView<'a> {
@@ -148,31 +246,52 @@ impl<'a> TensorView<'a> {
     /// [`Error::Parameter`] when `data`'s dtype differs from `info.dtype`
     /// or `data` is too short for the shape and strides.
     pub fn new(info: TensorInfo, data: Elems<'a>, strides: Strides) -> Result<TensorView<'a>> {
-        if data.dtype() != info.dtype {
-            return Err(Error::param(format!(
-                "{} ({}): data is {}, the tensor is declared {}",
-                info.name,
-                info.describe(),
-                data.dtype().name(),
-                info.dtype.name()
-            )));
-        }
+        check_dtype(&info, data.dtype(), "data is")?;
         check_extent(&info, &strides, data.len())?;
         Ok(TensorView {
             info,
             data,
-            strides,
+            rows: Rows::Strided(strides),
         })
     }
 
-    /// All the elements the view borrows (in its strides' order).
+    /// A view of one sequence (batch 1) in a paged cache: token `t` is
+    /// the row of slot `paged.slots[t]` in `data` (K or V of a paged cache
+    /// from its (block 0, row 0, head 0) element on).
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when `data`'s dtype differs from `info.dtype`,
+    /// batch is not 1, `paged.slots` does not hold one slot per token, a
+    /// slot lies outside the cache, or `data` is too short for the cache
+    /// ([`PagedAddr::check`]).
+    pub fn paged(info: TensorInfo, data: Elems<'a>, paged: Paged<'a>) -> Result<TensorView<'a>> {
+        check_dtype(&info, data.dtype(), "data is")?;
+        paged.check(&info, data.len(), false)?;
+        Ok(TensorView {
+            info,
+            data,
+            rows: Rows::Paged(paged),
+        })
+    }
+
+    /// All the elements the view borrows (in its addressing's order).
     pub fn elems(&self) -> Elems<'a> {
         self.data
     }
 
-    /// The view's strides.
-    pub fn strides(&self) -> Strides {
-        self.strides
+    /// The view's row addressing.
+    pub fn rows(&self) -> Rows<'a> {
+        self.rows
+    }
+
+    /// Row `(plane p, token t)`: its `head_dim` elements.
+    ///
+    /// # Panics
+    /// If out of bounds.
+    pub fn row(&self, p: usize, t: usize) -> Elems<'a> {
+        let d = self.info.head_dim as usize;
+        self.data
+            .slice(self.rows.offset(p, self.info.heads as usize, t), d)
     }
 
     /// Tokens `[t0, t0 + n)` of plane `p` (`p = b * kv_heads + h`) as one
@@ -182,11 +301,14 @@ impl<'a> TensorView<'a> {
     /// # Panics
     /// If the range is out of bounds (callers derive it from the shape).
     pub fn plane_rows(&self, p: usize, t0: usize, n: usize) -> Option<Elems<'a>> {
-        if !self.strides.rows_contiguous(&self.info) {
+        let Rows::Strided(s) = self.rows else {
+            return None;
+        };
+        if !s.rows_contiguous(&self.info) {
             return None;
         }
         let d = self.info.head_dim as usize;
-        let start = self.strides.offset(p, self.info.heads as usize, t0);
+        let start = s.offset(p, self.info.heads as usize, t0);
         Some(self.data.slice(start, n * d))
     }
 
@@ -195,7 +317,7 @@ impl<'a> TensorView<'a> {
     /// # Panics
     /// If out of bounds or `out.len() != head_dim`.
     pub fn load_row(&self, p: usize, t: usize, out: &mut [f32]) {
-        let start = self.strides.offset(p, self.info.heads as usize, t);
+        let start = self.rows.offset(p, self.info.heads as usize, t);
         self.data.load(start, out);
     }
 
@@ -209,9 +331,10 @@ impl<'a> TensorView<'a> {
     pub fn gather(&self, t0: usize, n: usize, dst: &mut TensorData) {
         let d = self.info.head_dim as usize;
         let heads = self.info.heads as usize;
-        for p in 0..self.info.planes() {
-            for t in 0..n {
-                let src = self.strides.offset(p, heads, t0 + t);
+        // Token by token: a gathered view's memory is token-major or paged.
+        for t in 0..n {
+            for p in 0..self.info.planes() {
+                let src = self.rows.offset(p, heads, t0 + t);
                 let at = (p * n + t) * d;
                 copy_row(&self.data, src, dst, at, d);
             }
@@ -274,7 +397,7 @@ impl KvCache {
                 .map(|t| TensorView {
                     info: t.info.clone(),
                     data: t.data.as_elems(),
-                    strides: Strides::head_major(&t.info),
+                    rows: Rows::Strided(Strides::head_major(&t.info)),
                 })
                 .collect(),
             metadata: self.metadata.clone(),
@@ -291,7 +414,7 @@ pub struct TensorViewMut<'a> {
     /// tokens the destination holds; `dtype` is the output element type).
     pub info: TensorInfo,
     data: ElemsMut<'a>,
-    strides: Strides,
+    rows: Rows<'a>,
 }
 
 impl<'a> TensorViewMut<'a> {
@@ -305,15 +428,7 @@ impl<'a> TensorViewMut<'a> {
         data: ElemsMut<'a>,
         strides: Strides,
     ) -> Result<TensorViewMut<'a>> {
-        if data.dtype() != info.dtype {
-            return Err(Error::param(format!(
-                "{} ({}): output buffer is {}, {} requested",
-                info.name,
-                info.describe(),
-                data.dtype().name(),
-                info.dtype.name()
-            )));
-        }
+        check_dtype(&info, data.dtype(), "output buffer is")?;
         check_extent(&info, &strides, data.len())?;
         if !strides.non_overlapping(&info) {
             return Err(Error::param(format!(
@@ -326,20 +441,39 @@ impl<'a> TensorViewMut<'a> {
         Ok(TensorViewMut {
             info,
             data,
-            strides,
+            rows: Rows::Strided(strides),
         })
     }
 
-    /// The view's strides.
-    pub fn strides(&self) -> Strides {
-        self.strides
+    /// A destination in a paged cache (see [`TensorView::paged`]).
+    ///
+    /// # Errors
+    /// As [`TensorView::paged`], and when two tokens share a slot or the
+    /// strides make rows overlap.
+    pub fn paged(
+        info: TensorInfo,
+        data: ElemsMut<'a>,
+        paged: Paged<'a>,
+    ) -> Result<TensorViewMut<'a>> {
+        check_dtype(&info, data.dtype(), "output buffer is")?;
+        paged.check(&info, data.len(), true)?;
+        Ok(TensorViewMut {
+            info,
+            data,
+            rows: Rows::Paged(paged),
+        })
+    }
+
+    /// The view's row addressing.
+    pub fn rows(&self) -> Rows<'a> {
+        self.rows
     }
 
     /// True when plane rows are contiguous and planes are densely packed
     /// one after another (kvpack's own order), so the buffer splits into
     /// per-page plane slices.
     pub(crate) fn is_head_major(&self) -> bool {
-        self.strides == Strides::head_major(&self.info)
+        self.rows == Rows::Strided(Strides::head_major(&self.info))
     }
 
     /// The underlying elements.
@@ -348,8 +482,8 @@ impl<'a> TensorViewMut<'a> {
     }
 
     /// Raw parts for scattered writes from many threads.
-    pub(crate) fn raw_parts(&mut self) -> (RawDst, Strides) {
-        (RawDst::of(&mut self.data), self.strides)
+    pub(crate) fn raw_parts(&mut self) -> (RawDst, Rows<'a>) {
+        (RawDst::of(&mut self.data), self.rows)
     }
 }
 
@@ -412,6 +546,70 @@ impl RawDst {
     }
 }
 
-pub(crate) fn plane_offset(strides: &Strides, heads: usize, plane: usize, token: usize) -> usize {
-    strides.offset(plane, heads, token)
+/// The rows of one page of a destination view, written in place by a
+/// row-wise decoder ([`crate::codec::PageOut::scatter`]). Created only by
+/// the decoder for a page's own rows, so no two live values address the
+/// same row.
+#[derive(Debug)]
+pub struct RowsOut<'a> {
+    dst: RawDst,
+    rows: Rows<'a>,
+    heads: usize,
+    head_dim: usize,
+    first: usize,
+}
+
+impl<'a> RowsOut<'a> {
+    /// Rows of tokens `first..` of the view whose raw parts are `dst` and
+    /// `rows`.
+    ///
+    /// # Safety
+    /// As [`RawDst::row`]: the buffer stays mutably borrowed by the caller
+    /// while this value lives, and no other thread or value touches the
+    /// rows this one writes (the page's tokens of every plane).
+    pub(crate) unsafe fn new(
+        dst: RawDst,
+        rows: Rows<'a>,
+        info: &TensorInfo,
+        first: usize,
+    ) -> RowsOut<'a> {
+        RowsOut {
+            dst,
+            rows,
+            heads: info.heads as usize,
+            head_dim: info.head_dim as usize,
+            first,
+        }
+    }
+
+    /// Row `(plane, first + token)`, writable.
+    ///
+    /// # Panics
+    /// If out of the view's bounds.
+    pub fn row(&mut self, plane: usize, token: usize) -> ElemsMut<'_> {
+        let at = self.rows.offset(plane, self.heads, self.first + token);
+        // SAFETY: the view's extent was checked against the buffer when it
+        // was made (the offset is in bounds, and `row` asserts it), and
+        // `new`'s contract makes this value the only writer of its rows;
+        // the returned slice borrows `self` mutably, so it is unique.
+        unsafe { self.dst.row(at, self.head_dim) }
+    }
+}
+
+pub(crate) fn plane_offset(rows: &Rows<'_>, heads: usize, plane: usize, token: usize) -> usize {
+    rows.offset(plane, heads, token)
+}
+
+/// Checks that elements of dtype `got` can hold `info`.
+fn check_dtype(info: &TensorInfo, got: crate::cache::DType, what: &str) -> Result<()> {
+    if got == info.dtype {
+        return Ok(());
+    }
+    Err(Error::param(format!(
+        "{} ({}): {what} {}, the tensor is declared {}",
+        info.name,
+        info.describe(),
+        got.name(),
+        info.dtype.name()
+    )))
 }

@@ -205,6 +205,7 @@ pub fn hqmq_codebooks() -> Vec<u8> {
         .map(|p| td.as_elems().slice(p * 4, 4))
         .collect();
     let page = kvpack::codec::PageIn {
+        source: None,
         tensor: &info,
         token_start: 0,
         tokens: 1,
@@ -304,6 +305,7 @@ pub fn bdr_block_over_head_dim() -> Vec<u8> {
     let int4 = kvpack::codec::parse("int4").unwrap();
     let planes = vec![data.as_elems()];
     let page = kvpack::codec::PageIn {
+        source: None,
         tensor: &TensorInfo {
             dtype: DType::F32,
             ..info.clone()

@@ -433,6 +433,7 @@ fn shared_search_encodes_equal_plain_encodes_on_the_fixture() {
     let codecs: Vec<Hqmq> = names.iter().map(|n| parse_name(n).unwrap()).collect();
     for t in &fx.cache.tensors {
         let page = kvpack::codec::PageIn {
+            source: None,
             tensor: &t.info,
             token_start: 0,
             tokens: t.info.tokens,

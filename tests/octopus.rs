@@ -616,6 +616,7 @@ fn decode_edited(
         .map(|p| t.plane_rows(p, 0, tokens as usize))
         .collect();
     let page = PageIn {
+        source: None,
         tensor: &t.info,
         token_start: 0,
         tokens,
@@ -659,6 +660,7 @@ fn decode_edited(
         elems = rest;
     }
     let mut out = PageOut {
+        scatter: None,
         tensor: &t.info,
         tokens,
         planes: out_planes,

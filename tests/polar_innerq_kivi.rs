@@ -906,6 +906,7 @@ fn decode_error(name: &str, info: &TensorInfo, sections: &[Section]) -> kvpack::
     .unwrap();
     let mut data = TensorData::zeros(DType::F32, 64 * info.head_dim as usize);
     let mut out = PageOut {
+        scatter: None,
         tensor: info,
         tokens: 64,
         planes: vec![data.as_elems_mut()],

@@ -82,7 +82,10 @@ fn token_major_view_compresses_to_the_same_file() {
     for codec in [
         "raw",
         "int4",
+        "int3",
         "bdr64",
+        "bdr16:k",
+        "bdr8",
         "innerq:k2v2",
         "octopus:b3",
         "hqmq:s24r3",

@@ -12,7 +12,7 @@ decode = a spawned child), NIXL with UCX.
 
 Per run: the prefill side encodes each layer as soon as the previous one is
 handed to NIXL (``Outgoing.send_layer``: ``kvpack.cuda.encode_paged`` on
-the GPU, the CPU codecs on the host) and posts its write; the decode side
+the GPU, ``kvpack.paged.encode_paged`` on the host) and posts its write; the decode side
 waits for each layer and decodes it (``Incoming.decode_layer``). Nothing
 else runs between layers, so this is the pipeline of an engine whose
 prefill has already finished (the handoff tail).

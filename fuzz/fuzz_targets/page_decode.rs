@@ -87,6 +87,7 @@ fuzz_target!(|data: &[u8]| {
         rest = b;
     }
     let mut po = PageOut {
+        scatter: None,
         tensor: &info,
         tokens,
         planes,

@@ -144,6 +144,43 @@ def page_faults(data: Union[bytes, Array]) -> List[Tuple[int, str, int, int, str
     ``(layer, kind, token_start, token_end, message)``; raises FormatError
     when the header, index or trailer itself is damaged."""
 
+def encode_paged_host(
+    kv_cache: Sequence[Array],
+    block_ids: Union[Sequence[int], Array],
+    num_tokens: int,
+    codec: str,
+    *,
+    layout: str,
+    layer: int,
+    dtype: Optional[str] = None,
+    out: Optional[Array] = None,
+    page_tokens: Optional[int] = None,
+    sink: Optional[int] = None,
+    recent: Optional[int] = None,
+    zstd_level: Optional[int] = None,
+    align_log2: int = 6,
+    raw_fallback: bool = False,
+) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]:
+    """Encodes tokens ``0..num_tokens`` of a host paged cache (one layer:
+    one tensor for ``flash_attn``/``flashinfer``, ``(k, v)`` for ``hnd``;
+    C-contiguous host arrays, ``dtype`` naming uint16 bit patterns) at
+    ``block_ids`` into a kvpack file: ``(report, bytes | None, bytes
+    written into out | None)``. See :func:`kvpack.paged.encode_paged`."""
+
+def decode_paged_host(
+    data: Union[Archive, bytes, Array],
+    kv_cache: Sequence[Array],
+    block_ids: Union[Sequence[int], Array],
+    *,
+    layer: int,
+    layout: str,
+    dtype: Optional[str] = None,
+    tokens: Optional[Tuple[int, int]] = None,
+) -> None:
+    """Decodes layer ``layer`` of a kvpack file (all stored tokens, or
+    stored tokens ``tokens = (start, end)``) into the blocks ``block_ids``
+    of a host paged cache. See :func:`kvpack.paged.decode_paged`."""
+
 class CudaJob:
     """Paged decode work enqueued on a CUDA stream (see
     :func:`kvpack.cuda.decode_paged`); holds the cache tensors and the

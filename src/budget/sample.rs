@@ -113,6 +113,7 @@ pub(crate) fn round_trip(
     info.dtype = DType::F32;
     info.tokens = u32::try_from(n).map_err(|_| Error::param("sample too large"))?;
     let page = PageIn {
+        source: None,
         tensor: &info,
         token_start: 0,
         tokens: info.tokens,
@@ -149,6 +150,7 @@ pub(crate) fn round_trip(
     let stored = &frame.bytes[64..64 + header.stored_len as usize];
     let view = PageView::from_stored(header, Cow::Borrowed(stored), 0, "sample".into(), &at)?;
     let mut dst = PageOut {
+        scatter: None,
         tensor: &info,
         tokens: info.tokens,
         planes: out.chunks_exact_mut(n * d).map(ElemsMut::F32).collect(),

@@ -19,13 +19,15 @@
 //! (f32 per row), ZERO stream 0 (f32 per row), INDEX stream 0 (`b`-bit
 //! codes, row-major, LSB-first).
 
-use crate::cache::{Kind, Role, TensorInfo};
+use crate::cache::{Elems, ElemsMut, Kind, Role, TensorInfo};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
+use crate::kernels::affine::{RowDst, RowSrc};
 use crate::kernels::{affine, bitpack, wht};
 
 use super::{
     Codec, Example, Family, PageIn, PageOut, expect_section, expect_section_count, f32_at,
+    row_order,
 };
 
 /// Codec id of `int{b}`.
@@ -221,8 +223,19 @@ impl Affine {
     }
 }
 
+/// How many tokens ahead the 4-bit rows are prefetched when they live in
+/// the caller's (token-major or paged) memory: the jumps between a paged
+/// cache's blocks then do not stall (measured: bdr128 encode of a layer
+/// with a shuffled block table 4.6 -> 3.6 ms on one thread, as with
+/// contiguous blocks).
+const PREFETCH_TOKENS: usize = 4;
+
 impl Codec for Affine {
     fn size_depends_only_on_shape(&self) -> bool {
+        true
+    }
+
+    fn row_wise(&self) -> bool {
         true
     }
 
@@ -295,7 +308,7 @@ impl Codec for Affine {
         let mut scales = Vec::with_capacity(rows);
         let mut zeros = Vec::with_capacity(rows);
         let n_codes = rows * d;
-        let mut index = vec![0u8; bitpack::packed_len(n_codes, bits)];
+        let mut index = crate::format::pool::zeroed(bitpack::packed_len(n_codes, bits));
         let row_aligned = (d * bits as usize).is_multiple_of(8);
         let row_bytes = d * bits as usize / 8;
         let mut all_codes = if row_aligned {
@@ -305,6 +318,40 @@ impl Codec for Affine {
         };
         let mut buf = vec![0f32; d];
         let mut codes = vec![0u8; d];
+        if bits == 4 && row_aligned {
+            // The 4-bit row step, straight from the page's elements.
+            let mut wide = vec![0f32; d];
+            scales.resize(rows, 0.0);
+            zeros.resize(rows, 0.0);
+            let (t, ahead) = (
+                page.tokens as usize,
+                page.source.map_or(0, |_| PREFETCH_TOKENS),
+            );
+            for r in row_order(rows, t, page.source.is_some()) {
+                if ahead > 0 && r % t + ahead < t {
+                    page.prefetch_row(r + ahead);
+                }
+                let src = match page.row(r) {
+                    Elems::Bf16(v) => RowSrc::Bf16(v),
+                    Elems::F32(v) => RowSrc::F32(v),
+                    _ => {
+                        page.load_row(r, &mut wide);
+                        RowSrc::F32(&wide)
+                    }
+                };
+                let out = &mut index[r * row_bytes..(r + 1) * row_bytes];
+                let p = affine::encode_row4(src, block, &mut buf, out)
+                    .map_err(|e| page.row_error(r, e))?;
+                (scales[r], zeros[r]) = (p.scale, p.zero);
+            }
+            let count =
+                u32::try_from(n_codes).map_err(|_| Error::param("page over 2^32 elements"))?;
+            return Ok(vec![
+                Section::f32s(SectionKind::Scale, 0, &scales),
+                Section::f32s(SectionKind::Zero, 0, &zeros),
+                Section::packed(SectionKind::Index, 0, self.bits, count, index),
+            ]);
+        }
         for r in 0..rows {
             page.load_row(r, &mut buf);
             let range = match block {
@@ -331,16 +378,7 @@ impl Codec for Affine {
                         p
                     }
                 })
-                .map_err(|e| {
-                    let t = page.tokens as usize;
-                    Error::param(format!(
-                        "{} ({}) plane {} token {}: {e}",
-                        page.tensor.name,
-                        page.tensor.describe(),
-                        r / t,
-                        page.token_start as usize + r % t
-                    ))
-                })?;
+                .map_err(|e| page.row_error(r, e))?;
             scales.push(p.scale);
             zeros.push(p.zero);
         }
@@ -372,6 +410,37 @@ impl Codec for Affine {
             v
         };
         let mut buf = vec![0f32; d];
+        if bits == 4 {
+            // The 4-bit row step, straight into the output's elements.
+            let mut wide = vec![0f32; d];
+            let (t, ahead) = (
+                out.tokens as usize,
+                out.scatter.as_ref().map_or(0, |_| PREFETCH_TOKENS),
+            );
+            for r in row_order(rows, t, out.scatter.is_some()) {
+                if ahead > 0 && r % t + ahead < t {
+                    out.prefetch_row(r + ahead);
+                }
+                let p = affine::RowParams {
+                    scale: f32_at(scales, r) * c,
+                    zero: f32_at(zeros, r),
+                };
+                let codes = &index[r * row_bytes..(r + 1) * row_bytes];
+                match out.row_mut(r) {
+                    ElemsMut::Bf16(v) => {
+                        affine::decode_row4(codes, p, block, &mut buf, RowDst::Bf16(v))
+                    }
+                    ElemsMut::F32(v) => {
+                        affine::decode_row4(codes, p, block, &mut buf, RowDst::F32(v))
+                    }
+                    mut other => {
+                        affine::decode_row4(codes, p, block, &mut buf, RowDst::F32(&mut wide));
+                        other.store(0, &wide);
+                    }
+                }
+            }
+            return Ok(());
+        }
         for r in 0..rows {
             let p = affine::RowParams {
                 scale: f32_at(scales, r) * c,

@@ -37,7 +37,7 @@ use crate::cache::{Elems, ElemsMut, TensorInfo};
 use crate::error::Result;
 use crate::format::{PageView, Section};
 use crate::plan::Layout;
-use crate::view::CacheView;
+use crate::view::{CacheView, RowsOut, TensorView};
 
 pub use registry::{Example, Family, from_entry, parse};
 
@@ -51,11 +51,16 @@ pub struct PageIn<'a> {
     pub token_start: u32,
     /// Tokens in the page.
     pub tokens: u32,
-    /// One `[tokens, head_dim]` row-major slice per plane.
+    /// One `[tokens, head_dim]` row-major slice per plane (empty when
+    /// `source` is set).
     pub planes: Vec<Elems<'a>>,
+    /// For codecs that read rows one at a time ([`Codec::row_wise`]): the
+    /// tensor the rows are read from in place (any strides, or a paged
+    /// cache), instead of `planes`.
+    pub source: Option<&'a TensorView<'a>>,
 }
 
-impl PageIn<'_> {
+impl<'a> PageIn<'a> {
     /// Elements per head vector.
     pub fn head_dim(&self) -> usize {
         self.tensor.head_dim as usize
@@ -63,7 +68,34 @@ impl PageIn<'_> {
 
     /// Number of rows (`planes * tokens`), in plane-major order.
     pub fn rows(&self) -> usize {
-        self.planes.len() * self.tokens as usize
+        let planes = match self.source {
+            Some(v) => v.info.planes(),
+            None => self.planes.len(),
+        };
+        planes * self.tokens as usize
+    }
+
+    /// Row `r` (plane `r / tokens`, token `r % tokens`): its `head_dim`
+    /// elements.
+    ///
+    /// # Panics
+    /// If `r >= rows()`.
+    pub fn row(&self, r: usize) -> Elems<'a> {
+        let (t, d) = (self.tokens as usize, self.head_dim());
+        match self.source {
+            Some(v) => v.row(r / t, self.token_start as usize + r % t),
+            None => self.planes[r / t].slice((r % t) * d, d),
+        }
+    }
+
+    /// Hints the CPU to start loading row `r` into cache (a codec about to
+    /// read rows in a paged cache's order calls it a few tokens ahead, so
+    /// the jumps between blocks do not stall). Does nothing for `r >=
+    /// rows()` or on CPUs without a prefetch instruction.
+    pub fn prefetch_row(&self, r: usize) {
+        if r < self.rows() {
+            prefetch(self.row(r).bytes());
+        }
     }
 
     /// Widens row `r` (plane `r / tokens`, token `r % tokens`) to f32.
@@ -71,8 +103,19 @@ impl PageIn<'_> {
     /// # Panics
     /// If `r >= rows()` or `out.len() != head_dim()`.
     pub fn load_row(&self, r: usize, out: &mut [f32]) {
+        self.row(r).load(0, out);
+    }
+
+    /// A parameter error `e` located at row `r` (tensor, plane, token).
+    pub fn row_error(&self, r: usize, e: impl std::fmt::Display) -> crate::Error {
         let t = self.tokens as usize;
-        self.planes[r / t].load((r % t) * out.len(), out);
+        crate::Error::param(format!(
+            "{} ({}) plane {} token {}: {e}",
+            self.tensor.name,
+            self.tensor.describe(),
+            r / t,
+            self.token_start as usize + r % t
+        ))
     }
 }
 
@@ -84,14 +127,44 @@ pub struct PageOut<'a> {
     pub tensor: &'a TensorInfo,
     /// Tokens in the page.
     pub tokens: u32,
-    /// One `[tokens, head_dim]` row-major slice per plane.
+    /// One `[tokens, head_dim]` row-major slice per plane (empty when
+    /// `scatter` is set).
     pub planes: Vec<ElemsMut<'a>>,
+    /// For codecs that write rows one at a time ([`Codec::row_wise`]):
+    /// the destination's rows written in place (any strides, or a paged
+    /// cache), instead of `planes`.
+    pub scatter: Option<RowsOut<'a>>,
 }
 
 impl PageOut<'_> {
     /// Number of rows (`planes * tokens`).
     pub fn rows(&self) -> usize {
-        self.planes.len() * self.tokens as usize
+        let planes = match &self.scatter {
+            Some(_) => self.tensor.planes(),
+            None => self.planes.len(),
+        };
+        planes * self.tokens as usize
+    }
+
+    /// Row `r` (plane `r / tokens`, token `r % tokens`): its `head_dim`
+    /// elements, writable.
+    ///
+    /// # Panics
+    /// If `r >= rows()`.
+    pub fn row_mut(&mut self, r: usize) -> ElemsMut<'_> {
+        let (t, d) = (self.tokens as usize, self.tensor.head_dim as usize);
+        match &mut self.scatter {
+            Some(s) => s.row(r / t, r % t),
+            None => self.planes[r / t].slice_mut((r % t) * d, d),
+        }
+    }
+
+    /// Hints the CPU to start loading row `r` into cache (see
+    /// [`PageIn::prefetch_row`]).
+    pub fn prefetch_row(&mut self, r: usize) {
+        if r < self.rows() {
+            prefetch(self.row_mut(r).bytes_mut());
+        }
     }
 
     /// Narrows `row` (f32, `head_dim` values) into row `r`.
@@ -99,9 +172,45 @@ impl PageOut<'_> {
     /// # Panics
     /// If `r >= rows()`.
     pub fn store_row(&mut self, r: usize, row: &[f32]) {
-        let t = self.tokens as usize;
-        self.planes[r / t].store((r % t) * row.len(), row);
+        self.row_mut(r).store(0, row);
     }
+}
+
+/// Asks the CPU to load the cache lines of `bytes` (a hint: it never
+/// faults; nothing on CPUs without a prefetch instruction).
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in bytes.chunks(64) {
+        // SAFETY: a prefetch hint to an address inside a live slice; it
+        // never faults and reads nothing.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                line.as_ptr().cast(),
+            )
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
+/// The order to visit a page's `rows` (plane-major, `tokens` per plane)
+/// in: as stored, or token by token (every plane of a token, then the
+/// next token) when `token_major`, i.e. when the rows live in the caller's
+/// token-major or paged memory ([`PageIn::source`], [`PageOut::scatter`]),
+/// so that memory is walked forward.
+pub(crate) fn row_order(
+    rows: usize,
+    tokens: usize,
+    token_major: bool,
+) -> impl Iterator<Item = usize> {
+    let planes = rows / tokens.max(1);
+    (0..rows).map(move |i| {
+        if token_major {
+            (i % planes) * tokens + i / planes
+        } else {
+            i
+        }
+    })
 }
 
 /// A KV cache codec.
@@ -152,6 +261,17 @@ pub trait Codec: Send + Sync + std::fmt::Debug {
     /// exact size instead of the raw size. Default `false` (always safe);
     /// `tests/views.rs` checks every codec that claims it.
     fn size_depends_only_on_shape(&self) -> bool {
+        false
+    }
+
+    /// True when [`Codec::encode`] reads the page only through
+    /// [`PageIn::row`] / [`PageIn::load_row`] and [`Codec::decode`] writes
+    /// it only through [`PageOut::row_mut`] / [`PageOut::store_row`]: then
+    /// pages of tensors in other memory orders (token-major, paged caches)
+    /// are read and written in place ([`PageIn::source`],
+    /// [`PageOut::scatter`]) instead of through a page-sized copy.
+    /// Default `false`.
+    fn row_wise(&self) -> bool {
         false
     }
 

@@ -5,7 +5,7 @@ use crate::cache::TensorInfo;
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 
-use super::{Codec, PageIn, PageOut, expect_section, expect_section_count};
+use super::{Codec, PageIn, PageOut, expect_section, expect_section_count, row_order};
 
 /// Codec id of `raw`.
 pub const ID: u16 = 0;
@@ -60,17 +60,37 @@ impl Codec for Raw {
         Ok(())
     }
 
+    fn row_wise(&self) -> bool {
+        true
+    }
+
     fn encode(&self, page: &PageIn<'_>) -> Result<Vec<Section>> {
-        let n: usize = page.planes.iter().map(|p| p.len()).sum();
         let dtype = page.tensor.dtype;
-        let mut data = Vec::with_capacity(n * dtype.size());
+        let w = dtype.size();
+        let n = match page.source {
+            Some(_) => page.rows() * page.head_dim(),
+            None => page.planes.iter().map(|p| p.len()).sum(),
+        };
+        let mut data = crate::format::pool::take(n * w);
+        if page.source.is_some() {
+            // Rows in the caller's memory: visited in its order, each
+            // copied to its plane-major place.
+            let row_bytes = page.head_dim() * w;
+            data.resize(n * w, 0);
+            for r in row_order(page.rows(), page.tokens as usize, true) {
+                let to = &mut data[r * row_bytes..(r + 1) * row_bytes];
+                to.copy_from_slice(page.row(r).bytes());
+                if cfg!(target_endian = "big") {
+                    to.chunks_exact_mut(w).for_each(|c| c.reverse());
+                }
+            }
+        }
         for p in &page.planes {
             let bytes = p.bytes();
             if cfg!(target_endian = "little") {
                 data.extend_from_slice(bytes);
             } else {
                 // Byte-swap each element to little-endian.
-                let w = dtype.size();
                 for c in bytes.chunks_exact(w) {
                     data.extend(c.iter().rev());
                 }
@@ -92,6 +112,31 @@ impl Codec for Raw {
         let bytes = page_layout(page, src_t, rows * d)?;
         let plane_bytes = out.tokens as usize * d * src_t.size();
         let mut row = vec![0f32; d];
+        if out.scatter.is_some() {
+            // Rows of the caller's memory, visited in its order.
+            let row_bytes = d * src_t.size();
+            let same =
+                rows > 0 && out.row_mut(0).dtype() == src_t && cfg!(target_endian = "little");
+            let wide = if same {
+                None
+            } else {
+                Some(crate::cache::TensorData::from_le_bytes(src_t, bytes)?)
+            };
+            for r in row_order(rows, out.tokens as usize, true) {
+                let mut dst = out.row_mut(r);
+                match &wide {
+                    // Same type: the stored bytes are the output.
+                    None => dst
+                        .bytes_mut()
+                        .copy_from_slice(&bytes[r * row_bytes..(r + 1) * row_bytes]),
+                    Some(w) => {
+                        w.as_elems().load(r * d, &mut row);
+                        dst.store(0, &row);
+                    }
+                }
+            }
+            return Ok(());
+        }
         for (p, plane) in out.planes.iter_mut().enumerate() {
             let src = &bytes[p * plane_bytes..(p + 1) * plane_bytes];
             if plane.dtype() == src_t && cfg!(target_endian = "little") {

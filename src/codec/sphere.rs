@@ -648,17 +648,6 @@ fn count_u32(n: usize) -> Result<u32> {
     u32::try_from(n).map_err(|_| Error::param("page over 2^32 elements"))
 }
 
-fn row_error(page: &PageIn<'_>, r: usize, e: impl std::fmt::Display) -> Error {
-    let t = page.tokens as usize;
-    Error::param(format!(
-        "{} ({}) plane {} token {}: {e}",
-        page.tensor.name,
-        page.tensor.describe(),
-        r / t,
-        page.token_start as usize + r % t
-    ))
-}
-
 /// Signs for every plane of a page (`plane = batch * heads + head`).
 fn plane_signs(opts: &Options, t: &TensorInfo, with_qjl: bool) -> Vec<PlaneSigns> {
     (0..t.planes())
@@ -698,7 +687,7 @@ pub fn encode_unit_page(
             .collect();
         let qb = with_qjl.then(|| &mut bits[r * d..(r + 1) * d]);
         let (g, gr) = encode_row(q, &x, &signs[r / t], &mut sc, &mut views, qb)
-            .map_err(|e| row_error(page, r, e))?;
+            .map_err(|e| page.row_error(r, e))?;
         gammas.push(g);
         if let Some(gr) = gr {
             grs.push(gr);

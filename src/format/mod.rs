@@ -18,6 +18,7 @@ mod bytes;
 mod header;
 mod index;
 mod page;
+pub(crate) mod pool;
 mod reader;
 mod section;
 mod stream;

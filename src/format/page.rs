@@ -188,7 +188,13 @@ impl PageFrame {
         if meta.tokens == 0 {
             return Err(Error::param("a page must hold at least one token"));
         }
-        let mut bytes = vec![0u8; FRAME_HEADER_LEN];
+        // Sized for the whole frame up front (table, padded sections,
+        // alignment), so it is never reallocated.
+        let pad = super::SECTION_ALIGN;
+        let body: usize = sections.iter().map(|s| s.data.len() + pad).sum();
+        let table = sections.len() * section::SECTION_DESC_LEN + pad;
+        let mut bytes = super::pool::take(FRAME_HEADER_LEN + table + body + align as usize);
+        bytes.resize(FRAME_HEADER_LEN, 0);
         section::encode_body_into(&mut bytes, sections)?;
         let n_sections =
             u16::try_from(sections.len()).map_err(|_| Error::param("more than 65535 sections"))?;

@@ -53,9 +53,14 @@ impl PagedAddr {
     /// Element offset of head `head` of slot `slot`.
     pub fn offset(&self, slot: u64, head: u32) -> u64 {
         let bs = u64::from(self.block_size);
-        (slot / bs) * self.strides.block
-            + (slot % bs) * self.strides.token
-            + u64::from(head) * self.strides.head
+        // Block sizes are powers of two in practice: shift and mask
+        // instead of a division (the same quotient and remainder).
+        let (block, row) = if bs.is_power_of_two() {
+            (slot >> bs.trailing_zeros(), slot & (bs - 1))
+        } else {
+            (slot / bs, slot % bs)
+        };
+        block * self.strides.block + row * self.strides.token + u64::from(head) * self.strides.head
     }
 
     /// Checks that every row of `heads` heads of `head_dim` elements lies

@@ -167,6 +167,7 @@ pub fn decode_tensor_into(
         {
             let planes = scratch.as_elems_mut().split_planes(n * d, info.planes());
             let mut po = PageOut {
+                scatter: None,
                 tensor: info,
                 tokens: m.tokens,
                 planes,
@@ -234,6 +235,7 @@ pub fn encode_tensor(
                 .map(|pl| tensor.plane_rows(pl, p.token_start as usize, p.tokens as usize))
                 .collect();
             codec.encode(&PageIn {
+                source: None,
                 tensor: &tensor.info,
                 token_start: p.token_start,
                 tokens: p.tokens,

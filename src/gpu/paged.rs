@@ -397,6 +397,20 @@ pub fn layer_tensors(
     {
         super::spec::supported(latent)?;
     }
+    let found = layer_kv(&infos, layer, shape)?;
+    for (i, _) in found {
+        super::spec::supported(&infos[i as usize])?;
+    }
+    Ok(found)
+}
+
+/// The K and V tensors (table positions in `infos`, a file's tensor
+/// table) of `layer`, checked to fit a paged cache of `shape` (batch 1,
+/// same kv_heads and head_dim).
+///
+/// # Errors
+/// [`Error::Parameter`] when the file lacks either or a tensor does not fit.
+pub fn layer_kv(infos: &[TensorInfo], layer: u32, shape: &PagedShape) -> Result<[(u32, Kind); 2]> {
     let find = |kind: Kind| -> Result<(u32, Kind)> {
         let (i, info) = infos
             .iter()
@@ -409,7 +423,6 @@ pub fn layer_tensors(
                     infos.iter().map(|t| t.layer + 1).max().unwrap_or(0)
                 ))
             })?;
-        super::spec::supported(info)?;
         if info.batch != 1 || info.heads != shape.kv_heads || info.head_dim != shape.head_dim {
             return Err(Error::param(format!(
                 "{} ({}) does not fit a paged cache of {} kv heads x head_dim {} (batch 1 needed)",

@@ -16,9 +16,11 @@
 //! x^_i = (q_i - z) * s                                   (decode)
 //! ```
 
+use half::bf16;
+
 use crate::error::{Error, Result};
 
-use super::bitpack;
+use super::{bitpack, convert, wht};
 
 /// Smallest positive normal f32, `2^-126`: scales below it are degenerate.
 const MIN_NORMAL: f32 = f32::MIN_POSITIVE;
@@ -65,11 +67,15 @@ fn finite_range(lo: f32, hi: f32) -> Result<(f32, f32)> {
     if (hi - lo).is_finite() {
         Ok((lo, hi))
     } else {
-        Err(Error::param(format!(
-            "the row's range {lo:e}..{hi:e} overflows f32; an affine code cannot represent it \
-             (use raw, or a codec with outliers)"
-        )))
+        Err(overflow(lo, hi))
     }
+}
+
+fn overflow(lo: f32, hi: f32) -> Error {
+    Error::param(format!(
+        "the row's range {lo:e}..{hi:e} overflows f32; an affine code cannot represent it \
+         (use raw, or a codec with outliers)"
+    ))
 }
 
 /// Portable reference of [`min_max`].
@@ -200,6 +206,184 @@ pub fn scale_min_max(x: &mut [f32], c: f32) -> Result<(f32, f32)> {
     min_max_scalar(x)
 }
 
+/// A row to encode: f32 values or bf16 elements (widened exactly).
+#[derive(Debug, Clone, Copy)]
+pub enum RowSrc<'a> {
+    /// f32 values.
+    F32(&'a [f32]),
+    /// bf16 elements.
+    Bf16(&'a [bf16]),
+}
+
+/// Where a decoded row goes: f32 values, or bf16 elements (round to
+/// nearest even, as [`convert::f32_to_bf16`]).
+#[derive(Debug)]
+pub enum RowDst<'a> {
+    /// f32 values.
+    F32(&'a mut [f32]),
+    /// bf16 elements.
+    Bf16(&'a mut [bf16]),
+}
+
+/// The AVX-512 kernel for rows of `d` values and rotation block `block`:
+/// `Some(N)` registers per row when `d` is 64, 128 or 256 and the block
+/// (if any) is at least 16 and divides `d`.
+#[cfg(target_arch = "x86_64")]
+fn avx512_regs(d: usize, block: Option<usize>) -> Option<usize> {
+    let regs = matches!(d, 64 | 128 | 256).then_some(d / 16)?;
+    let block_ok = block.is_none_or(|h| h >= 16 && h.is_power_of_two() && d.is_multiple_of(h));
+    (block_ok && super::avx512_available()).then_some(regs)
+}
+
+/// Encodes one row as 4-bit affine codes, the row step of `int4` (`block
+/// = None`) and `bdr{h}` (`block = Some(h)`, format/codecs/bdr.md: the
+/// unnormalized transform of every `h`-block, times `1/sqrt(h)`), writing
+/// `d / 2` bytes into `packed` (`d = scratch.len()`, the row's length;
+/// `scratch` is working memory). Returns the row's parameters.
+///
+/// On AVX-512F CPUs rows of 64, 128 or 256 values stay in registers from
+/// load to store; the result is bit-identical to [`encode_row4_portable`].
+///
+/// # Errors
+/// [`Error::Parameter`] when the row holds NaN/inf or its range overflows
+/// f32 (the caller adds the location).
+///
+/// # Panics
+/// If `src` does not hold `d` values, `packed.len() != d / 2`, `d` is odd
+/// or above 1024, or `block` does not divide `d`.
+pub fn encode_row4(
+    src: RowSrc<'_>,
+    block: Option<usize>,
+    scratch: &mut [f32],
+    packed: &mut [u8],
+) -> Result<RowParams> {
+    let d = scratch.len();
+    let n = match src {
+        RowSrc::F32(x) => x.len(),
+        RowSrc::Bf16(x) => x.len(),
+    };
+    assert!(
+        n == d && packed.len() * 2 == d,
+        "row of {n} values, {d} expected"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if let Some(regs) = avx512_regs(d, block) {
+        let rotate = block.map(|h| (h, wht::inv_sqrt(h)));
+        // SAFETY: avx512_regs checked AVX-512F, d == 16 * regs and the
+        // block; lengths asserted above.
+        let r = unsafe {
+            match regs {
+                4 => super::avx512::encode_row4::<4>(src, rotate, packed),
+                8 => super::avx512::encode_row4::<8>(src, rotate, packed),
+                _ => super::avx512::encode_row4::<16>(src, rotate, packed),
+            }
+        };
+        return r.map_err(|(lo, hi, finite)| {
+            if finite {
+                overflow(lo, hi)
+            } else {
+                non_finite()
+            }
+        });
+    }
+    encode_row4_portable(src, block, scratch, packed)
+}
+
+/// The reference of [`encode_row4`]: widen into `scratch`,
+/// [`wht::fwht_blocks`] and [`scale_min_max`] by [`wht::inv_sqrt`] (or
+/// [`min_max`] without a block), then [`quantize_row_in_range`].
+///
+/// # Errors
+/// As [`encode_row4`].
+///
+/// # Panics
+/// As [`encode_row4`].
+pub fn encode_row4_portable(
+    src: RowSrc<'_>,
+    block: Option<usize>,
+    scratch: &mut [f32],
+    packed: &mut [u8],
+) -> Result<RowParams> {
+    match src {
+        RowSrc::F32(x) => scratch.copy_from_slice(x),
+        RowSrc::Bf16(x) => convert::bf16_to_f32(x, scratch),
+    }
+    let (mn, mx) = match block {
+        Some(h) => {
+            wht::fwht_blocks(scratch, h);
+            scale_min_max(scratch, wht::inv_sqrt(h))?
+        }
+        None => min_max(scratch)?,
+    };
+    Ok(quantize_row_in_range(scratch, mn, mx, 4, packed))
+}
+
+/// Decodes one row of `d = scratch.len()` values from 4-bit codes (`d /
+/// 2` bytes of `packed`): `(q - p.zero) * p.scale`, then the unnormalized
+/// transform of every `block`-block, stored to `dst` (the row step of the
+/// `int4` / `bdr{h}` decoders; `p.scale` already includes the
+/// `1/sqrt(h)` factor). `scratch` is working memory.
+///
+/// On AVX-512F CPUs rows of 64, 128 or 256 values stay in registers; the
+/// result is bit-identical to [`decode_row4_portable`].
+///
+/// # Panics
+/// If `dst` does not hold `d` values, `packed` is shorter than `d / 2`,
+/// `d` is odd or above 1024, or `block` does not divide `d`.
+pub fn decode_row4(
+    packed: &[u8],
+    p: RowParams,
+    block: Option<usize>,
+    scratch: &mut [f32],
+    dst: RowDst<'_>,
+) {
+    let d = scratch.len();
+    let n = match &dst {
+        RowDst::F32(o) => o.len(),
+        RowDst::Bf16(o) => o.len(),
+    };
+    assert!(
+        n == d && packed.len() * 2 >= d,
+        "row of {n} values, {d} expected"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if let Some(regs) = avx512_regs(d, block) {
+        // SAFETY: avx512_regs checked AVX-512F, d == 16 * regs and the
+        // block; lengths asserted above.
+        unsafe {
+            match regs {
+                4 => super::avx512::decode_row4::<4>(packed, p.scale, p.zero, block, dst),
+                8 => super::avx512::decode_row4::<8>(packed, p.scale, p.zero, block, dst),
+                _ => super::avx512::decode_row4::<16>(packed, p.scale, p.zero, block, dst),
+            }
+        }
+        return;
+    }
+    decode_row4_portable(packed, p, block, scratch, dst);
+}
+
+/// The reference of [`decode_row4`]: [`dequantize_row`] into `scratch`,
+/// [`wht::fwht_blocks`], then a copy or [`convert::f32_to_bf16`].
+///
+/// # Panics
+/// As [`decode_row4`].
+pub fn decode_row4_portable(
+    packed: &[u8],
+    p: RowParams,
+    block: Option<usize>,
+    scratch: &mut [f32],
+    dst: RowDst<'_>,
+) {
+    dequantize_row(packed, 4, p, scratch);
+    if let Some(h) = block {
+        wht::fwht_blocks(scratch, h);
+    }
+    match dst {
+        RowDst::F32(o) => o.copy_from_slice(scratch),
+        RowDst::Bf16(o) => convert::f32_to_bf16(scratch, o),
+    }
+}
+
 /// Decodes one row of `out.len()` values from `bits`-bit codes:
 /// `out_i = (q_i - zero) * scale`.
 ///
@@ -277,6 +461,122 @@ mod tests {
     fn non_finite_is_rejected() {
         assert!(min_max(&[1.0, f32::NAN]).is_err());
         assert!(min_max(&[f32::INFINITY; 9]).is_err());
+    }
+
+    /// The row step of `int4` / `bdr{h}` from scalar operations only.
+    fn encode_row4_scalar(x: &[f32], block: Option<usize>) -> Result<(RowParams, Vec<u8>)> {
+        let mut y = x.to_vec();
+        if let Some(h) = block {
+            wht::fwht_blocks_scalar(&mut y, h);
+            y.iter_mut().for_each(|v| *v *= wht::inv_sqrt(h));
+        }
+        let (mn, mx) = min_max_scalar(&y)?;
+        let (p, inv) = params(mn, mx, 15);
+        let mut codes = vec![0u8; y.len()];
+        quantize_codes(&y, inv, p.zero, 15, &mut codes);
+        let mut packed = vec![0u8; y.len() / 2];
+        bitpack::pack_u8(&codes, 4, &mut packed);
+        Ok((p, packed))
+    }
+
+    fn decode_row4_scalar(packed: &[u8], p: RowParams, block: Option<usize>, d: usize) -> Vec<f32> {
+        let mut y: Vec<f32> = (0..d)
+            .map(|i| (((packed[i / 2] >> (4 * (i % 2))) & 15) as f32 - p.zero) * p.scale)
+            .collect();
+        if let Some(h) = block {
+            wht::fwht_blocks_scalar(&mut y, h);
+        }
+        y
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    proptest::proptest! {
+        /// The dispatched row kernels (AVX-512 on CPUs that have it: rows
+        /// of 64/128/256, blocks of 16 and up) equal the scalar operations
+        /// bit for bit, from f32 and from bf16, into f32 and into bf16.
+        #[test]
+        fn row4_kernels_equal_the_scalar_reference(
+            seed in proptest::prelude::any::<u64>(),
+            d_pick in 0usize..5,
+            h_pick in 0usize..6,
+            spread in 1e-3f32..1e4,
+            zeros in 0usize..4,
+        ) {
+            let d = [64usize, 128, 256, 32, 96][d_pick];
+            let block = [None, Some(16), Some(32), Some(64), Some(d), Some(8)][h_pick]
+                .filter(|h| h.is_power_of_two() && d.is_multiple_of(*h));
+            let mut s = seed | 1;
+            let mut x: Vec<f32> = (0..d).map(|_| {
+                s ^= s << 13; s ^= s >> 7; s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * spread
+            }).collect();
+            // Zeros of both signs, so ties at the minimum or maximum occur.
+            for k in 0..zeros {
+                x[(seed as usize >> (8 * k)) % d] = if k % 2 == 0 { 0.0 } else { -0.0 };
+            }
+            let (want_p, want) = encode_row4_scalar(&x, block).unwrap();
+            let mut scratch = vec![0f32; d];
+            let mut got = vec![0u8; d / 2];
+            let p = encode_row4(RowSrc::F32(&x), block, &mut scratch, &mut got).unwrap();
+            proptest::prop_assert_eq!((p.scale.to_bits(), p.zero.to_bits()), (want_p.scale.to_bits(), want_p.zero.to_bits()));
+            proptest::prop_assert_eq!(&got, &want);
+            // From bf16: the same as from the widened values.
+            let hb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+            let wide: Vec<f32> = hb.iter().map(|v| v.to_f32()).collect();
+            let (want_p, want) = encode_row4_scalar(&wide, block).unwrap();
+            let p = encode_row4(RowSrc::Bf16(&hb), block, &mut scratch, &mut got).unwrap();
+            proptest::prop_assert_eq!((p.scale.to_bits(), p.zero.to_bits()), (want_p.scale.to_bits(), want_p.zero.to_bits()));
+            proptest::prop_assert_eq!(&got, &want);
+            // Decode, with the decoder's folded scale.
+            let c = block.map_or(1.0, wht::inv_sqrt);
+            let q = RowParams { scale: p.scale * c, zero: p.zero };
+            let want = decode_row4_scalar(&got, q, block, d);
+            let mut out = vec![0f32; d];
+            decode_row4(&got, q, block, &mut scratch, RowDst::F32(&mut out));
+            proptest::prop_assert_eq!(bits(&out), bits(&want));
+            let mut outb = vec![bf16::ZERO; d];
+            decode_row4(&got, q, block, &mut scratch, RowDst::Bf16(&mut outb));
+            let wantb: Vec<u16> = want.iter().map(|&v| convert::f32_to_bf16_bits(v)).collect();
+            proptest::prop_assert_eq!(outb.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), wantb);
+            // The portable compositions agree too.
+            let p2 = encode_row4_portable(RowSrc::Bf16(&hb), block, &mut scratch, &mut got).unwrap();
+            proptest::prop_assert_eq!(p2, p);
+        }
+    }
+
+    /// Rows the affine code cannot represent are refused by the fused path
+    /// with the portable path's error.
+    #[test]
+    fn row4_refuses_non_finite_and_overflowing_rows() {
+        for d in [64usize, 128, 256] {
+            for block in [None, Some(16), Some(d)] {
+                for (at, v) in [
+                    (3, f32::NAN),
+                    (d - 1, f32::INFINITY),
+                    (0, f32::NEG_INFINITY),
+                ] {
+                    let mut x = vec![0.5f32; d];
+                    x[at] = v;
+                    let mut scratch = vec![0f32; d];
+                    let mut out = vec![0u8; d / 2];
+                    let e =
+                        encode_row4(RowSrc::F32(&x), block, &mut scratch, &mut out).unwrap_err();
+                    let r = encode_row4_portable(RowSrc::F32(&x), block, &mut scratch, &mut out)
+                        .unwrap_err();
+                    assert_eq!(e.to_string(), r.to_string());
+                }
+                let mut x = vec![0.0f32; d];
+                x[0] = f32::MAX;
+                x[1] = -f32::MAX;
+                let mut scratch = vec![0f32; d];
+                let mut out = vec![0u8; d / 2];
+                let e = encode_row4(RowSrc::F32(&x), None, &mut scratch, &mut out).unwrap_err();
+                assert!(e.to_string().contains("overflows"), "{e}");
+            }
+        }
     }
 
     #[test]

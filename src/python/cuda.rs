@@ -144,7 +144,7 @@ fn gpu_on(ordinal: usize, stream: u64) -> PyResult<Gpu> {
 
 /// A block table: a list of ints, or a 1-d int32/int64 host array (numpy,
 /// CPU torch) read through DLPack without a per-element conversion.
-fn block_table(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+pub(super) fn block_table(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     if let Ok(v) = obj.extract::<Vec<i64>>() {
         return Ok(v);
     }

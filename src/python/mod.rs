@@ -17,6 +17,7 @@ mod cuda;
 mod dlpack;
 mod errors;
 mod frames;
+mod paged;
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -298,18 +299,34 @@ fn write_out<'py>(
             .py_err()?;
         return Ok((report_dict(py, &report)?, None, None));
     }
+    encoded(py, out, |w| Ok(compress_with(view, c, opts, w, &none)?.1))
+}
+
+/// A writer the encoders can run on from the GIL-released side.
+trait SendWrite: Write + Send {}
+impl<W: Write + Send> SendWrite for W {}
+
+/// Runs `encode` (GIL released) into `out`, a writable contiguous uint8
+/// host array (returning the bytes written), or into a new `bytes`.
+fn encoded<'py>(
+    py: Python<'py>,
+    out: Option<Bound<'py, PyAny>>,
+    encode: impl Fn(&mut dyn SendWrite) -> crate::Result<CompressReport> + Send + Sync,
+) -> PyResult<Compressed<'py>> {
     if let Some(out) = out {
         let buf = self::dlpack::import(&out, None)?;
-        let bytes = buf.host_bytes_mut("out")?;
-        let (w, report) = py
-            .detach(|| compress_with(view, c, opts, SliceWriter { buf: bytes, pos: 0 }, &none))
+        let mut w = SliceWriter {
+            buf: buf.host_bytes_mut("out")?,
+            pos: 0,
+        };
+        let report = py
+            .detach(|| encode(&mut w))
             .map_err(full_buffer_is_param)
             .py_err()?;
         return Ok((report_dict(py, &report)?, None, Some(w.pos)));
     }
-    let (file, report) = py
-        .detach(|| compress_with(view, c, opts, Vec::new(), &none))
-        .py_err()?;
+    let mut file = Vec::new();
+    let report = py.detach(|| encode(&mut file)).py_err()?;
     Ok((
         report_dict(py, &report)?,
         Some(PyBytes::new(py, &file)),
@@ -548,6 +565,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bench_decode_into, m)?)?;
     m.add_function(wrap_pyfunction!(canonical_codec, m)?)?;
     m.add_function(wrap_pyfunction!(frames::page_faults, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::encode_paged_host, m)?)?;
+    m.add_function(wrap_pyfunction!(paged::decode_paged_host, m)?)?;
     m.add_class::<cuda::CudaJob>()?;
     m.add_function(wrap_pyfunction!(cuda::cuda_decode_paged, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_encode_paged, m)?)?;

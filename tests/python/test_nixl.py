@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,74 +17,20 @@ import pytest
 import kvpack
 from kvpack import nixl as kn
 from kvpack.nixl import caches as kc
+from paged_cache import BLOCK, TOKENS
+from paged_cache import as_flash_attn as _as_flash_attn
+from paged_cache import fixture as _fixture
+from paged_cache import fixture_layers as _fixture_layers
+from paged_cache import paged as _paged
+from paged_cache import relayout as _relayout
+from paged_cache import unpaged as _unpaged
 
 pytestmark = pytest.mark.skipif(not kn.available(), reason="NIXL is not installed (pip install nixl): handoff tests skipped")
-
-FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "gemma3-270m-gpl3-520.safetensors"
-BLOCK = 16
-TOKENS = 1000  # 4 pages of 256 per tensor, the last one partial
-
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _fixture() -> kvpack.Archive:
-    """The committed real KV cache (safetensors), as a raw kvpack archive."""
-    return kvpack.open(kvpack.compress(str(FIXTURE), "raw").data)
-
-
-def _fixture_layers(n_layers: int):
-    """The fixture's K/V (bf16 bit patterns) for ``n_layers`` layers, each
-    [kv_heads, TOKENS, head_dim], the 520 real tokens tiled."""
-    ar = _fixture()
-    got = ar.decode(layers=(0, n_layers), dtype="bf16")
-    out = []
-    for layer in range(n_layers):
-        kv = []
-        for kind in ("K", "V"):
-            a = np.asarray(got[(layer, kind)])[0].view(np.uint16)
-            reps = -(-TOKENS // a.shape[1])
-            kv.append(np.ascontiguousarray(np.tile(a, (1, reps, 1))[:, :TOKENS]))
-        out.append(tuple(kv))
-    return out
-
-
-def _paged(layers, block_ids, num_blocks, layout="flash_attn"):
-    """Host caches per layer in ``layout`` (flash_attn ``[2, num_blocks,
-    BLOCK, heads, dim]``, flashinfer ``[num_blocks, 2, BLOCK, heads, dim]``,
-    hnd a pair of ``[num_blocks, heads, BLOCK, dim]``) holding ``layers`` at
-    ``block_ids``."""
-    caches = []
-    for k, v in layers:
-        h, t, d = k.shape
-        fa = np.zeros((2, num_blocks, BLOCK, h, d), np.uint16)
-        for i, b in enumerate(block_ids):
-            lo, hi = i * BLOCK, min(t, (i + 1) * BLOCK)
-            fa[0, b, : hi - lo] = k[:, lo:hi].transpose(1, 0, 2)
-            fa[1, b, : hi - lo] = v[:, lo:hi].transpose(1, 0, 2)
-        caches.append(_relayout(fa, layout))
-    return caches
-
-
-def _relayout(fa, layout):
-    """A flash_attn cache in another layout (contiguous copies)."""
-    if layout == "flash_attn":
-        return fa
-    if layout == "flashinfer":
-        return np.ascontiguousarray(fa.transpose(1, 0, 2, 3, 4))
-    return tuple(np.ascontiguousarray(fa[i].transpose(0, 2, 1, 3)) for i in range(2))
-
-
-def _as_flash_attn(cache, layout):
-    """Inverse of :func:`_relayout` (host numpy)."""
-    if layout == "hnd":
-        return np.stack([c.transpose(0, 2, 1, 3) for c in cache])
-    if layout == "flashinfer":
-        return cache.transpose(1, 0, 2, 3, 4)
-    return cache
 
 
 def _to_device(cache, device):
@@ -177,12 +122,6 @@ def _handoff(codec, *, n_layers=3, corrupt=None, device="cpu", memory="DRAM", la
         if p.is_alive():
             p.kill()
     return spec, [_as_flash_attn(_to_host(c), layout) for c in caches], _fixture_layers(n_layers), dec_blocks, errors
-
-
-def _unpaged(cache, blocks, tokens):
-    k = np.concatenate([cache[0, b] for b in blocks])[:tokens].transpose(1, 0, 2)
-    v = np.concatenate([cache[1, b] for b in blocks])[:tokens].transpose(1, 0, 2)
-    return k, v
 
 
 @pytest.mark.parametrize("codec", ["raw", "bdr128"])
@@ -314,12 +253,6 @@ def test_spec_checks():
     assert s.slot_bytes() < 0.3 * raw.slot_bytes()
     with pytest.raises(kvpack.ParameterError):
         kn.HandoffSpec.from_json({"model": "m"})
-
-
-def test_runs_merge_consecutive_blocks():
-    assert kc._runs([4, 5, 6, 9, 10], 70, 16) == [(0, 48, 4), (48, 22, 9)]
-    with pytest.raises(kvpack.ParameterError):
-        kc._runs([1, 2], 40, 16)
 
 
 # --------------------------------------------------------------------------

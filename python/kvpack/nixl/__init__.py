@@ -36,8 +36,8 @@ Per request, one layer at a time::
 * **Per layer, prefill side** (:meth:`Outgoing.send_layer`): encodes the
   layer's K and V (tokens ``0..num_tokens`` of the block table) into a
   complete one-layer kvpack file in a registered staging slot (on the GPU
-  with :func:`kvpack.cuda.encode_paged` for CUDA caches, with the CPU codecs
-  for host caches), then posts one NIXL WRITE of exactly those bytes into
+  with :func:`kvpack.cuda.encode_paged` for CUDA caches, straight from the
+  blocks with :func:`kvpack.paged.encode_paged` for host caches), then posts one NIXL WRITE of exactly those bytes into
   the decode side's landing slot for that layer, carrying the notification
   ``kvpack/layer``. The call returns once the write is posted; encoding the
   next layer overlaps the wire.
@@ -45,7 +45,7 @@ Per request, one layer at a time::
   layer's notification (NIXL delivers it after the data has landed),
   validates every page (header CRC, body CRC, index) and decodes straight
   into the layer's paged cache (:func:`kvpack.cuda.decode_paged` for CUDA
-  caches, the CPU decoders into host arrays).
+  caches, :func:`kvpack.paged.decode_paged` into host arrays).
 * **Errors.** A write that NIXL reports failed, a prefill side that gives up
   (it sends ``kvpack/fail``), a timeout, or a frame that fails validation
   raises :class:`TransferError` naming the request, the layer, the damaged

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -13,7 +12,7 @@ import numpy as np
 from .. import _native
 from ..errors import FormatError, ParameterError
 from .agent import _FAIL, _LAYER, _REQ, _Endpoint
-from .caches import _check_cache, _hint, _host_views, _is_cuda, _runs
+from .caches import _check_cache, _hint, _is_cuda
 from .spec import HandoffSpec, LayerStats, TransferError
 
 # --------------------------------------------------------------------------
@@ -164,7 +163,8 @@ class Incoming:
                 tensors (decoded on the GPU by
                 :func:`kvpack.cuda.decode_paged`, bf16/fp16) or host arrays
                 (numpy, uint16 bit patterns for bf16/fp16 as ``spec.dtype``
-                says, or CPU torch tensors; decoded by the CPU decoders).
+                says, or CPU torch tensors; decoded straight into the
+                blocks by :func:`kvpack.paged.decode_paged`).
             layout: cache layout.
             timeout: seconds to wait for the layer.
             stream: CUDA stream for CUDA caches (default: current).
@@ -199,58 +199,26 @@ class Incoming:
         return st
 
     def _decode_host(self, data: np.ndarray, layer: int, kv_cache: Any, layout: str) -> None:
-        """Decodes into a host cache: straight into it when the block table
-        is one token-contiguous run (flash_attn, consecutive blocks), else
-        into a contiguous scratch layer scattered into the blocks after (one
-        decode per page, one copy). Intact pages of a damaged frame are
-        still decoded and scattered."""
-        views = _host_views(kv_cache, layout, _runs(self.block_ids, self.spec.num_tokens, self.spec.block_size))
-        if len(views) == 1:
-            targets = views
-        else:
-            k0 = views[0][1]
-            shape = (1, k0.shape[1], self.spec.num_tokens, k0.shape[3])
-            if isinstance(k0, np.ndarray):
-                targets = [(0, np.empty(shape, k0.dtype), np.empty(shape, k0.dtype))]
-            else:
-                torch = sys.modules["torch"]
-                targets = [(0, torch.empty(shape, dtype=k0.dtype), torch.empty(shape, dtype=k0.dtype))]
-        outs = []
-        for first, k, v in targets:
-            for kind, a in (("K", k), ("V", v)):
-                h = _hint(a, self.spec.dtype)
-                outs.append((layer, kind, first, a, h) if h else (layer, kind, first, a))
-        bad: List[Tuple[int, int]] = []
+        """Decodes into a host cache, straight into its blocks
+        (:func:`kvpack.paged.decode_paged`). Intact pages of a damaged
+        frame are still decoded."""
+        from .. import paged
+
+        h = _hint(kv_cache, self.spec.dtype)
+        decode = lambda tokens=None: paged.decode_paged(  # noqa: E731
+            data, kv_cache, self._ids, layer=layer, layout=layout, dtype=h, tokens=tokens
+        )
         try:
-            _native.decode_bytes_into(data, outs)
+            decode()
         except FormatError as e:
             err = self._faults(data, layer, e, whole=False)
             if err.tokens == [(0, self.spec.num_tokens)]:
                 raise err from e
-            self._decode_intact(data, outs, err.tokens)
-            bad, failure = err.tokens, err
-        if targets is not views:
-            _, tk, tv = targets[0]
-            for first, k, v in views:
-                n = k.shape[2]
-                if not any(first < b and first + n > a for a, b in bad):
-                    k[...] = tk[:, :, first : first + n]
-                    v[...] = tv[:, :, first : first + n]
-        if bad:
-            raise failure
-
-    def _decode_intact(self, data: np.ndarray, outs: List[Tuple], bad: List[Tuple[int, int]]) -> None:
-        """Decodes the outputs' token ranges that avoid every damaged range
-        (host caches), each output split at the damaged ranges."""
-        for o in outs:
-            layer, kind, first, a = o[:4]
-            n = a.shape[2]
-            cuts = sorted({first, first + n} | {x for r in bad for x in r if first < x < first + n})
+            cuts = sorted({0, self.spec.num_tokens} | {x for r in err.tokens for x in r})
             for lo, hi in zip(cuts, cuts[1:]):
-                if any(lo < b and hi > a_ for a_, b in bad):
-                    continue
-                part = (layer, kind, lo, a[:, :, lo - first : hi - first]) + tuple(o[4:])
-                _native.decode_bytes_into(data, [part])
+                if not any(lo < b and hi > a for a, b in err.tokens):
+                    decode((lo, hi))
+            raise err from e
 
     def close(self) -> None:
         """Gives the landing buffer back to the receiver (kept registered

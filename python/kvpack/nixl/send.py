@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
-
 from ..errors import KvpackError, ParameterError
 from .agent import _FAIL, _LAYER, _LIVE, _REQ, _Endpoint
-from .caches import _check_cache, _hint, _host_views, _is_cuda, _runs
+from .caches import _check_cache, _hint, _is_cuda
 from .spec import HandoffSpec, LayerStats, TransferError
 
 # --------------------------------------------------------------------------
@@ -106,19 +103,14 @@ class Outgoing:
             except ParameterError:
                 n = cuda.encode_paged(kv_cache, block_ids, s.num_tokens, s.codec, raw_fallback=True, **kw)
         else:
-            from .. import compress
+            # Straight from the blocks (kvpack.paged.encode_paged): rows of
+            # int/bdr are coded in place, other codecs gather a page at a time.
+            from .. import paged
 
-            views = _host_views(kv_cache, layout, _runs(block_ids, s.num_tokens, s.block_size))
-            if len(views) == 1:
-                k, v = views[0][1], views[0][2]
-            else:  # blocks not token-contiguous: gather (one copy of the layer)
-                cat = np.concatenate if isinstance(views[0][1], np.ndarray) else sys.modules["torch"].cat
-                k, v = cat([x[1] for x in views], 2), cat([x[2] for x in views], 2)
-            h = _hint(k, s.dtype)
-            n = compress(
-                {(layer, "K"): k, (layer, "V"): v}, s.codec, out=dst, raw_fallback=True,
-                page_tokens=s.page_tokens, sink=s.sink, recent=s.recent, dtype=h,
-            ).written
+            n = paged.encode_paged(
+                kv_cache, block_ids, s.num_tokens, s.codec, layout=layout, layer=layer, dtype=_hint(kv_cache, s.dtype),
+                page_tokens=s.page_tokens, sink=s.sink, recent=s.recent, raw_fallback=True, out=dst,
+            )
         if self.buffer.host is None and not _is_cuda(kv_cache):
             self.buffer.tensor[lo : lo + n].copy_(self._stage[:n])
         return int(n)
@@ -190,8 +182,8 @@ class Outgoing:
             kv_cache: this layer's paged cache (:data:`LAYOUTS`), CUDA
                 tensors (encoded by :func:`kvpack.cuda.encode_paged`) or
                 host arrays (numpy uint16 bit patterns of ``spec.dtype``, or
-                CPU torch tensors; encoded by the CPU codecs; blocks that
-                are not token-contiguous are gathered first).
+                CPU torch tensors; encoded straight from the blocks by
+                :func:`kvpack.paged.encode_paged`).
             block_ids: the prefill side's block table for the request.
             layout: cache layout.
             stream: CUDA stream for CUDA caches (default: current).

@@ -613,6 +613,7 @@ mod tests {
     fn encode(h: &Hqmq) -> Vec<Section> {
         let (ti, v) = (info(), values());
         let page = PageIn {
+            source: None,
             tensor: &ti,
             token_start: 0,
             tokens: T as u32,
@@ -646,6 +647,7 @@ mod tests {
         let mut out = vec![0f32; 2 * T * D];
         let (a, b) = out.split_at_mut(T * D);
         let mut po = PageOut {
+            scatter: None,
             tensor: &ti,
             tokens: T as u32,
             planes: vec![ElemsMut::F32(a), ElemsMut::F32(b)],
@@ -753,6 +755,7 @@ mod tests {
         let per_plane = ti.tokens as usize * ti.head_dim as usize;
         let mut out = vec![0f32; ti.planes() * per_plane];
         let mut po = PageOut {
+            scatter: None,
             tensor: ti,
             tokens: ti.tokens,
             planes: out.chunks_exact_mut(per_plane).map(ElemsMut::F32).collect(),
@@ -810,6 +813,7 @@ mod tests {
         for (ti, x) in &pages {
             let per_plane = ti.tokens as usize * ti.head_dim as usize;
             let page = PageIn {
+                source: None,
                 tensor: ti,
                 token_start: 0,
                 tokens: ti.tokens,
@@ -835,6 +839,7 @@ mod tests {
         // A buffer of the wrong size is an error.
         let (ti, x) = &pages[0];
         let page = PageIn {
+            source: None,
             tensor: ti,
             token_start: 0,
             tokens: ti.tokens,
