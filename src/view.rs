@@ -15,8 +15,8 @@
 //!
 //! A view may also address a serving engine's paged cache ([`Paged`]):
 //! token `t` is row `slots[t] % block_size` of block `slots[t] /
-//! block_size` ([`crate::gpu::paged::PagedAddr`], the addressing the GPU
-//! kernels use, and [`crate::gpu::paged::slot_mapping`] from a block
+//! block_size` ([`PagedAddr`], the addressing the GPU
+//! kernels use, and `kvpack::gpu::paged::slot_mapping` from a block
 //! table), so a layer is encoded from, or decoded into, its blocks in
 //! place.
 //!
@@ -27,7 +27,7 @@ use std::collections::BTreeMap;
 
 use crate::cache::{Elems, ElemsMut, KvCache, TensorData, TensorInfo};
 use crate::error::{Error, Result};
-use crate::gpu::paged::PagedAddr;
+use crate::gpu::addr::PagedAddr;
 
 /// Element strides of the `batch`, `kv_heads` and `tokens` axes of a view
 /// (the `head_dim` axis has stride 1).
@@ -133,7 +133,7 @@ fn disjoint<const N: usize>(d: usize, mut axes: [(usize, usize); N]) -> bool {
 /// The rows of a one-sequence (batch 1) view in a paged cache: token `t`
 /// of the view lives in cache slot `slots[t]` ([`PagedAddr::offset`]; the
 /// slots come from a block table through
-/// [`crate::gpu::paged::slot_mapping`]), element offsets counted from the
+/// `kvpack::gpu::paged::slot_mapping`), element offsets counted from the
 /// view's first element.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Paged<'a> {

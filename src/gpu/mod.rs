@@ -109,7 +109,7 @@
 // tables, encode plans, kernel sources) are public for the tests and
 // benchmarks only: `#[doc(hidden)]`, not part of the API.
 mod abi;
-mod addr;
+pub(crate) mod addr;
 mod backend;
 #[doc(hidden)]
 pub mod body;

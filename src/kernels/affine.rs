@@ -22,6 +22,10 @@ use crate::error::{Error, Result};
 
 use super::{bitpack, convert, wht};
 
+/// AVX-512 paths of the 4-bit row step ([`encode_row4`], [`decode_row4`]).
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 /// Smallest positive normal f32, `2^-126`: scales below it are degenerate.
 const MIN_NORMAL: f32 = f32::MIN_POSITIVE;
 /// `1.5 * 2^23`: adding and subtracting it rounds a value in `[0, 2^22)` to
@@ -273,9 +277,9 @@ pub fn encode_row4(
         // block; lengths asserted above.
         let r = unsafe {
             match regs {
-                4 => super::avx512::encode_row4::<4>(src, rotate, packed),
-                8 => super::avx512::encode_row4::<8>(src, rotate, packed),
-                _ => super::avx512::encode_row4::<16>(src, rotate, packed),
+                4 => avx512::encode_row4::<4>(src, rotate, packed),
+                8 => avx512::encode_row4::<8>(src, rotate, packed),
+                _ => avx512::encode_row4::<16>(src, rotate, packed),
             }
         };
         return r.map_err(|(lo, hi, finite)| {
@@ -352,9 +356,9 @@ pub fn decode_row4(
         // block; lengths asserted above.
         unsafe {
             match regs {
-                4 => super::avx512::decode_row4::<4>(packed, p.scale, p.zero, block, dst),
-                8 => super::avx512::decode_row4::<8>(packed, p.scale, p.zero, block, dst),
-                _ => super::avx512::decode_row4::<16>(packed, p.scale, p.zero, block, dst),
+                4 => avx512::decode_row4::<4>(packed, p.scale, p.zero, block, dst),
+                8 => avx512::decode_row4::<8>(packed, p.scale, p.zero, block, dst),
+                _ => avx512::decode_row4::<16>(packed, p.scale, p.zero, block, dst),
             }
         }
         return;

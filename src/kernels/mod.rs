@@ -12,8 +12,6 @@
 //! results). Property tests in this module compare the two.
 
 pub mod affine;
-#[cfg(target_arch = "x86_64")]
-mod avx512;
 pub mod bitpack;
 pub mod convert;
 pub mod fp8;

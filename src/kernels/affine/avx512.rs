@@ -7,16 +7,16 @@
 //! fused multiply-add where the reference has none; the in-register
 //! butterflies are `perm(v) + v * (±1)` with one rounding, as in the AVX2
 //! transform) and is property-tested against it in
-//! [`super::affine`].
+//! [`super`] (`kernels::affine`).
 //!
 //! # Safety (all functions)
-//! Callers must have checked [`super::avx512_available`] (AVX-512F, and
-//! the AVX2 set of [`super::simd_available`]); slice lengths are stated
+//! Callers must have checked [`crate::kernels::avx512_available`] (AVX-512F, and
+//! the AVX2 set of [`crate::kernels::simd_available`]); slice lengths are stated
 //! per function.
 
 use std::arch::x86_64::*;
 
-use super::affine::{self, RowDst, RowParams, RowSrc};
+use super::{self as affine, RowDst, RowParams, RowSrc};
 
 /// Loads register `k` (values `16k .. 16k + 16`) of the row.
 #[target_feature(enable = "avx512f")]
@@ -53,7 +53,7 @@ fn in_register(mut v: __m512) -> __m512 {
 
 /// The unnormalized transform of every `h`-block (`16 <= h <= 16 N`, a
 /// power of two) of the row in `v`, stage order 1, 2, 4, ... as
-/// [`super::wht::fwht_blocks_scalar`].
+/// [`crate::kernels::wht::fwht_blocks_scalar`].
 #[target_feature(enable = "avx512f")]
 #[inline]
 fn fwht<const N: usize>(v: &mut [__m512; N], h: usize) {
@@ -77,7 +77,7 @@ fn fwht<const N: usize>(v: &mut [__m512; N], h: usize) {
 /// of every `h`-block then a multiplication by `c` when `rotate = Some((h,
 /// c))`, the row's minimum and maximum, [`affine::params`] with 15 levels,
 /// and the codes packed two per byte, low nibble first, into `packed`
-/// (`8 N` bytes). Equals [`super::wht::fwht_blocks`] + [`affine::scale_min_max`]
+/// (`8 N` bytes). Equals [`crate::kernels::wht::fwht_blocks`] + [`affine::scale_min_max`]
 /// (or [`affine::min_max`] without rotation) + [`affine::quantize_row_in_range`]
 /// bit for bit. The sign of a zero minimum or maximum may differ from the
 /// portable lane rule, which does not change the parameters (`0 - (±0 / s)`
@@ -142,7 +142,7 @@ pub(crate) unsafe fn encode_row4<const N: usize>(
 /// Decodes one row of `16 N` values from 4-bit codes: `(q - zero) *
 /// scale`, then the transform of every `h`-block when `block = Some(h)`,
 /// stored to `dst`. Equals [`affine::dequantize_row`] +
-/// [`super::wht::fwht_blocks`] + the f32/bf16 store of
+/// [`crate::kernels::wht::fwht_blocks`] + the f32/bf16 store of
 /// [`crate::cache::ElemsMut::store`] bit for bit.
 ///
 /// # Safety
