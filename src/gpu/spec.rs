@@ -147,6 +147,8 @@ pub enum KernelCodec {
         o: u32,
         /// Outlier extraction (`+med{C}`).
         med: bool,
+        /// Per-channel gains (`+chan`).
+        chan: bool,
     },
 }
 

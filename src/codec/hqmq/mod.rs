@@ -20,6 +20,15 @@
 //! chunk radius of its (plane, page) is stored exactly in fp16 in the
 //! page's outlier table (format/SPEC.md section 6.5) instead.
 //!
+//! With `+chan` every page first divides each channel (one of the
+//! `head_dim` coordinates of one kv head) by its largest magnitude over the
+//! page's tokens, rounded up to fp16 and stored in the page, and the decoder
+//! multiplies it back. Keys carry a few channels far larger than the rest
+//! (the outlier channels of KIVI, arXiv:2402.02750, section 3, and
+//! KVQuant, arXiv:2401.18079, section 3.1, which both quantize keys per
+//! channel); the per-token radius scale then spends its levels on them.
+//! Gains put every channel on one scale first. Not part of the HQMQ paper.
+//!
 //! The `(direction, radius)` symbol of a chunk takes one of `24 S 2^b`
 //! values; it is split into its low `E` bits and a base-`O` digit (`24 S
 //! 2^b = O 2^E`, `O` odd: 9 for `S = 3 * 2^k`), and the digits are packed
@@ -55,7 +64,7 @@ pub const MAX_S: u32 = 65_536;
 pub const FAMILY: Family = Family {
     id: ID,
     name: "hqmq",
-    syntax: "hqmq:s{S}r{b}[+med{C}] e.g. hqmq:s96r4+med3",
+    syntax: "hqmq:s{S}r{b}[+med{C}][+chan] e.g. hqmq:s96r4+med3",
     summary: "Hurwitz-quaternion multiplicative VQ of 4-element chunks, fp16 outliers (:seed{N})",
     parse: params::parse_family,
     from_params: |p| Ok(Box::new(params::from_params(p)?)),
@@ -71,6 +80,14 @@ pub const FAMILY: Family = Family {
         Example {
             name: "hqmq:s5r2+med2:seed9",
             min_snr_db: 8.0,
+        },
+        Example {
+            name: "hqmq:s24r3+chan",
+            min_snr_db: 8.0,
+        },
+        Example {
+            name: "hqmq:s12r2+med4+chan",
+            min_snr_db: 6.0,
         },
     ],
 };
@@ -89,6 +106,11 @@ pub struct Hqmq {
     pub seed: u64,
     /// Mixed-radix grouping of the direction digits.
     pub groups: Groups,
+    /// `+chan`: every page divides each channel of each plane by its
+    /// largest magnitude in the page (an fp16 gain stored in the page)
+    /// before coding, and the decoder multiplies it back
+    /// (format/codecs/hqmq.md "Channel gains"). Off by default.
+    pub channel_gains: bool,
     cache: Arc<Cache>,
 }
 
@@ -148,8 +170,17 @@ impl Hqmq {
             outlier_multiplier,
             seed,
             groups,
+            channel_gains: false,
             cache: Arc::default(),
         })
+    }
+
+    /// This configuration with per-channel gains (`+chan`) on or off.
+    pub fn with_channel_gains(self, on: bool) -> Hqmq {
+        Hqmq {
+            channel_gains: on,
+            ..self
+        }
     }
 
     /// Radius levels minus one, `L = 2^b - 1`.
@@ -229,15 +260,26 @@ struct Directions {
 pub struct Trial {
     /// Section payload bytes (the `data` of every section).
     pub payload: u64,
+    /// The part of `payload` that a page has whatever its token count:
+    /// the channel gains of `+chan` (`2 * planes * head_dim` bytes), else 0.
+    pub per_page: u64,
     /// Number of sections.
     pub sections: usize,
 }
 
 /// Work that hqmq configurations encoding the same page share
 /// ([`Hqmq::encode_shared`]): the page's chunks and radii, and the
-/// direction search of each `(S, seed)` met so far. One per page.
+/// direction search of each `(S, seed)` met so far; one slot for plain
+/// configurations and one for `+chan` (their chunks differ). One per page.
 #[derive(Debug, Clone, Default)]
 pub struct Shared {
+    slots: [Slot; 2],
+}
+
+/// The chunks of a page as configurations with or without channel gains
+/// see them, and their direction searches.
+#[derive(Debug, Clone, Default)]
+struct Slot {
     chunks: Option<page::Chunks>,
     directions: Vec<Directions>,
 }

@@ -9,6 +9,7 @@
 //! | SCALE | 0 | f16 | `R` | per-row radius scale `sigma_r` |
 //! | INDEX | 0 | packed, `E` bits | `n_in` | low `E` bits of each inlier symbol |
 //! | INDEX | 1 | bytes | `ceil(ceil(n_in/G) W / 8)` | base-`O` digits of the symbols, mixed radix |
+//! | SCALE | 1 | f16 | `planes * head_dim` | only with `+chan`: per-channel gain `g_{p,c}` |
 //! | OUTLIERS | 0 | bytes | table | only with `+med{C}`: unit 4, fp16 chunks |
 
 use half::f16;
@@ -45,13 +46,18 @@ fn f16_ceil(v: f32) -> Option<f16> {
 #[derive(Debug, Clone)]
 pub(super) struct Chunks {
     /// Component `k` of chunk `i` (row `i / n_c`, chunk `i % n_c`) at
-    /// `xs[k][i]`.
+    /// `xs[k][i]`, divided by its channel's gain with `+chan`.
     xs: [Vec<f32>; 4],
+    /// With `+chan`: the gain of channel `c` of plane `p` at `[p * head_dim
+    /// + c]` (fp16 values), else empty.
+    gains: Vec<f32>,
     /// `|x_i|`: `sqrt(((a*a + b*b) + c*c) + d*d)` in binary32.
     radii: Vec<f32>,
 }
 
-/// The chunks of `page` (`n` of them, `nc` per row) and their radii.
+/// The chunks of `page` (`n` of them, `nc` per row) and their radii; with
+/// `gains`, each channel of each plane divided by its gain first
+/// (format/codecs/hqmq.md encoding rule 2).
 ///
 /// # Errors
 /// [`Error::Parameter`] naming the row of a value that is not finite or
@@ -61,6 +67,7 @@ fn load_chunks(
     page: &PageIn<'_>,
     n: usize,
     nc: usize,
+    gains: bool,
     at_row: impl Fn(usize) -> String,
 ) -> Result<Chunks> {
     let d = 4 * nc;
@@ -89,6 +96,11 @@ fn load_chunks(
             }
         }
     }
+    let gains = if gains {
+        divide_by_gains(&mut xs, page.tokens as usize, nc)
+    } else {
+        Vec::new()
+    };
     let mut radii = vec![0f32; n];
     for ((((r, &a), &b), &c), &e) in radii
         .iter_mut()
@@ -99,7 +111,41 @@ fn load_chunks(
     {
         *r = (((a * a + b * b) + c * c) + e * e).sqrt();
     }
-    Ok(Chunks { xs, radii })
+    Ok(Chunks { xs, radii, gains })
+}
+
+/// Per-channel gains (format/codecs/hqmq.md encoding rule 2): for every
+/// plane of `t` rows of `nc` chunks, `g_c` = the smallest fp16 value `>=`
+/// the largest `|x|` of channel `c` (component `c % 4` of chunk `c / 4`),
+/// and every value of the channel becomes `x / g_c` (binary32 division;
+/// `0` where `g_c = 0`). Returns the gains, `[plane][head_dim]`.
+fn divide_by_gains(xs: &mut [Vec<f32>; 4], t: usize, nc: usize) -> Vec<f32> {
+    let planes = xs[0].len() / (t * nc).max(1);
+    let mut gains = vec![0f32; planes * 4 * nc];
+    for p in 0..planes {
+        let span = p * t * nc..(p + 1) * t * nc;
+        for (k, comp) in xs.iter_mut().enumerate() {
+            let plane = &mut comp[span.clone()];
+            let mut mx = vec![0f32; nc];
+            for row in plane.chunks_exact(nc) {
+                for (m, v) in mx.iter_mut().zip(row) {
+                    *m = m.max(v.abs());
+                }
+            }
+            for (c, m) in mx.iter().enumerate() {
+                // |x| <= 65504 was checked, so the ceiling exists.
+                gains[p * 4 * nc + 4 * c + k] = f16_ceil(*m).map_or(F16_MAX, f16::to_f32);
+            }
+            let g = &gains[p * 4 * nc..(p + 1) * 4 * nc];
+            for row in plane.chunks_exact_mut(nc) {
+                for (c, v) in row.iter_mut().enumerate() {
+                    let gc = g[4 * c + k];
+                    *v = if gc > 0.0 { *v / gc } else { 0.0 };
+                }
+            }
+        }
+    }
+    gains
 }
 
 /// What [`encode`] returns: the page's sections, or (with a
@@ -184,9 +230,11 @@ fn encode_page(
     // Chunks (structure of arrays) and their radii.
     let fresh_chunks;
     let (chunks, dirs): (&Chunks, Option<&mut Vec<Directions>>) = match shared {
-        Some(Shared { chunks, directions }) => {
+        Some(shared) => {
+            let super::Slot { chunks, directions } =
+                &mut shared.slots[usize::from(h.channel_gains)];
             if chunks.as_ref().is_none_or(|c| c.radii.len() != n) {
-                *chunks = Some(load_chunks(page, n, nc, at_row)?);
+                *chunks = Some(load_chunks(page, n, nc, h.channel_gains, at_row)?);
                 directions.clear();
             }
             (
@@ -195,11 +243,11 @@ fn encode_page(
             )
         }
         None => {
-            fresh_chunks = load_chunks(page, n, nc, at_row)?;
+            fresh_chunks = load_chunks(page, n, nc, h.channel_gains, at_row)?;
             (&fresh_chunks, None)
         }
     };
-    let (xs, radii) = (&chunks.xs, &chunks.radii);
+    let (xs, radii, gains) = (&chunks.xs, &chunks.radii, &chunks.gains);
 
     // Med-C outlier extraction per plane: r > C * lower median.
     let per_plane = t * nc;
@@ -339,6 +387,12 @@ fn encode_page(
                             *v = rh * c;
                         }
                     }
+                    if !gains.is_empty() {
+                        let g = &gains[p * d + 4 * (i % nc)..][..4];
+                        for (v, g) in o.iter_mut().zip(g) {
+                            *v *= g;
+                        }
+                    }
                 }
             }
         }
@@ -352,8 +406,8 @@ fn encode_page(
     if sizes_only {
         // The sizes of the sections below, without packing the symbols.
         let mut n_in = n;
-        let mut sections = 3;
-        let mut payload = scales.len();
+        let mut sections = 3 + usize::from(h.channel_gains);
+        let mut payload = scales.len() + 2 * gains.len();
         if h.outlier_multiplier.is_some() {
             for (i, _) in outlier.iter().enumerate().filter(|(_, o)| **o) {
                 table.push(i as u32, &[xs[0][i], xs[1][i], xs[2][i], xs[3][i]]);
@@ -365,6 +419,7 @@ fn encode_page(
         payload += bitpack::packed_len(n_in, e) + h.groups.packed_len(n_in);
         return Ok(Coded::Sizes(super::Trial {
             payload: payload as u64,
+            per_page: 2 * gains.len() as u64,
             sections,
         }));
     }
@@ -395,14 +450,26 @@ fn encode_page(
     bitpack::pack_u32(&low, e, &mut low_bytes);
     let mut high_bytes = vec![0u8; h.groups.packed_len(n_in)];
     h.groups.pack(&high, &mut high_bytes);
-    let mut sections = vec![
-        Section {
+    let mut sections = vec![Section {
+        kind: SectionKind::Scale,
+        stream: 0,
+        elem: ElemType::F16,
+        count: count(rows)?,
+        data: scales,
+    }];
+    if h.channel_gains {
+        sections.push(Section {
             kind: SectionKind::Scale,
-            stream: 0,
+            stream: 1,
             elem: ElemType::F16,
-            count: count(rows)?,
-            data: scales,
-        },
+            count: count(gains.len())?,
+            data: gains
+                .iter()
+                .flat_map(|g| f16::from_f32(*g).to_le_bytes())
+                .collect(),
+        });
+    }
+    sections.extend([
         Section::packed(SectionKind::Index, 0, e as u8, count(n_in)?, low_bytes),
         Section {
             kind: SectionKind::Index,
@@ -411,7 +478,7 @@ fn encode_page(
             count: count(high_bytes.len())?,
             data: high_bytes,
         },
-    ];
+    ]);
     if h.outlier_multiplier.is_some() {
         sections.push(table.to_section());
     }
@@ -423,6 +490,9 @@ fn encode_page(
 pub(crate) struct HqmqPage<'p> {
     /// SCALE stream 0: f16 radius scale per row, finite and non-negative.
     pub scales: &'p [u8],
+    /// SCALE stream 1 (`+chan`): f16 gain per plane and channel, finite
+    /// and non-negative; empty without `+chan`.
+    pub gains: &'p [u8],
     /// The outlier table (empty without `+med`), finite values.
     pub table: OutlierTable,
     /// Inlier chunks: `rows * head_dim / 4` minus the outliers.
@@ -433,9 +503,9 @@ pub(crate) struct HqmqPage<'p> {
     pub high: &'p [u8],
 }
 
-/// The checked layout of a page of `rows` rows of `head_dim` channels for
-/// a codec with outlier extraction `med`, `e` low bits and digit grouping
-/// `groups`: exactly the sections of format/codecs/hqmq.md with their
+/// The checked layout of a page of `rows` rows (`planes` planes) of
+/// `head_dim` channels for a codec with outlier extraction `med`, channel
+/// gains `chan`, `e` low bits and digit grouping `groups`: exactly the sections of format/codecs/hqmq.md with their
 /// element types and counts, finite non-negative scales, a valid outlier
 /// table with finite values, zero padding bits. The CPU decoder and the
 /// GPU staging both read pages through it.
@@ -443,9 +513,12 @@ pub(crate) struct HqmqPage<'p> {
 /// # Errors
 /// [`Error::Format`] naming the page for a head_dim not divisible by 4, a
 /// missing, mistyped or extra section, or content listed above.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn page_layout<'p>(
     page: &'p PageView<'_>,
     med: bool,
+    chan: bool,
+    planes: usize,
     e: u32,
     groups: &crate::kernels::radix::Groups,
     rows: usize,
@@ -457,19 +530,33 @@ pub(crate) fn page_layout<'p>(
     let n = rows * (d / 4);
     let universe = u32::try_from(n).map_err(|_| page.error("page over 2^32 chunks"))?;
     let scales = expect_section(page, SectionKind::Scale, 0, ElemType::F16, rows)?;
-    if let Some(r) = scales
-        .chunks_exact(2)
-        .position(|c| u16::from_le_bytes([c[0], c[1]]) & 0xfc00 >= 0x7c00)
-    {
+    if let Some(r) = first_bad_f16(scales) {
         let s = f16::from_le_bytes([scales[2 * r], scales[2 * r + 1]]);
         return Err(page.error(format!(
             "SCALE of row {r} holds {s}; radius scales must be finite and non-negative"
         )));
     }
+    let gains = if chan {
+        let g = expect_section(page, SectionKind::Scale, 1, ElemType::F16, planes * d)?;
+        if let Some(i) = first_bad_f16(g) {
+            let v = f16::from_le_bytes([g[2 * i], g[2 * i + 1]]);
+            return Err(page.error(format!(
+                "SCALE stream 1 (channel gains) of plane {} channel {} holds {v}; gains must be \
+                 finite and non-negative",
+                i / d,
+                i % d
+            )));
+        }
+        g
+    } else {
+        &[]
+    };
+    // Stream 0 only: an OUTLIERS section of another stream is extra (the
+    // section count below rejects it).
     let has_table = page
         .sections()
         .iter()
-        .any(|s| s.kind == SectionKind::Outliers);
+        .any(|s| s.kind == SectionKind::Outliers && s.stream == 0);
     let table = match (med, has_table) {
         (true, true) => OutlierTable::from_page(page, 4, universe)?,
         (false, false) => OutlierTable::new(4, universe),
@@ -492,7 +579,7 @@ pub(crate) fn page_layout<'p>(
         ElemType::Bytes,
         groups.packed_len(n_in),
     )?;
-    expect_section_count(page, 3 + usize::from(has_table))?;
+    expect_section_count(page, 3 + usize::from(has_table) + usize::from(chan))?;
     if !bitpack::tail_is_zero(low, n_in, e) {
         return Err(page.error("INDEX stream 0: padding bits after the last code are set"));
     }
@@ -501,11 +588,20 @@ pub(crate) fn page_layout<'p>(
     }
     Ok(HqmqPage {
         scales,
+        gains,
         table,
         n_in,
         low,
         high,
     })
+}
+
+/// The first of the f16 values in `bytes` that is negative (sign bit set),
+/// infinite or NaN.
+fn first_bad_f16(bytes: &[u8]) -> Option<usize> {
+    bytes
+        .chunks_exact(2)
+        .position(|c| u16::from_le_bytes([c[0], c[1]]) & 0xfc00 >= 0x7c00)
 }
 
 /// Decodes one page (format/codecs/hqmq.md "Decoding").
@@ -526,13 +622,28 @@ fn decode_page(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<(
     let rows = out.rows();
     let t = out.tokens as usize;
     let (e, _) = h.split();
+    let planes = rows / t.max(1);
     let HqmqPage {
         scales,
+        gains,
         table,
         n_in,
         low: low_bytes,
         high: high_bytes,
-    } = page_layout(page, h.outlier_multiplier.is_some(), e, &h.groups, rows, d)?;
+    } = page_layout(
+        page,
+        h.outlier_multiplier.is_some(),
+        h.channel_gains,
+        planes,
+        e,
+        &h.groups,
+        rows,
+        d,
+    )?;
+    let gains: Vec<f32> = gains
+        .chunks_exact(2)
+        .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+        .collect();
     let mut low = vec![0u32; n_in];
     bitpack::unpack_u32(low_bytes, e, &mut low);
     let mut high = vec![0u32; n_in];
@@ -572,6 +683,11 @@ fn decode_page(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<(
                 dst[1] = rh * cw[1];
                 dst[2] = rh * cw[2];
                 dst[3] = rh * cw[3];
+            }
+            if !gains.is_empty() {
+                for (v, g) in row.iter_mut().zip(&gains[p * d..(p + 1) * d]) {
+                    *v *= g;
+                }
             }
             out.store_row(r, &row);
         }
@@ -733,6 +849,101 @@ mod tests {
         assert!(decode(&plain, &encode(&plain)).is_ok());
     }
 
+    /// `+chan`: the gains are each channel's largest magnitude rounded up
+    /// to fp16 (a zero channel gets 0 and decodes to 0), the page decodes
+    /// closer than without gains on rows with one large channel, and
+    /// missing, extra, negative or infinite gains are format errors.
+    #[test]
+    fn channel_gains() {
+        let h = Hqmq::new(24, 3, None, 5).unwrap().with_channel_gains(true);
+        let mut v = values();
+        for (i, x) in v.iter_mut().enumerate() {
+            if i % D == 3 {
+                *x *= 40.0; // one large channel
+            }
+            if i % D == 9 {
+                *x = 0.0; // one zero channel
+            }
+        }
+        let (ti, page_values) = (info(), v.clone());
+        let page = PageIn {
+            source: None,
+            tensor: &ti,
+            token_start: 0,
+            tokens: T as u32,
+            planes: page_values.chunks(T * D).map(Elems::F32).collect(),
+        };
+        let good = h.encode(&page).unwrap();
+        let gains = &section_mut(&mut good.clone(), SectionKind::Scale, 1)
+            .data
+            .clone();
+        for p in 0..2 {
+            for c in 0..D {
+                let mx = (0..T)
+                    .map(|t| v[p * T * D + t * D + c].abs())
+                    .fold(0f32, f32::max);
+                let g = f16::from_le_bytes([gains[2 * (p * D + c)], gains[2 * (p * D + c) + 1]]);
+                if mx == 0.0 {
+                    assert_eq!(g.to_f32(), 0.0, "plane {p} channel {c}");
+                } else {
+                    let below = f16::from_bits(g.to_bits() - 1).to_f32();
+                    assert!(
+                        g.to_f32() >= mx && below < mx,
+                        "plane {p} channel {c}: {g} for {mx}"
+                    );
+                }
+            }
+        }
+        let frame_decode = |h: &Hqmq, s: &[Section]| decode_page_of(h, &ti, s);
+        let dec = frame_decode(&h, &good);
+        let plain = Hqmq::new(24, 3, None, 5).unwrap();
+        let dec0 = frame_decode(&plain, &plain.encode(&page).unwrap());
+        let err = |d: &[f32]| -> f32 {
+            d.iter()
+                .zip(&v)
+                .enumerate()
+                .filter(|(i, _)| i % D != 3)
+                .map(|(_, (a, b))| (a - b) * (a - b))
+                .sum()
+        };
+        assert!(
+            err(&dec) < 0.5 * err(&dec0),
+            "{} vs {}",
+            err(&dec),
+            err(&dec0)
+        );
+        assert!(dec.iter().enumerate().all(|(i, x)| i % D != 9 || *x == 0.0));
+        type Edit = fn(&mut Vec<Section>);
+        let edits: [(&str, Edit); 4] = [
+            ("missing gains", |s| {
+                s.retain(|x| !(x.kind == SectionKind::Scale && x.stream == 1))
+            }),
+            ("gain count", |s| {
+                let x = section_mut(s, SectionKind::Scale, 1);
+                x.count -= 1;
+                x.data.truncate(x.data.len() - 2);
+            }),
+            ("negative gain", |s| {
+                section_mut(s, SectionKind::Scale, 1).data[7] |= 0x80
+            }),
+            ("NaN gain", |s| {
+                let x = section_mut(s, SectionKind::Scale, 1);
+                x.data[4] = 0x01;
+                x.data[5] = 0x7C;
+            }),
+        ];
+        for (what, edit) in edits {
+            let mut s = good.clone();
+            edit(&mut s);
+            match decode(&h, &s) {
+                Err(e) => assert!(e.is_format(), "{what}: {e}"),
+                Ok(_) => panic!("{what}: accepted"),
+            }
+        }
+        // Gains where the codec has none.
+        assert!(decode(&plain, &good).unwrap_err().is_format());
+    }
+
     /// Decodes `sections` as one page of `ti` (`tokens` rows per plane,
     /// f32) through the public frame path.
     fn decode_page_of(h: &Hqmq, ti: &TensorInfo, sections: &[Section]) -> Vec<f32> {
@@ -787,6 +998,9 @@ mod tests {
             "hqmq:s96r6+med1.5",
             "hqmq:s24r3:seed9",
             "hqmq:s5r8+med2",
+            "hqmq:s24r3+chan",
+            "hqmq:s96r4+chan",
+            "hqmq:s12r2+med3+chan",
         ];
         let codecs: Vec<Hqmq> = names
             .iter()

@@ -11,13 +11,18 @@ use super::Hqmq;
 pub const PARAMS_LEN: usize = 24;
 /// Flag bit 0: Med-C outlier extraction.
 const FLAG_OUTLIERS: u8 = 1;
+/// Flag bit 1: per-channel gains (`+chan`).
+const FLAG_CHANNELS: u8 = 2;
 
-/// Canonical name: `hqmq:s{S}r{b}`, then `+med{C}` with outliers, then
-/// `:seed{N}` for a non-zero seed and `:g{G}` for a non-default grouping.
+/// Canonical name: `hqmq:s{S}r{b}`, then `+med{C}` with outliers, `+chan`
+/// with channel gains, then `:seed{N}` for a non-zero seed and `:g{G}` for a non-default grouping.
 pub(super) fn name(h: &Hqmq) -> String {
     let mut n = format!("hqmq:s{}r{}", h.secondaries, h.radius_bits);
     if let Some(c) = h.outlier_multiplier {
         n.push_str(&format!("+med{c}"));
+    }
+    if h.channel_gains {
+        n.push_str("+chan");
     }
     if h.seed != 0 {
         n.push_str(&format!(":seed{}", h.seed));
@@ -35,7 +40,7 @@ pub(super) fn name(h: &Hqmq) -> String {
 /// | 0 | 4 | `S`, u32 |
 /// | 4 | 1 | radius bits `b` |
 /// | 5 | 1 | digits per group `G` |
-/// | 6 | 1 | flags (bit 0: outlier extraction) |
+/// | 6 | 1 | flags (bit 0: outlier extraction; bit 1: channel gains) |
 /// | 7 | 1 | reserved, 0 |
 /// | 8 | 4 | `C`, f32 (0 without outliers) |
 /// | 12 | 4 | reserved, 0 |
@@ -45,11 +50,14 @@ pub(super) fn to_bytes(h: &Hqmq) -> Vec<u8> {
     p.extend_from_slice(&h.secondaries.to_le_bytes());
     p.push(h.radius_bits);
     p.push(h.groups.digits as u8);
-    p.push(if h.outlier_multiplier.is_some() {
-        FLAG_OUTLIERS
-    } else {
-        0
-    });
+    let mut flags = 0;
+    if h.outlier_multiplier.is_some() {
+        flags |= FLAG_OUTLIERS;
+    }
+    if h.channel_gains {
+        flags |= FLAG_CHANNELS;
+    }
+    p.push(flags);
     p.push(0);
     p.extend_from_slice(&h.outlier_multiplier.unwrap_or(0.0).to_le_bytes());
     p.extend_from_slice(&[0; 4]);
@@ -72,7 +80,7 @@ pub(crate) fn from_params(p: &[u8]) -> Result<Hqmq> {
     }
     let u32_at = |o: usize| u32::from_le_bytes(p[o..o + 4].try_into().expect("4 bytes"));
     let (s, b, g, flags) = (u32_at(0), p[4], p[5], p[6]);
-    if p[7] != 0 || u32_at(12) != 0 || flags & !FLAG_OUTLIERS != 0 {
+    if p[7] != 0 || u32_at(12) != 0 || flags & !(FLAG_OUTLIERS | FLAG_CHANNELS) != 0 {
         return Err(Error::param(format!(
             "hqmq parameters have reserved bytes or flag bits set: {p:02x?}"
         )));
@@ -99,7 +107,8 @@ pub(crate) fn from_params(p: &[u8]) -> Result<Hqmq> {
             "hqmq parameters: {g} digits per group is not valid for base {base}"
         ))
     })?;
-    Hqmq::with_groups(s, b, multiplier, seed, groups)
+    Ok(Hqmq::with_groups(s, b, multiplier, seed, groups)?
+        .with_channel_gains(flags & FLAG_CHANNELS != 0))
 }
 
 /// Registry parser: `None` unless the name starts with `hqmq`.
@@ -110,16 +119,17 @@ pub(super) fn parse_family(s: &str) -> Option<Result<Box<dyn Codec>>> {
     Some(parse_name(s).map(|h| Box::new(h) as Box<dyn Codec>))
 }
 
-/// Parses `hqmq:s{S}r{b}[+med{C}][:seed{N}][:g{G}]`.
+/// Parses `hqmq:s{S}r{b}[+med{C}][+chan][:seed{N}][:g{G}]`.
 ///
 /// # Errors
 /// [`Error::Parameter`] with the expected syntax.
 pub fn parse_name(s: &str) -> Result<Hqmq> {
     let bad = |why: &str| {
         Error::param(format!(
-            "{s:?}: {why}; HQMQ names look like hqmq:s96r4, hqmq:s96r4+med3 or \
-             hqmq:s24r3:seed7 (S >= 1 secondary codewords, 1 to 8 radius bits, \
-             optional Med-C outlier extraction, optional codebook seed)"
+            "{s:?}: {why}; HQMQ names look like hqmq:s96r4, hqmq:s96r4+med3, \
+             hqmq:s24r3+chan or hqmq:s24r3:seed7 (S >= 1 secondary codewords, 1 to 8 \
+             radius bits, optional Med-C outlier extraction, optional per-channel gains, \
+             optional codebook seed)"
         ))
     };
     let rest = s
@@ -127,10 +137,20 @@ pub fn parse_name(s: &str) -> Result<Hqmq> {
         .ok_or_else(|| bad("missing the configuration"))?;
     let mut parts = rest.split(':');
     let main = parts.next().unwrap_or("");
-    let (core, med) = match main.split_once('+') {
-        Some((c, m)) => (c, Some(m)),
-        None => (main, None),
-    };
+    let mut plus = main.split('+');
+    let core = plus.next().unwrap_or("");
+    let (mut med, mut chan) = (None, false);
+    for opt in plus {
+        if opt == "chan" && !chan {
+            chan = true;
+        } else if opt.starts_with("med") && med.is_none() && !chan {
+            med = Some(opt);
+        } else {
+            return Err(bad(&format!(
+                "unknown or repeated option +{opt} (options: +med{{C}}, then +chan)"
+            )));
+        }
+    }
     let (sv, rv) = core
         .strip_prefix('s')
         .and_then(|c| c.split_once('r'))
@@ -160,15 +180,16 @@ pub fn parse_name(s: &str) -> Result<Hqmq> {
     }
     let h =
         Hqmq::new(secondaries, radius_bits, multiplier, seed).map_err(|e| bad(&e.to_string()))?;
-    match digits {
-        None => Ok(h),
+    let h = match digits {
+        None => h,
         Some(g) => {
             let base = h.split().1;
             let groups = Groups::new(base, g)
                 .ok_or_else(|| bad(&format!("{g} digits per group do not fit 64 bits")))?;
-            Hqmq::with_groups(secondaries, radius_bits, multiplier, seed, groups)
+            Hqmq::with_groups(secondaries, radius_bits, multiplier, seed, groups)?
         }
-    }
+    };
+    Ok(h.with_channel_gains(chan))
 }
 
 #[cfg(test)]
@@ -188,6 +209,8 @@ mod tests {
             "hqmq:s100r8+med2.5",
             "hqmq:s48r4:seed1337",
             "hqmq:s96r4+med3:seed42:g5",
+            "hqmq:s24r3+chan",
+            "hqmq:s96r4+med3+chan:seed3",
         ] {
             let c = parse(n).unwrap();
             assert_eq!(c.name(), n);
@@ -221,11 +244,24 @@ mod tests {
             "hqmq:s96r4:seedx",
             "hqmq:s96r4:g30",
             "hqmq:s96r4:z",
+            "hqmq:s96r4+chan+med3",
+            "hqmq:s96r4+chan+chan",
+            "hqmq:s96r4+med3+med3",
+            "hqmq:s96r4+chans",
         ] {
             assert!(parse(n).is_err(), "{n}");
         }
         let good = parse("hqmq:s96r4+med3").unwrap().params();
-        for (i, v) in [(4, 0u8), (5, 0), (5, 21), (6, 2), (7, 1), (12, 1), (0, 0)] {
+        for (i, v) in [
+            (4, 0u8),
+            (5, 0),
+            (5, 21),
+            (6, 4),
+            (6, 0x80),
+            (7, 1),
+            (12, 1),
+            (0, 0),
+        ] {
             let mut p = good.clone();
             p[i] = v;
             if i == 0 {

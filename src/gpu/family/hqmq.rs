@@ -1,6 +1,6 @@
 //! `hqmq` pages: f16 scale per row, low symbols and grouped high digits of
-//! the joint codeword per 4-element chunk, optional outlier table
-//! (`kernels/hqmq.cu`); the encoder, with and without outlier extraction
+//! the joint codeword per 4-element chunk, optional outlier table and
+//! per-channel gains (`kernels/hqmq.cu`); the encoder (not for `+chan`), with and without outlier extraction
 //! (`kernels/hqmq_enc.cu`, its search through the cell index of
 //! `gpu::hqmq_cells`).
 
@@ -36,6 +36,12 @@ pub(crate) struct Family;
 
 /// `(s, b, e, g, w, o, med)` of an hqmq kernel codec.
 fn fields(kc: KernelCodec) -> (u32, u8, u8, u8, u8, u32, bool) {
+    let (s, b, e, g, w, o, med, _) = all_fields(kc);
+    (s, b, e, g, w, o, med)
+}
+
+/// `(s, b, e, g, w, o, med, chan)` of an hqmq kernel codec.
+fn all_fields(kc: KernelCodec) -> (u32, u8, u8, u8, u8, u32, bool, bool) {
     let KernelCodec::Hqmq {
         s,
         b,
@@ -44,11 +50,12 @@ fn fields(kc: KernelCodec) -> (u32, u8, u8, u8, u8, u32, bool) {
         w,
         o,
         med,
+        chan,
     } = kc
     else {
         unreachable!("hqmq family")
     };
-    (s, b, e, g, w, o, med)
+    (s, b, e, g, w, o, med, chan)
 }
 
 /// The packed `b | e << 8 | g << 16 | w << 24` descriptor word.
@@ -94,21 +101,32 @@ impl GpuFamily for Family {
             w: h.groups.bits as u8,
             o: u32::try_from(o).map_err(|_| bad_params(codec))?,
             med: h.outlier_multiplier.is_some(),
+            chan: h.channel_gains,
         })
     }
 
-    /// The page-specific parameter is the number of inlier chunks.
+    /// The page-specific parameter is the number of inlier chunks; the
+    /// fifth section offset is the channel gains' (`+chan`), else 0.
     fn page_sections(
         &self,
         kc: KernelCodec,
         page: &PageView<'_>,
         t: &TensorInfo,
     ) -> Result<([u32; 5], u32)> {
-        let (_, _, e, g, _, o, med) = fields(kc);
+        let (_, _, e, g, _, o, med, chan) = all_fields(kc);
         let rows = t.planes() * page.header.meta.tokens as usize;
         let groups = Groups::new(u64::from(o), u32::from(g))
             .ok_or_else(|| page.error("hqmq: invalid digit grouping"))?;
-        let p = hqmq::page_layout(page, med, u32::from(e), &groups, rows, t.head_dim as usize)?;
+        let p = hqmq::page_layout(
+            page,
+            med,
+            chan,
+            t.planes(),
+            u32::from(e),
+            &groups,
+            rows,
+            t.head_dim as usize,
+        )?;
         let table = if med {
             offset(page, SectionKind::Outliers, 0)
         } else {
@@ -119,7 +137,7 @@ impl GpuFamily for Family {
             at(page, p.low),
             at(page, p.high),
             table,
-            0,
+            if chan { at(page, p.gains) } else { 0 },
         ];
         Ok((s, p.n_in as u32))
     }
@@ -162,19 +180,24 @@ impl GpuFamily for Family {
         &self,
         kc: KernelCodec,
         rows: u64,
-        _tokens: u64,
+        tokens: u64,
         d: u64,
     ) -> Result<Vec<SectionSpec>> {
-        let (_, _, e, g, _, o, med) = fields(kc);
+        let (_, _, e, g, _, o, med, chan) = all_fields(kc);
         let n = rows * (d / 4);
         let groups = Groups::new(u64::from(o), u32::from(g))
             .ok_or_else(|| Error::param("hqmq parameters: invalid digit grouping"))?;
         let high = usize::try_from(n).map_or(u64::MAX, |n| groups.packed_len(n) as u64);
-        let mut v = vec![
-            section(SectionKind::Scale, 0, ElemType::F16, rows)?,
+        let mut v = vec![section(SectionKind::Scale, 0, ElemType::F16, rows)?];
+        if chan {
+            // One gain per plane and channel.
+            let planes = rows / tokens.max(1);
+            v.push(section(SectionKind::Scale, 1, ElemType::F16, planes * d)?);
+        }
+        v.extend([
             section(SectionKind::Index, 0, ElemType::Packed(e), n)?,
             section(SectionKind::Index, 1, ElemType::Bytes, high)?,
-        ];
+        ]);
         if med {
             // Bound (format/SPEC.md 6.5): every chunk an outlier, its
             // position in the bitmap (the writer never picks a longer
@@ -229,9 +252,10 @@ impl GpuFamily for Family {
         v
     }
 
-    /// With and without outlier extraction (`+med`).
-    fn encodes(&self, _kc: KernelCodec) -> bool {
-        true
+    /// With and without outlier extraction (`+med`); not with per-channel
+    /// gains (`+chan`: the CPU encodes those pages).
+    fn encodes(&self, kc: KernelCodec) -> bool {
+        !all_fields(kc).7
     }
 
     /// The search kernel (symbols to scratch, SCALE written) and the pack

@@ -340,7 +340,7 @@ pub(crate) fn plan_encode(
 /// True when the GPU encodes `codec` for tensor `info` (`plan_encode` accepts
 /// it): the codec takes the tensor and its kernel family has an encoder
 /// for its shape (`GpuFamily::encodes`, `GpuFamily::encodes_shape`; today
-/// every family: `raw`, `int{b}`, `bdr{h}`, `hqmq` with or without `+med`,
+/// every family: `raw`, `int{b}`, `bdr{h}`, `hqmq` with or without `+med` (not `+chan`),
 /// `kivi` (and the value-group V pages of `octopus` / `turbo`), `innerq`,
 /// `polar` and the unit-coded pages of `octopus` / `turbo`).
 pub fn gpu_encodes(codec: &dyn Codec, info: &TensorInfo) -> bool {
@@ -509,7 +509,8 @@ mod tests {
                 g: 17,
                 w: 54,
                 o: 9,
-                med: false
+                med: false,
+                chan: false
             }
         );
         assert_eq!(
@@ -585,6 +586,7 @@ mod tests {
                     w: 20,
                     o: 15,
                     med: true,
+                    chan: true,
                 },
                 12,
             ),

@@ -72,6 +72,21 @@ __device__ __forceinline__ void hq_digits(u64 n, u32 o, u32 G, u32* dg) {
     }
 }
 
+// Multiplies a chunk by its channels' gains (format/codecs/hqmq.md,
+// decoding with +chan); a gain that is negative, infinite or NaN is a
+// content error.
+__device__ __forceinline__ void hq_gain(const u16* g, float& x0, float& x1, float& x2, float& x3,
+                                        u64* status, u32 page) {
+    u16 g0 = __ldg(g), g1 = __ldg(g + 1), g2 = __ldg(g + 2), g3 = __ldg(g + 3);
+    if (((g0 | g1 | g2 | g3) & 0x8000u) || (g0 & 0x7c00u) == 0x7c00u || (g1 & 0x7c00u) == 0x7c00u ||
+        (g2 & 0x7c00u) == 0x7c00u || (g3 & 0x7c00u) == 0x7c00u)
+        content_error(status, page);
+    x0 = __fmul_rn(x0, f16_to_f32(g0));
+    x1 = __fmul_rn(x1, f16_to_f32(g1));
+    x2 = __fmul_rn(x2, f16_to_f32(g2));
+    x3 = __fmul_rn(x3, f16_to_f32(g3));
+}
+
 template <int OT, bool SMEM, int OUT>
 __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
                                             const uint2* __restrict__ work, u64* status) {
@@ -116,6 +131,9 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
         vals_off = 12u + (enc == 0 ? 4u * n_out : (universe + 7u) / 8u);
     }
     const u32* opos = reinterpret_cast<const u32*>(tab + 12);
+    // +chan: f16 gain per (plane, channel), SCALE stream 1 at sec4.
+    const bool has_gain = d.sec4 != 0;
+    const u16* gains = reinterpret_cast<const u16*>(body + d.sec4) + (u64)plane * 4u * nc;
     const u32 nr_max = min((u32)HQ_ROWS, (u32)HQ_NPOS / nc);
     // Chunk i of a sub-block is row i / nc, chunk i % nc; with nc dividing
     // BLOCK a thread keeps its chunk and advances BLOCK / nc rows per step.
@@ -212,10 +230,11 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
                 u32 v = sym[sbase + i];
                 float rh = __fmul_rn(code_f32(v & qmask), steps[rl]);
                 float4 cw = cb[v >> b];
+                float x0 = __fmul_rn(rh, cw.x), x1 = __fmul_rn(rh, cw.y), x2 = __fmul_rn(rh, cw.z),
+                      x3 = __fmul_rn(rh, cw.w);
+                if (has_gain) hq_gain(gains + 4u * c, x0, x1, x2, x3, status, w.x);
                 i64 o = dsto[rl];
-                if (o >= 0)
-                    st_u2(dst + o + 4u * c, make_uint2(pack2<OUT>(__fmul_rn(rh, cw.x), __fmul_rn(rh, cw.y)),
-                                                       pack2<OUT>(__fmul_rn(rh, cw.z), __fmul_rn(rh, cw.w))));
+                if (o >= 0) st_u2(dst + o + 4u * c, make_uint2(pack2<OUT>(x0, x1), pack2<OUT>(x2, x3)));
                 rl += dr;
             }
         } else {
@@ -244,6 +263,7 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
                     x2 = __fmul_rn(rh, cw.z);
                     x3 = __fmul_rn(rh, cw.w);
                 }
+                if (has_gain) hq_gain(gains + 4u * c, x0, x1, x2, x3, status, w.x);
                 i64 o = dsto[rl];
                 if (o >= 0) st_u2(dst + o + 4u * c, make_uint2(pack2<OUT>(x0, x1), pack2<OUT>(x2, x3)));
                 rl += dr;
