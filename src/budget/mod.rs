@@ -101,6 +101,27 @@ struct Candidate {
     hqmq: Option<Hqmq>,
 }
 
+impl Candidate {
+    /// True when a page's coding depends on which rows share it (hqmq's
+    /// `+chan` gains are each channel's largest value in the page): its
+    /// sample is coded once per sink window, without the window's rows,
+    /// as the file codes the pages after the window.
+    fn windowed(&self) -> bool {
+        self.hqmq.as_ref().is_some_and(|h| h.channel_gains)
+    }
+}
+
+/// One round trip of a tensor's sample by candidate `cand`: for every sink
+/// window (`sink: None`), or (windowed candidates) for the one sink window
+/// whose rows were left out of the page and copied exactly.
+struct Trip {
+    cand: usize,
+    sink: Option<u32>,
+    /// `None` when the candidate cannot code the tensor, `Some(None)` for
+    /// `raw` (exact), else the round trip.
+    trip: Option<Option<RoundTrip>>,
+}
+
 /// Operating points of one tensor: `(candidate, sink)` per point.
 #[derive(Debug, Clone)]
 struct TensorPoints {
@@ -134,7 +155,6 @@ fn raw_frame(len: u64, align: u64) -> u64 {
 fn tensor_bytes(
     info: &TensorInfo,
     rt: Option<&RoundTrip>,
-    n: usize,
     sink: u32,
     opts: &CompressOptions,
 ) -> f64 {
@@ -160,8 +180,9 @@ fn tensor_bytes(
         Some(rt) => {
             let nsec = rt.sections as u64;
             let per_page = 64 + align_up(16 * nsec, 64) + 32 * nsec + align / 2 + 40;
-            bytes += rt.payload as f64 * f64::from(body) / n.max(1) as f64;
-            bytes += (u64::from(pages) * per_page) as f64;
+            let rows = rt.payload - rt.per_page.min(rt.payload);
+            bytes += rows as f64 * f64::from(body) / rt.tokens.max(1) as f64;
+            bytes += (u64::from(pages) * (per_page + rt.per_page)) as f64;
         }
     }
     bytes
@@ -182,9 +203,8 @@ fn attn_scale(cache: &CacheView<'_>, head_dim: u32) -> f32 {
 struct Trials {
     sample: Sample,
     rows: Vec<f32>,
-    /// Per candidate: `None` when it cannot code the tensor, `Some(None)`
-    /// for `raw` (exact), else the round trip.
-    trips: Vec<Option<Option<RoundTrip>>>,
+    /// The candidates' round trips.
+    trips: Vec<Trip>,
 }
 
 fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials> {
@@ -195,27 +215,68 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
     let trips = timing::time(timing::Section::RoundTrip, || {
         // The chunks and direction searches of the sample page, shared by
         // the hqmq candidates.
+        let trip = |c: &Candidate, shared: &mut hqmq::Shared, rows: &[f32], n: usize| {
+            if c.codec.check(&tv.info).is_err() || n == 0 {
+                return Ok(None);
+            }
+            if c.codec.id() == crate::codec::raw::ID {
+                return Ok(Some(None));
+            }
+            let mut encode = |page: &crate::codec::PageIn<'_>, recon: &mut [f32]| match &c.hqmq {
+                Some(h) => h.trial(page, shared, recon).map(|t| Encoded::Decoded {
+                    payload: t.payload,
+                    sections: t.sections,
+                    per_page: t.per_page,
+                }),
+                None => c.codec.encode(page).map(Encoded::Sections),
+            };
+            round_trip(c.codec.as_ref(), &mut encode, &tv.info, rows, n).map(|r| Some(Some(r)))
+        };
+        let mut out = Vec::new();
         let mut shared = hqmq::Shared::default();
-        cands
-            .iter()
-            .map(|c| {
-                if c.codec.check(&tv.info).is_err() || n == 0 {
-                    return Ok(None);
-                }
-                if c.codec.id() == crate::codec::raw::ID {
-                    return Ok(Some(None));
-                }
-                let mut encode = |page: &crate::codec::PageIn<'_>, recon: &mut [f32]| match &c.hqmq
-                {
-                    Some(h) => h.trial(page, &mut shared, recon).map(|t| Encoded::Decoded {
-                        payload: t.payload,
-                        sections: t.sections,
-                    }),
-                    None => c.codec.encode(page).map(Encoded::Sections),
-                };
-                round_trip(c.codec.as_ref(), &mut encode, &tv.info, &rows, n).map(|r| Some(Some(r)))
-            })
-            .collect::<Result<Vec<_>>>()
+        for (cand, c) in cands.iter().enumerate().filter(|(_, c)| !c.windowed()) {
+            out.push(Trip {
+                cand,
+                sink: None,
+                trip: trip(c, &mut shared, &rows, n)?,
+            });
+        }
+        let d = tv.info.head_dim as usize;
+        for &sink in candidates::SINKS {
+            let e = exact_rows(&sample, sink);
+            if e >= n {
+                continue;
+            }
+            // The rows after the window, plane-major, and one shared
+            // search for the windowed candidates of this window.
+            let after: Vec<f32> = rows
+                .chunks_exact(n * d)
+                .flat_map(|p| &p[e * d..])
+                .copied()
+                .collect();
+            let mut shared = hqmq::Shared::default();
+            for (cand, c) in cands.iter().enumerate().filter(|(_, c)| c.windowed()) {
+                let t = trip(c, &mut shared, &after, n - e)?.map(|t| {
+                    t.map(|mut r| {
+                        let mut full = rows.clone();
+                        for (f, a) in full
+                            .chunks_exact_mut(n * d)
+                            .zip(r.rows.chunks_exact((n - e) * d))
+                        {
+                            f[e * d..].copy_from_slice(a);
+                        }
+                        r.rows = full;
+                        r
+                    })
+                });
+                out.push(Trip {
+                    cand,
+                    sink: Some(sink),
+                    trip: t,
+                });
+            }
+        }
+        Ok::<_, Error>(out)
     })?;
     Ok(Trials {
         sample,
@@ -282,12 +343,19 @@ fn layer_points(
             choice: Vec::new(),
         };
         let scale = attn_scale(cache, info.head_dim);
-        for (c, trip) in tr[i].trips.iter().enumerate() {
+        for Trip {
+            cand: c,
+            sink: only,
+            trip,
+        } in &tr[i].trips
+        {
+            let c = *c;
             let Some(trip) = trip else { continue };
-            let sinks: &[u32] = if trip.is_none() {
-                &[0]
-            } else {
-                candidates::SINKS
+            let one = only.map(|s| [s]);
+            let sinks: &[u32] = match (&one, trip) {
+                (Some(s), _) => s,
+                (None, None) => &[0],
+                (None, Some(_)) => candidates::SINKS,
             };
             let hat = trip.as_ref().map(|r| &r.rows[..]);
             // Per plane error pieces shared by every sink.
@@ -367,7 +435,7 @@ fn layer_points(
                         }
                     });
                 points.points.push(Point {
-                    bytes: tensor_bytes(info, trip.as_ref(), n, sink, opts),
+                    bytes: tensor_bytes(info, trip.as_ref(), sink, opts),
                     distortion,
                 });
                 points.choice.push((c, sink));

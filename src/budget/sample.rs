@@ -76,6 +76,11 @@ pub(crate) struct RoundTrip {
     pub rows: Vec<f32>,
     /// Section payload bytes of the sample page.
     pub payload: u64,
+    /// The part of `payload` that does not grow with the page's tokens
+    /// (known for hqmq trials; 0 otherwise).
+    pub per_page: u64,
+    /// Sampled slots per plane the page held.
+    pub tokens: usize,
     /// Sections of the page.
     pub sections: usize,
 }
@@ -86,8 +91,12 @@ pub(crate) enum Encoded {
     Sections(Vec<Section>),
     /// The decoded page was written to the encoder's buffer (bit for bit
     /// what the codec's decode returns); the sections' payload bytes and
-    /// number.
-    Decoded { payload: u64, sections: usize },
+    /// number, and the payload bytes that do not grow with the tokens.
+    Decoded {
+        payload: u64,
+        sections: usize,
+        per_page: u64,
+    },
 }
 
 /// The encoder of a round trip: encodes a page, given a buffer for the
@@ -124,10 +133,16 @@ pub(crate) fn round_trip(
     };
     let mut out = vec![0.0f32; planes * n * d];
     let sections = match encode(&page, &mut out)? {
-        Encoded::Decoded { payload, sections } => {
+        Encoded::Decoded {
+            payload,
+            sections,
+            per_page,
+        } => {
             return Ok(RoundTrip {
                 rows: out,
                 payload,
+                per_page,
+                tokens: n,
                 sections,
             });
         }
@@ -159,6 +174,8 @@ pub(crate) fn round_trip(
     Ok(RoundTrip {
         rows: out,
         payload,
+        per_page: 0,
+        tokens: n,
         sections: sections.len(),
     })
 }

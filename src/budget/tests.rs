@@ -148,3 +148,60 @@ fn study_points_file_lists_every_measured_point() {
         }
     }
 }
+
+/// A windowed candidate (`hqmq` with `+chan`, whose page coding depends on
+/// the rows in the page) is measured once per sink window with the
+/// window's rows left out of the sample page: its points equal a round
+/// trip of exactly those rows, and its estimated bytes count the gains once
+/// per page, not once per sampled row.
+#[test]
+fn windowed_candidates_are_measured_per_sink_window() {
+    let cache = fixture();
+    let view = cache.view();
+    let opts = CompressOptions::default();
+    let names: Vec<String> = ["hqmq:s24r3", "hqmq:s24r3+chan"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let m = measure_names(&view, &opts, &names, false).unwrap();
+    let t = 10; // layer 5's key: 520 tokens
+    let tp = &m.tensors[t];
+    let info = &cache.tensors[t].info;
+    let sample = Sample::of(info.tokens);
+    let rows = load_rows(&view.tensors[t], &sample);
+    let n = sample.len();
+    let d = info.head_dim as usize;
+    let chan = Hqmq::new(24, 3, None, 0).unwrap().with_channel_gains(true);
+    for &sink in candidates::SINKS {
+        let e = exact_rows(&sample, sink);
+        let after: Vec<f32> = rows
+            .chunks_exact(n * d)
+            .flat_map(|p| &p[e * d..])
+            .copied()
+            .collect();
+        let mut shared = hqmq::Shared::default();
+        let mut enc = |page: &crate::codec::PageIn<'_>, recon: &mut [f32]| {
+            chan.trial(page, &mut shared, recon)
+                .map(|t| Encoded::Decoded {
+                    payload: t.payload,
+                    sections: t.sections,
+                    per_page: t.per_page,
+                })
+        };
+        let rt = round_trip(&chan, &mut enc, info, &after, n - e).unwrap();
+        assert_eq!(rt.per_page, 2 * info.planes() as u64 * d as u64);
+        let i = tp.choice.iter().position(|&c| c == (1, sink)).unwrap();
+        let want = tensor_bytes(info, Some(&rt), sink, &opts);
+        assert_eq!(tp.points[i].bytes, want, "sink {sink}");
+        // The gains cost about 2 bytes per channel and page, so +chan costs
+        // far less than the gains of every sampled row would.
+        let j = tp.choice.iter().position(|&c| c == (0, sink)).unwrap();
+        let extra = tp.points[i].bytes - tp.points[j].bytes;
+        let pages = f64::from((info.tokens - sink).div_ceil(opts.layout.page_tokens));
+        assert!(
+            extra < 1.5 * pages * 2.0 * d as f64,
+            "sink {sink}: {extra} bytes"
+        );
+        assert!(tp.points[i].distortion > 0.0);
+    }
+}
