@@ -629,6 +629,7 @@ fn paged(b: &mut Bench, llama: &KvCache) {
         "bdr128",
         "hqmq:s96r4",
         "hqmq:s96r4+med3",
+        "hqmq:s96r4+chan",
         "kivi:2",
         "innerq:k2v2",
         "polar:m4n4",
@@ -1061,6 +1062,7 @@ fn main() {
         ("hqmq:s96r4", true, true, false),
         ("hqmq:s96r4+med3", true, false, false),
         ("hqmq:s24r3", false, false, false),
+        ("hqmq:s24r3+chan", false, false, false),
     ] {
         if !vq_selected(codec) {
             continue;
@@ -1092,6 +1094,14 @@ fn main() {
         b.gpu = default_gpu.clone();
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s96r4", "hqmq:s96r4");
         bench_encode(&mut b, &llama, &[0, 1], shape, "hqmq:s24r3", "hqmq:s24r3");
+        bench_encode(
+            &mut b,
+            &llama,
+            &[0, 1],
+            shape,
+            "hqmq:s24r3+chan",
+            "hqmq:s24r3+chan",
+        );
     }
     // The group codecs' and polar's encoders: K+V in one launch, then K and
     // V alone (channel-group, token-group and polar kernels differ).

@@ -1,6 +1,6 @@
 //! `hqmq` pages: f16 scale per row, low symbols and grouped high digits of
 //! the joint codeword per 4-element chunk, optional outlier table and
-//! per-channel gains (`kernels/hqmq.cu`); the encoder (not for `+chan`), with and without outlier extraction
+//! per-channel gains (`kernels/hqmq.cu`); the encoder, with and without outlier extraction
 //! (`kernels/hqmq_enc.cu`, its search through the cell index of
 //! `gpu::hqmq_cells`).
 
@@ -149,7 +149,7 @@ impl GpuFamily for Family {
         out: OutType,
         opts: KernelOptions,
     ) -> Result<KernelChoice> {
-        let (s, _, _, _, _, base, _) = fields(kc);
+        let (s, _, _, _, _, base, _, chan) = all_fields(kc);
         let o = out.suffix();
         if head_dim / 4 > HQ_NPOS {
             return Err(Error::Unsupported(format!(
@@ -162,7 +162,11 @@ impl GpuFamily for Family {
         let smem = bytes <= u64::from(HQ_SMEM_MAX) && !opts.global_hqmq_codebook;
         Ok(KernelChoice {
             source: "hqmq",
-            name: format!("decode_hqmq_o{ob}_{}_{o}", if smem { "s" } else { "g" }),
+            name: format!(
+                "decode_hqmq_o{ob}_{}{}_{o}",
+                if smem { "s" } else { "g" },
+                if chan { "_c" } else { "" }
+            ),
             grid: Grid::PlaneRows {
                 tokens: HQ_ITEM,
                 unit: 4,
@@ -237,13 +241,13 @@ impl GpuFamily for Family {
         for out in OUTS {
             let o = out.suffix();
             for base in [0, 3, 9] {
-                for m in ["s", "g"] {
+                for m in ["s", "g", "s_c", "g_c"] {
                     v.push(("hqmq", format!("decode_hqmq_o{base}_{m}_{o}")));
                 }
             }
         }
         for s in ["bf16", "f16", "f32"] {
-            for k in ["", "med_", "compact_"] {
+            for k in ["", "med_", "compact_", "gains_"] {
                 v.push(("hqmq_enc", format!("encode_hqmq_{k}{s}")));
             }
         }
@@ -252,10 +256,10 @@ impl GpuFamily for Family {
         v
     }
 
-    /// With and without outlier extraction (`+med`); not with per-channel
-    /// gains (`+chan`: the CPU encodes those pages).
-    fn encodes(&self, kc: KernelCodec) -> bool {
-        !all_fields(kc).7
+    /// With and without outlier extraction (`+med`) and per-channel gains
+    /// (`+chan`).
+    fn encodes(&self, _kc: KernelCodec) -> bool {
+        true
     }
 
     /// The search kernel (symbols to scratch, SCALE written) and the pack
@@ -274,7 +278,7 @@ impl GpuFamily for Family {
             pages,
             ..
         } = *job;
-        let (s, b, e, g, w, o, med) = fields(kc);
+        let (s, b, e, g, w, o, med, chan) = all_fields(kc);
         let esize = info.dtype.size() as u64;
         let d = info.head_dim;
         let nc = d / 4;
@@ -319,9 +323,15 @@ impl GpuFamily for Family {
             });
         }
         // Per page: u32 symbols, then with +med the header (u32 n_out, f32
-        // C, f32 tau per plane). Without +med nothing in it is read before
-        // the kernels write it: zeroed on the device, not uploaded.
-        let header = if med { 8 + 4 * planes as usize } else { 0 };
+        // C, f32 tau per plane), then with +chan the f32 gains. Without +med
+        // nothing in it is read before the kernels write it: zeroed on the
+        // device, not uploaded.
+        let header = if med { 8 + 4 * planes as usize } else { 0 }
+            + if chan {
+                4 * planes as usize * d as usize
+            } else {
+                0
+            };
         let mut scratch_at = Vec::with_capacity(pages.len());
         let mut len = 0usize;
         for pg in pages {
@@ -363,8 +373,12 @@ impl GpuFamily for Family {
                 count,
                 len,
             };
-            let mut specs = vec![
-                spec(SectionKind::Scale, 0, ElemType::F16, rows, 2 * rows),
+            let mut specs = vec![spec(SectionKind::Scale, 0, ElemType::F16, rows, 2 * rows)];
+            let gains = count(planes * u64::from(d))?;
+            if chan {
+                specs.push(spec(SectionKind::Scale, 1, ElemType::F16, gains, 2 * gains));
+            }
+            specs.extend([
                 spec(
                     SectionKind::Index,
                     0,
@@ -379,7 +393,7 @@ impl GpuFamily for Family {
                     count(high_len)?,
                     count(high_len)?,
                 ),
-            ];
+            ]);
             if med {
                 // The most outliers: planes * floor(N / 2) (kernel header).
                 let cap = planes * (u64::from(pg.tokens) * u64::from(nc) / 2);
@@ -388,8 +402,12 @@ impl GpuFamily for Family {
             }
             let l = CanonicalBody::new(specs)?;
             let off = push_body(&mut p.host_len, &l);
+            // The source counted once (the gains kernel reads it again), as
+            // for the copy kernel it is compared with.
             p.read += u64::from(rows) * u64::from(d) * esize;
-            p.written += u64::from(2 * rows) + low_len + high_len;
+            p.written +=
+                u64::from(2 * rows) + 2 * u64::from(chan) * u64::from(gains) + low_len + high_len;
+            let k = usize::from(chan);
             p.descs.push(EncDesc {
                 src: src + u64::from(pg.token_start) * u64::from(d) * esize,
                 body: off as u64,
@@ -398,25 +416,27 @@ impl GpuFamily for Family {
                 tokens: pg.tokens,
                 head_dim: d,
                 sec_scale: l.offsets[0],
-                sec_zero: l.offsets.get(3).copied().unwrap_or(0),
-                sec_index: l.offsets[1],
+                sec_zero: l.offsets.get(3 + k).copied().unwrap_or(0),
+                sec_index: l.offsets[1 + k],
                 page: i as u32,
                 m_tokens: spec::magic(pg.tokens),
                 upr: nc,
                 m_upr: spec::magic(nc),
                 side,
                 aux: scratch + scratch_at[i],
-                sec3: l.offsets[2],
+                sec3: l.offsets[2 + k],
                 heads: info.heads,
                 p0: s,
                 p1: rb | u32::from(cells.is_some()) << 31,
                 p2: bits_word(b, e, g, w),
-                p3: o | u32::from(med) << 31,
+                p3: o | u32::from(chan) << 30 | u32::from(med) << 31,
             });
-            if med {
+            if med || chan {
                 for plane in 0..planes as u32 {
                     w0.push([i as u32, plane]);
                 }
+            }
+            if med {
                 w2.push([i as u32, 0]);
             }
             search
@@ -433,12 +453,19 @@ impl GpuFamily for Family {
         }
         let mut launches = vec![(search, w1)];
         if med {
-            launches.insert(0, (kernel(format!("encode_hqmq_med_{sfx}"), items), w0));
+            launches.insert(
+                0,
+                (kernel(format!("encode_hqmq_med_{sfx}"), items), w0.clone()),
+            );
             launches.push((kernel(format!("encode_hqmq_compact_{sfx}"), items), w2));
             p.cut = Some(SectionCut {
                 cut: med_sections,
                 args: [u64::from(e), u64::from(o), u64::from(g), 0],
             });
+        }
+        if chan {
+            // The gains first: every later kernel divides by them.
+            launches.insert(0, (kernel(format!("encode_hqmq_gains_{sfx}"), items), w0));
         }
         launches.push((kernel("encode_hqmq_pack".into(), items), w3));
         for (kernel, items) in launches {
@@ -455,7 +482,8 @@ impl GpuFamily for Family {
 }
 
 /// The sections of an `hqmq+med{C}` body written in the worst-case layout
-/// `l` (SCALE, INDEX 0 and INDEX 1 for every chunk an inlier, OUTLIERS for
+/// `l` (SCALE, with `+chan` SCALE 1, INDEX 0 and INDEX 1 for every chunk an
+/// inlier, OUTLIERS for
 /// the most outliers a lower median allows), `args = [E, O, G, 0]`: the
 /// outlier count `n_out` is the first u32 of the OUTLIERS table the device
 /// wrote, so INDEX 0 is cut to `n - n_out` codes of `E` bits, INDEX 1 to
@@ -466,15 +494,17 @@ impl GpuFamily for Family {
 /// the table space, or the grouping is invalid.
 ///
 /// # Panics
-/// If `body` is shorter than `l.body_len` or `l` has other than 4
+/// If `body` is shorter than `l.body_len` or `l` has other than 4 or 5
 /// sections.
 pub(crate) fn med_sections(l: &CanonicalBody, body: &[u8], args: [u64; 4]) -> Result<Vec<Section>> {
     let [e, o, g, _] = args;
     let groups =
         Groups::new(o, g as u32).ok_or_else(|| Error::param("internal: hqmq digit grouping"))?;
-    assert_eq!(l.specs.len(), 4, "hqmq+med layout");
-    let n = l.specs[1].count as usize;
-    let t = l.offsets[3] as usize;
+    assert!(matches!(l.specs.len(), 4 | 5), "hqmq+med layout");
+    // With +chan SCALE 1 sits between SCALE 0 and INDEX 0.
+    let k = l.specs.len() - 4;
+    let n = l.specs[1 + k].count as usize;
+    let t = l.offsets[3 + k] as usize;
     let n_out = u32::from_le_bytes(body[t..t + 4].try_into().expect("4 bytes")) as usize;
     let bitmap = n.div_ceil(8);
     let pos = if 4 * n_out <= bitmap {
@@ -483,7 +513,7 @@ pub(crate) fn med_sections(l: &CanonicalBody, body: &[u8], args: [u64; 4]) -> Re
         bitmap
     };
     let table = 12 + pos + 8 * n_out;
-    if n_out > n || table > l.specs[3].len as usize {
+    if n_out > n || table > l.specs[3 + k].len as usize {
         return Err(Error::param(format!(
             "internal: GPU hqmq outlier count {n_out} of {n} chunks"
         )));
@@ -492,12 +522,15 @@ pub(crate) fn med_sections(l: &CanonicalBody, body: &[u8], args: [u64; 4]) -> Re
     let n_in = n - n_out;
     let low = crate::kernels::bitpack::packed_len(n_in, e as u32);
     let high = groups.packed_len(n_in);
-    let keep = [
-        (l.specs[0].count, l.specs[0].len as usize),
+    let mut keep = vec![(l.specs[0].count, l.specs[0].len as usize)];
+    if k == 1 {
+        keep.push((l.specs[1].count, l.specs[1].len as usize));
+    }
+    keep.extend([
         (n_in as u32, low),
         (high as u32, high),
         (table as u32, table),
-    ];
+    ]);
     Ok(l.specs
         .iter()
         .zip(&l.offsets)

@@ -87,7 +87,7 @@ __device__ __forceinline__ void hq_gain(const u16* g, float& x0, float& x1, floa
     x3 = __fmul_rn(x3, f16_to_f32(g3));
 }
 
-template <int OT, bool SMEM, int OUT>
+template <int OT, bool SMEM, int OUT, bool GAIN>
 __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
                                             const uint2* __restrict__ work, u64* status) {
     DYN_SHARED(float4, cb_s);
@@ -131,8 +131,10 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
         vals_off = 12u + (enc == 0 ? 4u * n_out : (universe + 7u) / 8u);
     }
     const u32* opos = reinterpret_cast<const u32*>(tab + 12);
-    // +chan: f16 gain per (plane, channel), SCALE stream 1 at sec4.
-    const bool has_gain = d.sec4 != 0;
+    // +chan (the _c kernels): f16 gain per (plane, channel), SCALE stream 1
+    // at sec4. A page without the section is a content error there.
+    const bool has_gain = GAIN;
+    if (GAIN && d.sec4 == 0) content_error(status, w.x);
     const u16* gains = reinterpret_cast<const u16*>(body + d.sec4) + (u64)plane * 4u * nc;
     const u32 nr_max = min((u32)HQ_ROWS, (u32)HQ_NPOS / nc);
     // Chunk i of a sub-block is row i / nc, chunk i % nc; with nc dividing
@@ -274,15 +276,27 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
 }
 
 #define HQMQ_ARGS const PageDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_bf16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_bf16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_bf16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_bf16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_bf16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_bf16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_f16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_f16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_f16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_f16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_f16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_f16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_bf16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_c_bf16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_bf16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_c_bf16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_bf16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_c_bf16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_bf16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_c_bf16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_bf16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_c_bf16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_bf16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_BF16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_c_bf16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_BF16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_f16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_c_f16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_f16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_c_f16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_f16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_c_f16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_f16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_c_f16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_f16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_c_f16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_f16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_F16, false>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_c_f16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_F16, true>(descs, work, status); }

@@ -1,7 +1,14 @@
 // HQMQ encode (format/codecs/hqmq.md "Encoding"), producing the CPU
 // encoder's sections bit for bit, with or without outlier extraction
-// (`+med{C}`, flag bit 31 of p3):
+// (`+med{C}`, flag bit 31 of p3) and with or without per-channel gains
+// (`+chan`, flag bit 30 of p3):
 //
+// `encode_hqmq_gains_{src}` (+chan only): work item = (page, plane); per
+// channel c of the plane g_c = f16_ceil(max |x| over the page's tokens)
+// into SCALE stream 1 (the section after SCALE 0, at sec_scale +
+// 64-aligned 2 * rows) and as f32 into the page's scratch; every kernel
+// below then reads x / g_c (binary32 division; +0 where g_c = 0) instead of
+// x, after the range check of the raw value.
 // `encode_hqmq_med_{src}` (+med only): work item = (page, plane); the lower
 // median of the plane's N = tokens * n_c chunk radii by a 4-pass radix
 // select over their binary32 bit patterns (radii are >= +0, so the bit
@@ -43,9 +50,10 @@
 // EncDesc: sec_scale = SCALE, sec_index = INDEX 0, sec3 = INDEX 1,
 // sec_zero = OUTLIERS (+med), aux = the page's scratch: u32 per chunk
 // (n = rows * n_c), then with +med the page header at aux + 4 n: u32 n_out,
-// f32 C, f32 tau per plane; side = the tensor's codebooks; p0 = S, p1 =
+// f32 C, f32 tau per plane, then with +chan the gains (f32, planes * D);
+// side = the tensor's codebooks; p0 = S, p1 =
 // rows per work item (RB) | cells << 31, p2 = b | E << 8 | G << 16 | W << 24, p3 = O |
-// med << 31. With +med the body is the worst-case layout (INDEX streams for
+// chan << 30 | med << 31. With +med the body is the worst-case layout (INDEX streams for
 // n chunks, OUTLIERS for n_cap = planes * floor(N / 2) outliers, the most
 // a lower median with C >= 1 allows); the host cuts the sections to n_out
 // (gpu::encplan).
@@ -320,6 +328,52 @@ __device__ __forceinline__ u32 hqe_f16_ceil(float v) {
     return h;
 }
 
+// +chan: the page's f32 gains of plane 0 (scratch after the symbols and
+// the +med header), planes * D of them.
+__device__ __forceinline__ float* hqe_gains(const EncDesc& d, u32 nc) {
+    const u32 planes = d.rows / d.tokens;
+    return reinterpret_cast<float*>(d.aux) + (u64)d.rows * nc + ((d.p3 >> 31) ? 2u + planes : 0u);
+}
+
+// x / g per element (g: the gains of the chunk's 4 channels), +0 where g = 0.
+__device__ __forceinline__ float4 hqe_div4(float4 x, const float* g) {
+    x.x = g[0] > 0.0f ? __fdiv_rn(x.x, g[0]) : 0.0f;
+    x.y = g[1] > 0.0f ? __fdiv_rn(x.y, g[1]) : 0.0f;
+    x.z = g[2] > 0.0f ? __fdiv_rn(x.z, g[2]) : 0.0f;
+    x.w = g[3] > 0.0f ? __fdiv_rn(x.w, g[3]) : 0.0f;
+    return x;
+}
+
+// +chan, work item (page, plane): the plane's channel gains (header
+// comment). A value outside the fp16 range gives the largest fp16 gain
+// (65504, as the CPU); the search kernel reports the value.
+template <int SRC>
+__device__ __forceinline__ void hqmq_gains(const EncDesc* __restrict__ descs, const uint2* __restrict__ work) {
+    const uint2 w = work[blockIdx.x];
+    const EncDesc d = descs[w.x];
+    const u32 plane = w.y, D = d.head_dim;
+    const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride);
+    float* gf = hqe_gains(d, D >> 2) + (u64)plane * D;
+    u16* gh = reinterpret_cast<u16*>(reinterpret_cast<u8*>(d.body) + d.sec_scale + ((2u * d.rows + 63u) & ~63u)) +
+              (u64)plane * D;
+    for (u32 c = threadIdx.x; c < D; c += BLOCK) {
+        float m = 0.0f;
+        for (u32 t = 0; t < d.tokens; t++) {
+            float v;
+            if (SRC == SRC_F32) v = __ldg(reinterpret_cast<const float*>(src) + (u64)t * D + c);
+            else {
+                u16 h = __ldg(reinterpret_cast<const u16*>(src) + (u64)t * D + c);
+                v = SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+            }
+            m = fmaxf(m, fabsf(v));
+        }
+        u32 h = hqe_f16_ceil(m);
+        if (h >= 0x7c00u) h = 0x7bffu;
+        gh[c] = (u16)h;
+        gf[c] = f16_to_f32((u16)h);
+    }
+}
+
 template <int SRC>
 __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
                                             const uint2* __restrict__ work, u64* status) {
@@ -332,7 +386,7 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
     const EncDesc d = descs[w.x];
     const u32 tid = threadIdx.x;
     const u32 S = d.p0, RB = d.p1 & 0xffffu, b = d.p2 & 0xffu;
-    const bool med = (d.p3 >> 31) != 0, cells = (d.p1 >> 31) != 0;
+    const bool med = (d.p3 >> 31) != 0, cells = (d.p1 >> 31) != 0, chan = ((d.p3 >> 30) & 1u) != 0;
     const u32 D = d.head_dim, nc = D >> 2;
     // The item: rows [r0, r0 + nr) of one plane (the host cuts items at
     // plane ends), so one kv head and one codebook.
@@ -345,6 +399,7 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
     u8* body = reinterpret_cast<u8*>(d.body);
     u32* scratch = reinterpret_cast<u32*>(d.aux);
     u32* hdr = scratch + (u64)d.rows * nc;
+    const float* gains = chan ? hqe_gains(d, nc) + (u64)plane * D : nullptr;
     // Without +med no chunk is an outlier (rho > inf is false, NaN included).
     const float tau = med ? __uint_as_float(hdr[2u + plane]) : __int_as_float(0x7f800000);
     const float4* gsec = reinterpret_cast<const float4*>(d.side) + (u64)(plane % d.heads) * 25u * S;
@@ -373,6 +428,7 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
         bool ok = fabsf(x.x) <= F16_MAX_F && fabsf(x.y) <= F16_MAX_F && fabsf(x.z) <= F16_MAX_F &&
                   fabsf(x.w) <= F16_MAX_F;
         if (!ok) atomicMin(status, ((u64)d.page << 32) | (r0 + rl));
+        if (chan) x = hqe_div4(x, gains + 4u * (i - rl * nc));
         float rho = hqe_rho(x);
         if (ok && !(rho > tau)) atomicMax(&rmax[rl], __float_as_uint(rho));
     }
@@ -389,6 +445,7 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
     for (u32 i = tid; i < npos; i += BLOCK) {
         u32 rl = i / nc;
         float4 x = hqe_load4<SRC>(src, (u64)i * 4u);
+        if (chan) x = hqe_div4(x, gains + 4u * (i - rl * nc));
         float rho = hqe_rho(x);
         if (rho > tau) {
             scratch[(u64)r0 * nc + i] = HQE_OUTLIER;
@@ -429,6 +486,8 @@ __device__ __forceinline__ void hqmq_median(const EncDesc* __restrict__ descs, c
     const u32 nc = d.head_dim >> 2, N = d.tokens * nc;
     const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride);
     u32* hdr = reinterpret_cast<u32*>(d.aux) + (u64)d.rows * nc;
+    const bool chan = ((d.p3 >> 30) & 1u) != 0;
+    const float* gains = chan ? hqe_gains(d, nc) + (u64)plane * d.head_dim : nullptr;
     if (plane == 0 && tid == 0) hdr[0] = 0;
     u32 prefix = 0, mask = 0, k = (N - 1u) / 2u;
     const bool cached = N <= HQE_MED_SMEM;
@@ -441,7 +500,9 @@ __device__ __forceinline__ void hqmq_median(const EncDesc* __restrict__ descs, c
             if (cached && shift != 24) {
                 v = rad[i];
             } else {
-                v = __float_as_uint(hqe_rho(hqe_load4<SRC>(src, (u64)i * 4u)));
+                float4 x = hqe_load4<SRC>(src, (u64)i * 4u);
+                if (chan) x = hqe_div4(x, gains + 4u * (i % nc));
+                v = __float_as_uint(hqe_rho(x));
                 if (cached) rad[i] = v;
             }
             if ((v & mask) == prefix) atomicAdd(&hist[(v >> shift) & 0xffu], 1u);
@@ -539,6 +600,7 @@ __device__ __forceinline__ void hqmq_compact(const EncDesc* __restrict__ descs, 
             u32 r = u / nc, c = u - r * nc;
             u32 pl = r / d.tokens, t = r - pl * d.tokens;
             float4 x = hqe_load4<SRC>(src0 + esz * ((u64)pl * d.stride + (u64)t * D), (u64)c * 4u);
+            if ((d.p3 >> 30) & 1u) x = hqe_div4(x, hqe_gains(d, nc) + (u64)pl * D + 4u * c);
             u16 h[4] = {f32_to_f16(x.x), f32_to_f16(x.y), f32_to_f16(x.z), f32_to_f16(x.w)};
             u8* o = vals + 8u * ko;
 #pragma unroll
@@ -563,6 +625,9 @@ __device__ __forceinline__ void hqmq_compact(const EncDesc* __restrict__ descs, 
 }
 
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_cells(HQE_ARGS) { (void)status; hqmq_cells(descs, work); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_gains_bf16(HQE_ARGS) { (void)status; hqmq_gains<SRC_BF16>(descs, work); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_gains_f16(HQE_ARGS) { (void)status; hqmq_gains<SRC_F16>(descs, work); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_gains_f32(HQE_ARGS) { (void)status; hqmq_gains<SRC_F32>(descs, work); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_med_bf16(HQE_ARGS) { (void)status; hqmq_median<SRC_BF16>(descs, work); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_med_f16(HQE_ARGS) { (void)status; hqmq_median<SRC_F16>(descs, work); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_hqmq_med_f32(HQE_ARGS) { (void)status; hqmq_median<SRC_F32>(descs, work); }
@@ -577,7 +642,7 @@ __device__ __forceinline__ void hqmq_pack(const EncDesc* __restrict__ descs, con
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
     const u32 b = d.p2 & 0xffu, E = (d.p2 >> 8) & 0xffu, G = (d.p2 >> 16) & 0xffu, W = d.p2 >> 24;
-    const u64 O = d.p3 & 0x7fffffffu;
+    const u64 O = d.p3 & 0x3fffffffu;
     const u32 nall = d.rows * (d.head_dim >> 2);
     // With +med, the inliers only (compacted to the front of the scratch).
     const u32 n = (d.p3 >> 31) ? nall - reinterpret_cast<const u32*>(d.aux)[nall] : nall;
