@@ -1,4 +1,4 @@
-//! `hqmq:s{S}r{b}[+med{C}]`: Hurwitz-quaternion multiplicative vector
+//! `hqmq:s{S}r{b}[+med{C}][+chan]`: Hurwitz-quaternion multiplicative vector
 //! quantization (Swain et al., "Hurwitz Quaternion Multiplicative
 //! Quantization for KV Cache Compression", arXiv:2605.27646; bitstream in
 //! format/codecs/hqmq.md).
@@ -65,7 +65,7 @@ pub const FAMILY: Family = Family {
     id: ID,
     name: "hqmq",
     syntax: "hqmq:s{S}r{b}[+med{C}][+chan] e.g. hqmq:s96r4+med3",
-    summary: "Hurwitz-quaternion multiplicative VQ of 4-element chunks, fp16 outliers (:seed{N})",
+    summary: "Hurwitz-quaternion multiplicative VQ of 4-element chunks, fp16 outliers, per-channel gains (:seed{N})",
     parse: params::parse_family,
     from_params: |p| Ok(Box::new(params::from_params(p)?)),
     examples: &[
