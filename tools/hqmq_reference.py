@@ -214,7 +214,8 @@ def hqmq_params(p: bytes):
     e = (m & -m).bit_length() - 1
     o = m >> e
     w = (o**g - 1).bit_length()
-    return dict(S=s, b=b, G=g, med=bool(flags & 1), seed=seed, E=e, O=o, W=w)
+    assert flags & ~3 == 0, "unknown hqmq flag bits"
+    return dict(S=s, b=b, G=g, med=bool(flags & 1), chan=bool(flags & 2), seed=seed, E=e, O=o, W=w)
 
 
 def decode_hqmq_page(prm, sections, layer, kind, heads, planes, tokens, d, codebooks):
@@ -225,6 +226,9 @@ def decode_hqmq_page(prm, sections, layer, kind, heads, planes, tokens, d, codeb
     scales = sections[(1, 0)]
     out_tab = parse_outliers(sections[(4, 0)][1], n) if prm["med"] else {}
     assert ((4, 0) in sections) == prm["med"]
+    # +chan: gain per (plane, channel), SCALE stream 1 (hqmq.md section 10).
+    assert ((1, 1) in sections) == prm["chan"]
+    gains = [f16(int.from_bytes(sections[(1, 1)][1][2 * i : 2 * i + 2], "little")) for i in range(planes * d)] if prm["chan"] else None
     n_in = n - len(out_tab)
     lows = unpack(sections[(3, 0)][1], n_in, prm["E"])
     groups = unpack(sections[(3, 1)][1], -(-n_in // prm["G"]), prm["W"])
@@ -249,13 +253,17 @@ def decode_hqmq_page(prm, sections, layer, kind, heads, planes, tokens, d, codeb
         for c in range(nc):
             u = r * nc + c
             if u in out_tab:
-                out.extend(out_tab[u])
-                continue
-            v = (highs[k] << prm["E"]) | lows[k]
-            k += 1
-            j, q = v >> prm["b"], v & ((1 << prm["b"]) - 1)
-            rh = mul(float(q), step)
-            out.extend(mul(rh, cw) for cw in joint[j])
+                x = list(out_tab[u])
+            else:
+                v = (highs[k] << prm["E"]) | lows[k]
+                k += 1
+                j, q = v >> prm["b"], v & ((1 << prm["b"]) - 1)
+                rh = mul(float(q), step)
+                x = [mul(rh, cw) for cw in joint[j]]
+            if gains is not None:
+                p0 = (r // tokens) * d + 4 * c
+                x = [mul(xt, gains[p0 + t]) for t, xt in enumerate(x)]
+            out.extend(x)
     return out
 
 

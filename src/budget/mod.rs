@@ -247,13 +247,9 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
             if e >= n {
                 continue;
             }
-            // The rows after the window, plane-major, and one shared
-            // search for the windowed candidates of this window.
-            let after: Vec<f32> = rows
-                .chunks_exact(n * d)
-                .flat_map(|p| &p[e * d..])
-                .copied()
-                .collect();
+            // The rows after the window and one shared search for the
+            // windowed candidates of this window.
+            let after = rows_after(&rows, n, d, e);
             let mut shared = hqmq::Shared::default();
             for (cand, c) in cands.iter().enumerate().filter(|(_, c)| c.windowed()) {
                 let t = trip(c, &mut shared, &after, n - e)?.map(|t| {
@@ -283,6 +279,15 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
         rows,
         trips,
     })
+}
+
+/// Of sampled rows `[planes, n, d]`, the rows `e..n` of every plane,
+/// plane-major `[planes, n - e, d]`.
+fn rows_after(rows: &[f32], n: usize, d: usize, e: usize) -> Vec<f32> {
+    rows.chunks_exact(n * d)
+        .flat_map(|p| &p[e * d..])
+        .copied()
+        .collect()
 }
 
 /// Number of sampled slots inside a sink window of `sink` slots.

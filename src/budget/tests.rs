@@ -174,11 +174,7 @@ fn windowed_candidates_are_measured_per_sink_window() {
     let chan = Hqmq::new(24, 3, None, 0).unwrap().with_channel_gains(true);
     for &sink in candidates::SINKS {
         let e = exact_rows(&sample, sink);
-        let after: Vec<f32> = rows
-            .chunks_exact(n * d)
-            .flat_map(|p| &p[e * d..])
-            .copied()
-            .collect();
+        let after = rows_after(&rows, n, d, e);
         let mut shared = hqmq::Shared::default();
         let mut enc = |page: &crate::codec::PageIn<'_>, recon: &mut [f32]| {
             chan.trial(page, &mut shared, recon)

@@ -772,6 +772,21 @@ mod tests {
         Ok(out)
     }
 
+    /// An edit of a page's sections.
+    type Edit = fn(&mut Vec<Section>);
+
+    /// Every edit of `good` is refused by the decoder with a format error.
+    fn assert_rejected(h: &Hqmq, good: &[Section], edits: &[(&str, Edit)]) {
+        for (what, edit) in edits {
+            let mut s = good.to_vec();
+            edit(&mut s);
+            match decode(h, &s) {
+                Err(e) => assert!(e.is_format(), "{what}: {e}"),
+                Ok(_) => panic!("{what}: accepted"),
+            }
+        }
+    }
+
     fn section_mut(s: &mut [Section], kind: SectionKind, stream: u8) -> &mut Section {
         s.iter_mut()
             .find(|x| x.kind == kind && x.stream == stream)
@@ -787,7 +802,7 @@ mod tests {
             ok.iter().zip(values()).any(|(a, b)| a == &b),
             "outliers exact"
         );
-        type Edit = fn(&mut Vec<Section>);
+
         let edits: [(&str, Edit); 10] = [
             ("missing scale", |s| {
                 s.retain(|x| x.kind != SectionKind::Scale)
@@ -835,14 +850,7 @@ mod tests {
                 section_mut(s, SectionKind::Outliers, 0).data[4] = 1
             }),
         ];
-        for (what, edit) in edits {
-            let mut s = good.clone();
-            edit(&mut s);
-            match decode(&h, &s) {
-                Err(e) => assert!(e.is_format(), "{what}: {e}"),
-                Ok(_) => panic!("{what}: accepted"),
-            }
-        }
+        assert_rejected(&h, &good, &edits);
         // An OUTLIERS section for a codec without +med.
         let plain = Hqmq::new(24, 3, None, 5).unwrap();
         assert!(decode(&plain, &good).unwrap_err().is_format());
@@ -913,7 +921,7 @@ mod tests {
             err(&dec0)
         );
         assert!(dec.iter().enumerate().all(|(i, x)| i % D != 9 || *x == 0.0));
-        type Edit = fn(&mut Vec<Section>);
+
         let edits: [(&str, Edit); 4] = [
             ("missing gains", |s| {
                 s.retain(|x| !(x.kind == SectionKind::Scale && x.stream == 1))
@@ -932,14 +940,7 @@ mod tests {
                 x.data[5] = 0x7C;
             }),
         ];
-        for (what, edit) in edits {
-            let mut s = good.clone();
-            edit(&mut s);
-            match decode(&h, &s) {
-                Err(e) => assert!(e.is_format(), "{what}: {e}"),
-                Ok(_) => panic!("{what}: accepted"),
-            }
-        }
+        assert_rejected(&h, &good, &edits);
         // Gains where the codec has none.
         assert!(decode(&plain, &good).unwrap_err().is_format());
     }
