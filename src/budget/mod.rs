@@ -213,8 +213,7 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
     let rows = timing::time(timing::Section::Sample, || load_rows(tv, &sample));
     let n = sample.len();
     let trips = timing::time(timing::Section::RoundTrip, || {
-        // The chunks and direction searches of the sample page, shared by
-        // the hqmq candidates.
+        // One candidate's round trip of `rows` (`n` per plane).
         let trip = |c: &Candidate, shared: &mut hqmq::Shared, rows: &[f32], n: usize| {
             if c.codec.check(&tv.info).is_err() || n == 0 {
                 return Ok(None);
@@ -233,6 +232,8 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
             round_trip(c.codec.as_ref(), &mut encode, &tv.info, rows, n).map(|r| Some(Some(r)))
         };
         let mut out = Vec::new();
+        // The chunks and direction searches of the sample page, shared by
+        // the hqmq candidates.
         let mut shared = hqmq::Shared::default();
         for (cand, c) in cands.iter().enumerate().filter(|(_, c)| !c.windowed()) {
             out.push(Trip {
