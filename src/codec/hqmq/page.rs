@@ -7,9 +7,9 @@
 //! | kind | stream | element type | count | content |
 //! |---|---|---|---|---|
 //! | SCALE | 0 | f16 | `R` | per-row radius scale `sigma_r` |
+//! | SCALE | 1 | f16 | `planes * head_dim` | only with `+chan`: per-channel gain `g_{p,c}` |
 //! | INDEX | 0 | packed, `E` bits | `n_in` | low `E` bits of each inlier symbol |
 //! | INDEX | 1 | bytes | `ceil(ceil(n_in/G) W / 8)` | base-`O` digits of the symbols, mixed radix |
-//! | SCALE | 1 | f16 | `planes * head_dim` | only with `+chan`: per-channel gain `g_{p,c}` |
 //! | OUTLIERS | 0 | bytes | table | only with `+med{C}`: unit 4, fp16 chunks |
 
 use half::f16;
@@ -57,7 +57,7 @@ pub(super) struct Chunks {
 
 /// The chunks of `page` (`n` of them, `nc` per row) and their radii; with
 /// `gains`, each channel of each plane divided by its gain first
-/// (format/codecs/hqmq.md encoding rule 2).
+/// (format/codecs/hqmq.md encoding rule 1, "Gains").
 ///
 /// # Errors
 /// [`Error::Parameter`] naming the row of a value that is not finite or
@@ -114,7 +114,7 @@ fn load_chunks(
     Ok(Chunks { xs, radii, gains })
 }
 
-/// Per-channel gains (format/codecs/hqmq.md encoding rule 2): for every
+/// Per-channel gains (format/codecs/hqmq.md encoding rule 1, "Gains"): for every
 /// plane of `t` rows of `nc` chunks, `g_c` = the smallest fp16 value `>=`
 /// the largest `|x|` of channel `c` (component `c % 4` of chunk `c / 4`),
 /// and every value of the channel becomes `x / g_c` (binary32 division;
