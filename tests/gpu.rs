@@ -1348,6 +1348,8 @@ fn encode_group_and_polar_codecs_match_cpu_bitwise() {
         "innerq:k2v2",
         "innerq:k3v2:sym",
         "innerq:k4v3:asym:nonorm",
+        "innerq:k4v2:sym",
+        "innerq:k2v4:asym",
         "innerq:k1v8:g64",
         "innerq:k8v1:hybrid:g64:nonorm",
         "polar:m4n4",

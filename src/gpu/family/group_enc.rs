@@ -52,12 +52,27 @@ pub(crate) fn fits(kc: KernelCodec, info: &TensorInfo) -> bool {
     info.head_dim <= if tokens { MAX_TOKEN_GROUP_DIM } else { TILE }
 }
 
+/// The name of kernel mode `mode` in `group_enc.cu`'s kernel names: the
+/// coding mode is a template parameter there (InnerQ's mode codes 0..=2,
+/// then [`MODE_KIVI`]).
+fn mode_name(mode: u32) -> &'static str {
+    match mode {
+        0 => "asym",
+        1 => "sym",
+        2 => "hybrid",
+        _ => "kivi",
+    }
+}
+
 /// The kernels of `group_enc.cu`.
 pub(crate) fn kernel_names() -> Vec<(&'static str, String)> {
     let mut v = Vec::new();
     for sfx in ["bf16", "f16", "f32"] {
         for k in ["ch", "tok", "tok1"] {
-            v.push(("group_enc", format!("encode_groups_{k}_{sfx}")));
+            for mode in 0..=MODE_KIVI {
+                let m = mode_name(mode);
+                v.push(("group_enc", format!("encode_groups_{k}_{m}_{sfx}")));
+            }
         }
         v.push(("group_enc", format!("innerq_key_amax_{sfx}")));
     }
@@ -177,7 +192,11 @@ pub(crate) fn plan_group(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<E
     };
     let kernel = enc_choice(
         "group_enc",
-        format!("encode_groups_{kind}_{}", src_suffix(info.dtype)),
+        format!(
+            "encode_groups_{kind}_{}_{}",
+            mode_name(mode),
+            src_suffix(info.dtype)
+        ),
         rows_per_item,
     );
     let mut p = empty();

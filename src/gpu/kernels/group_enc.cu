@@ -92,23 +92,44 @@ __device__ __forceinline__ GeGroup ge_group(u32 scale, float z, u32 zbits, bool 
     return GeGroup{scale, s, s > 0.0f ? __fdiv_rn(1.0f, s) : 0.0f, z, zbits, sym};
 }
 
+// Whether groups of MODE are coded symmetrically: always (GE_SYM), never
+// (GE_ASYM, GE_KIVI), or as chosen per group (GE_HYBRID).
+template <u32 MODE>
+__device__ __forceinline__ bool ge_is_sym(const GeGroup& g) {
+    return MODE == GE_SYM || (MODE == GE_HYBRID && g.sym);
+}
+
 // rne(clamp(d / s, 0, L)) for a finite d and an f16 scale s > 0, without a
 // division: t' = RN(d * RN(1/s)) is within 2^-14 of RN(d / s) for
 // |t'| <= 2^8 (two roundings of relative 2^-24 each), and a larger t' clamps
 // to L as the exact quotient does; so rounding t' gives the same integer
 // unless t' lies within GE_NEAR = 2^-12 of a half-integer, where the exact
-// quotient decides.
+// quotient decides. With u = rne(t'), |t' - u| <= 1/2 is exact, and t' is
+// that near exactly when |t' - u| > 1/2 - GE_NEAR (GE_HALF).
 #define GE_NEAR 0.000244140625f
+#define GE_HALF 0.499755859375f
 __device__ __forceinline__ u32 ge_quot(float d, const GeGroup& g, float L) {
     const float t = fminf(fmaxf(__fmul_rn(d, g.r), 0.0f), L);
     const float m = __fadd_rn(t, GE_RNE);
-    if (fabsf(fabsf(__fsub_rn(t, __fsub_rn(m, GE_RNE))) - 0.5f) < GE_NEAR) return ge_rne(__fdiv_rn(d, g.s), L);
+    if (fabsf(__fsub_rn(t, __fsub_rn(m, GE_RNE))) > GE_HALF) return ge_rne(__fdiv_rn(d, g.s), L);
     return __float_as_uint(m) - 0x4b400000u;
 }
 
+// ge_quot's fast path alone, without a branch: the code from t', and
+// `near` set when t' lies within GE_NEAR of a half-integer (the code may
+// then differ from ge_quot's). With s = 0, RN(1/s) is 0 and the code 0,
+// as ge_code gives.
+__device__ __forceinline__ u32 ge_quot_fast(float d, const GeGroup& g, float L, bool& near) {
+    const float t = fminf(fmaxf(__fmul_rn(d, g.r), 0.0f), L);
+    const float m = __fadd_rn(t, GE_RNE);
+    near |= fabsf(__fsub_rn(t, __fsub_rn(m, GE_RNE))) > GE_HALF;
+    return __float_as_uint(m) - 0x4b400000u;
+}
+
+template <u32 MODE>
 __device__ __forceinline__ u32 ge_code(const GeGroup& g, float x, float L) {
     if (!(g.s > 0.0f)) return 0u;
-    return ge_quot(g.sym ? fabsf(x) : __fsub_rn(x, g.z), g, L);
+    return ge_quot(ge_is_sym<MODE>(g) ? fabsf(x) : __fsub_rn(x, g.z), g, L);
 }
 
 // Squared-error contribution of x coded as q with the given parameters.
@@ -160,11 +181,15 @@ __device__ GE_COLD void ge_minmax_cpu(At at, u32 n, float& mn_out, float& mx_out
 // Min and max of a group of n values read through `at(i)`, bit-identical to
 // the CPU's; false when a value is NaN or infinite. One pass of FMNMX in
 // any order (the value of a min or max does not depend on the order, only
-// the sign of a zero does: then the CPU's order is replayed); x * 0 is NaN
-// exactly for a non-finite x, so one FMA per value tracks finiteness.
-template <class At>
-__device__ __forceinline__ bool ge_minmax(At at, u32 n, float& mn, float& mx) {
+// the sign of a zero does: then the CPU's order is replayed, reading the
+// same values through `mem(i)`, which must not be registers: the replay is
+// out of line); x * 0 is NaN exactly for a non-finite x, so one FMA per
+// value tracks finiteness. With a constant n (the 32-value fast paths) the
+// loop is unrolled, so `at` may index a register array.
+template <class At, class Mem>
+__device__ __forceinline__ bool ge_minmax(At at, Mem mem, u32 n, float& mn, float& mx) {
     float a = __int_as_float(0x7f800000), b = __int_as_float(0xff800000), nf = 0.0f;
+#pragma unroll
     for (u32 i = 0; i < n; i++) {
         const float x = at(i);
         a = fminf(a, x);
@@ -172,7 +197,7 @@ __device__ __forceinline__ bool ge_minmax(At at, u32 n, float& mn, float& mx) {
         nf = __fmaf_rn(x, 0.0f, nf);
     }
     if (nf != 0.0f) return false;
-    if (a == 0.0f || b == 0.0f) ge_minmax_cpu(at, n, a, b);
+    if (a == 0.0f || b == 0.0f) ge_minmax_cpu(mem, n, a, b);
     mn = a;
     mx = b;
     return true;
@@ -185,8 +210,8 @@ __device__ GE_COLD bool ge_hybrid_exact(At at, u32 n, const GeGroup& s, const Ge
     double es = 0.0, ea = 0.0;
     for (u32 i = 0; i < n; i++) {
         const float x = at(i);
-        es = __dadd_rn(es, ge_err(x, ge_code(s, x, L), s.s, 0.0f, true));
-        ea = __dadd_rn(ea, ge_err(x, ge_code(a, x, L), a.s, a.z, false));
+        es = __dadd_rn(es, ge_err(x, ge_code<GE_SYM>(s, x, L), s.s, 0.0f, true));
+        ea = __dadd_rn(ea, ge_err(x, ge_code<GE_ASYM>(a, x, L), a.s, a.z, false));
     }
     return es <= ea;
 }
@@ -195,14 +220,17 @@ __device__ GE_COLD bool ge_hybrid_exact(At at, u32 n, const GeGroup& s, const Ge
 // of squares by at most (n + 2) 2^-24 of it (the CPU's binary64 sum by far
 // less), so when the two sums differ by more than (n + 8) 2^-23 of their
 // total the order is the CPU's; otherwise (near-ties, overflow, totals
-// below 2^-90 where underflow is not relative) the binary64 rule is
-// replayed.
-template <class At>
-__device__ __forceinline__ bool ge_hybrid_sym(At at, u32 n, const GeGroup& s, const GeGroup& a, float L) {
+// below 2^-90 where underflow is not relative, or a code of the branch-free
+// ge_quot_fast that may differ from ge_code's) the binary64 rule is
+// replayed from `mem`.
+template <class At, class Mem>
+__device__ __forceinline__ bool ge_hybrid_sym(At at, Mem mem, u32 n, const GeGroup& s, const GeGroup& a, float L) {
     float fs = 0.0f, fa = 0.0f;
+    bool near = false;
+#pragma unroll
     for (u32 i = 0; i < n; i++) {
         const float x = at(i);
-        const u32 qs = ge_code(s, x, L), qa = ge_code(a, x, L);
+        const u32 qs = ge_quot_fast(fabsf(x), s, L, near), qa = ge_quot_fast(__fsub_rn(x, a.z), a, L, near);
         float vs = __fmul_rn(code_f32(qs), s.s);
         if (x < 0.0f && qs > 0u) vs = -vs;
         const float va = __fadd_rn(__fmul_rn(code_f32(qa), a.s), a.z);
@@ -211,26 +239,27 @@ __device__ __forceinline__ bool ge_hybrid_sym(At at, u32 n, const GeGroup& s, co
         fa = __fmaf_rn(ea, ea, fa);
     }
     const float tot = __fadd_rn(fs, fa);
-    if (is_finite(tot) && tot >= 8.0779357e-28f &&
+    if (!near && is_finite(tot) && tot >= 8.0779357e-28f &&
         fabsf(__fsub_rn(fs, fa)) > __fmul_rn(__fmul_rn((float)(n + 8u), 1.1920929e-7f), tot))
         return fs < fa;
-    return ge_hybrid_exact(at, n, s, a, L);
+    return ge_hybrid_exact(mem, n, s, a, L);
 }
 
-// Parameters of a group of `n` values read through `at(i)`; false when the
-// group cannot be coded (non-finite value, f16 overflow).
-template <class At>
-__device__ __forceinline__ bool ge_params(At at, u32 n, u32 mode, float L, GeGroup& g) {
+// Parameters of a group of `n` values read through `at(i)` (and `mem(i)`,
+// see ge_minmax); false when the group cannot be coded (non-finite value,
+// f16 overflow).
+template <u32 MODE, class At, class Mem>
+__device__ __forceinline__ bool ge_params(At at, Mem mem, u32 n, float L, GeGroup& g) {
     float mn, mx;
-    if (!ge_minmax(at, n, mn, mx) || !is_finite(__fsub_rn(mx, mn))) return false;
+    if (!ge_minmax(at, mem, n, mn, mx) || !is_finite(__fsub_rn(mx, mn))) return false;
     u32 ss = 0, sa = 0, zbits = 0;
     float zs = 0.0f;
-    if (mode == GE_SYM || mode == GE_HYBRID) {
+    if (MODE == GE_SYM || MODE == GE_HYBRID) {
         ss = ge_f16_ceil(__fdiv_rn(fmaxf(fabsf(mn), fabsf(mx)), L));
         if (!ge_f16_ok(ss)) return false;
     }
-    if (mode != GE_SYM) {
-        if (mode == GE_KIVI) {
+    if (MODE != GE_SYM) {
+        if (MODE == GE_KIVI) {
             zbits = ge_f16_floor(mn);
             if (!ge_f16_ok(zbits)) return false;
             zs = f16_to_f32((u16)zbits);
@@ -240,22 +269,59 @@ __device__ __forceinline__ bool ge_params(At at, u32 n, u32 mode, float L, GeGro
         sa = ge_f16_ceil(__fdiv_rn(__fsub_rn(mx, zs), L));
         if (!ge_f16_ok(sa)) return false;
     }
-    bool sym = mode == GE_SYM;
-    if (mode == GE_HYBRID) sym = ge_hybrid_sym(at, n, ge_group(ss, 0.0f, 0u, true), ge_group(sa, zs, 0u, false), L);
+    bool sym = MODE == GE_SYM;
+    if (MODE == GE_HYBRID) sym = ge_hybrid_sym(at, mem, n, ge_group(ss, 0.0f, 0u, true), ge_group(sa, zs, 0u, false), L);
     g = ge_group(sym ? ss : sa, zs, zbits, sym);
     return true;
 }
 
 // Writes group `gi`'s SCALE, ZERO (kivi f16 / innerq asymmetric slot word 0)
 // and mode flag; sign words are written by the caller.
-__device__ __forceinline__ void ge_store_params(u8* body, const EncDesc& d, u64 gi, u32 mode, const GeGroup& g) {
+template <u32 MODE>
+__device__ __forceinline__ void ge_store_params(u8* body, const EncDesc& d, u64 gi, const GeGroup& g) {
     reinterpret_cast<u16*>(body + d.sec_scale)[gi] = (u16)g.scale;
-    if (mode == GE_KIVI) {
+    if (MODE == GE_KIVI) {
         reinterpret_cast<u16*>(body + d.sec_zero)[gi] = (u16)g.zbits;
-    } else if (!g.sym) {
+    } else if (!ge_is_sym<MODE>(g)) {
         reinterpret_cast<u32*>(body + d.sec_zero)[gi * (d.p0 >> 5)] = __float_as_uint(g.z);
     }
-    if (mode == GE_HYBRID && g.sym) atomicOr(reinterpret_cast<u32*>(body + d.sec3) + (gi >> 5), 1u << (gi & 31u));
+    if (MODE == GE_HYBRID && g.sym) atomicOr(reinterpret_cast<u32*>(body + d.sec3) + (gi >> 5), 1u << (gi & 31u));
+}
+
+// Codes of a full group of 32 values held in registers (the fast paths
+// for G = 32), without a division and without a branch per value: each
+// value's code by ge_quot_fast, either (BYTES) into
+// `codes[i * cstride]` as bytes or packed LSB-first at `bits` bits (the
+// constant B when B > 0) and stored word by word through `out`; sign bits
+// into `sign`.
+// Returns false when some t' lies within GE_NEAR of a half-integer: the
+// caller then codes the group again with ge_code (which replays the
+// division for those values), overwriting what was stored.
+template <u32 MODE, int B, bool BYTES>
+__device__ __forceinline__ bool ge_codes32(const float (&x)[32], const GeGroup& g, float L, u32 bits_rt, u32* out,
+                                           u8* codes, u32 cstride, u32& sign) {
+    const u32 bits = B > 0 ? (u32)B : bits_rt;
+    const bool sym = ge_is_sym<MODE>(g);
+    bool near = false;
+    u32 acc = 0, sh = 0, sg = 0;
+#pragma unroll
+    for (u32 i = 0; i < 32u; i++) {
+        const u32 q = ge_quot_fast(sym ? fabsf(x[i]) : __fsub_rn(x[i], g.z), g, L, near);
+        if (MODE == GE_SYM || MODE == GE_HYBRID) sg |= (sym && x[i] < 0.0f && q > 0u ? 1u : 0u) << i;
+        if (BYTES) {
+            codes[i * cstride] = (u8)q;
+            continue;
+        }
+        acc |= q << sh;
+        sh += bits;
+        if (sh >= 32u) {
+            *out++ = acc;
+            sh -= 32u;
+            acc = sh != 0u ? q >> (bits - sh) : 0u;
+        }
+    }
+    sign = sg;
+    return !near;
 }
 
 // Shared-memory index of staged element i (a pad word every 32).
@@ -266,13 +332,15 @@ __device__ __forceinline__ u32 ge_pad(u32 i) { return i + (i >> 5); }
 // INDEX words stored straight from registers (when the group's codes start
 // on a word boundary and fill whole words) or the codes into `codes` for
 // enc_pack.
+template <u32 MODE>
 __device__ __forceinline__ void ge_codes_ch(const float* vals, u32 e0, u32 G, float L, u32 bits, const GeGroup& g,
                                             u32* signs, u32* out, u8* codes) {
     u32 sign = 0, acc = 0, sh = 0;
+    const bool sym = ge_is_sym<MODE>(g);
     for (u32 i = 0; i < G; i++) {
         const float x = vals[ge_pad(e0 + i)];
-        const u32 q = ge_code(g, x, L);
-        if (g.sym) {
+        const u32 q = ge_code<MODE>(g, x, L);
+        if (sym) {
             if (x < 0.0f && q > 0u) sign |= 1u << (i & 31u);
             if ((i & 31u) == 31u || i + 1u == G) {
                 signs[i >> 5] = sign;
@@ -293,14 +361,44 @@ __device__ __forceinline__ void ge_codes_ch(const float* vals, u32 e0, u32 G, fl
     }
 }
 
-template <int SRC>
+// The channel-group work item's groups of 32 (G = 32, codes stored straight
+// from registers): group k is vals[33k .. 33k + 32) (ge_pad), one thread
+// per group, conflict-free (thread k reads bank (k + i) mod 32).
+template <u32 MODE, int B>
+__device__ __forceinline__ void ge_ch32(const float* vals, u32 n, const EncDesc& d, u32 r0, float L, u32 bits,
+                                        u8* body, u32* index, u64* status) {
+    const u32 D = d.head_dim;
+    const u64 g0 = (u64)r0 * D / 32u;
+    for (u32 k = threadIdx.x; k < n / 32u; k += blockDim.x) {
+        const float* v = vals + 33u * k;
+        float x[32];
+#pragma unroll
+        for (u32 i = 0; i < 32u; i++) x[i] = v[i];
+        GeGroup g;
+        if (!ge_params<MODE>([&](u32 i) { return x[i]; }, [=](u32 i) { return v[i]; }, 32u, L, g)) {
+            atomicMin(status, ((u64)d.page << 32) | (r0 + 32u * k / D));
+            continue;
+        }
+        ge_store_params<MODE>(body, d, g0 + k, g);
+        u32* out = index + (((u64)r0 * D + 32u * k) * bits >> 5);
+        u32* signs = reinterpret_cast<u32*>(body + d.sec_zero) + (g0 + k);
+        u32 sign;
+        if (!ge_codes32<MODE, B, false>(x, g, L, bits, out, nullptr, 0u, sign)) {
+            ge_codes_ch<MODE>(vals, 32u * k, 32u, L, bits, g, signs, out, nullptr);
+        } else if (ge_is_sym<MODE>(g)) {
+            *signs = sign;
+        }
+    }
+}
+
+template <int SRC, u32 MODE>
 __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ descs,
                                                 const uint2* __restrict__ work, u64* status) {
     __shared__ float vals[GE_TILE + GE_TILE / 32];
     __shared__ u8 codes[GE_TILE];
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
-    const u32 D = d.head_dim, G = d.p0, bits = d.p1 & 0xffu, mode = (d.p1 >> 8) & 0xffu;
+    const u32 D = d.head_dim, G = d.p0, bits = d.p1 & 0xffu;
     const bool norm = ((d.p1 >> 16) & 1u) != 0u;
     const float L = (float)((1u << bits) - 1u);
     const u32 r0 = w.y;
@@ -336,16 +434,28 @@ __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ desc
     // Whole words per group: every group's codes start on a word boundary.
     const bool direct = ((G * bits) & 31u) == 0u && (((u64)r0 * D * bits) & 31u) == 0u;
     u32* index = reinterpret_cast<u32*>(body + d.sec_index);
+    if (G == 32u && direct) {
+        if (bits == 2u) {
+            ge_ch32<MODE, 2>(vals, n, d, r0, L, bits, body, index, status);
+        } else if (bits == 4u) {
+            ge_ch32<MODE, 4>(vals, n, d, r0, L, bits, body, index, status);
+        } else {
+            ge_ch32<MODE, 0>(vals, n, d, r0, L, bits, body, index, status);
+        }
+        return;
+    }
     for (u32 k = threadIdx.x; k < n / G; k += blockDim.x) {
         const u32 e0 = k * G;
         GeGroup g;
-        if (!ge_params([&](u32 i) { return vals[ge_pad(e0 + i)]; }, G, mode, L, g)) {
+        const auto at = [&](u32 i) { return vals[ge_pad(e0 + i)]; };
+        if (!ge_params<MODE>(at, at, G, L, g)) {
             atomicMin(status, ((u64)d.page << 32) | (r0 + e0 / D));
             continue;
         }
-        ge_store_params(body, d, g0 + k, mode, g);
+        ge_store_params<MODE>(body, d, g0 + k, g);
         u32* signs = reinterpret_cast<u32*>(body + d.sec_zero) + (g0 + k) * (G >> 5);
-        ge_codes_ch(vals, e0, G, L, bits, g, signs, direct ? index + (((u64)r0 * D + e0) * bits >> 5) : nullptr, codes);
+        ge_codes_ch<MODE>(vals, e0, G, L, bits, g, signs, direct ? index + (((u64)r0 * D + e0) * bits >> 5) : nullptr,
+                          codes);
     }
     if (direct) return;
     __syncthreads();
@@ -354,13 +464,16 @@ __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ desc
 
 // CPT = groups per thread: 1 when the item's K * head_dim groups fit the
 // block (head_dim <= BLOCK), else GE_CPT (fewer live registers with 1).
-template <int SRC, int CPT>
+// With CPT = 1 and G = 32, a full group is read from global memory once
+// into registers and coded there (ge_codes32); other groups read it in
+// each pass.
+template <int SRC, int CPT, u32 MODE>
 __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
                                               const uint2* __restrict__ work, u64* status) {
     __shared__ __align__(16) u8 codes[GE_SUB * CPT * BLOCK];
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
-    const u32 D = d.head_dim, G = d.p0, K = d.p2, bits = d.p1 & 0xffu, mode = (d.p1 >> 8) & 0xffu;
+    const u32 D = d.head_dim, G = d.p0, K = d.p2, bits = d.p1 & 0xffu;
     const float L = (float)((1u << bits) - 1u);
     const u32 r0 = w.y;
     const u32 plane = udiv(r0, d.tokens, d.m_tokens);
@@ -375,6 +488,7 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
     GeGroup gs[CPT];
     bool ok[CPT];
     u32 len[CPT];
+    bool done = false;  // CPT = 1: coded by the fast path
 #pragma unroll
     for (u32 m = 0; m < CPT; m++) {
         const u32 idx = threadIdx.x + m * blockDim.x, sl = idx / D, c = idx - sl * D;
@@ -383,30 +497,48 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
         if (sl >= K || t0 + sl * G >= d.tokens) continue;
         len[m] = min(G, d.tokens - t0 - sl * G);
         const u32 e = sl * G * D + c;
-        ok[m] = ge_params([&](u32 i) { return enc_load<SRC>(src, e + i * D); }, len[m], mode, L, gs[m]);
+        const auto mem = [=](u32 i) { return enc_load<SRC>(src, e + i * D); };
+        if (CPT == 1 && G == 32u && len[m] == 32u) {
+            float x[32];
+#pragma unroll
+            for (u32 i = 0; i < 32u; i++) x[i] = mem(i);
+            ok[m] = ge_params<MODE>([&](u32 i) { return x[i]; }, mem, 32u, L, gs[m]);
+            if (ok[m]) {
+                u8* out = codes + sl * GE_SUB * D + c;
+                u32 sign;
+                if (ge_codes32<MODE, 0, true>(x, gs[m], L, bits, nullptr, out, D, sign)) {
+                    done = true;
+                    if (ge_is_sym<MODE>(gs[m]))
+                        reinterpret_cast<u32*>(body + d.sec_zero)[g0 + (u64)sl * D + c] = sign;
+                }
+            }
+        } else {
+            ok[m] = ge_params<MODE>(mem, mem, len[m], L, gs[m]);
+        }
         if (!ok[m]) {
             atomicMin(status, ((u64)d.page << 32) | (r0 + sl * G));
             continue;
         }
-        ge_store_params(body, d, g0 + (u64)sl * D + c, mode, gs[m]);
+        ge_store_params<MODE>(body, d, g0 + (u64)sl * D + c, gs[m]);
     }
     const u32 len0 = min(G, d.tokens - t0);
     for (u32 sb = 0; sb < len0; sb += GE_SUB) {
 #pragma unroll
         for (u32 m = 0; m < CPT; m++) {
             const u32 idx = threadIdx.x + m * blockDim.x, sl = idx / D, c = idx - sl * D;
-            if (len[m] <= sb) continue;
+            if (len[m] <= sb || done) continue;
             const u32 ns = min((u32)GE_SUB, len[m] - sb);
             const u32 e = (sl * G + sb) * D + c;
             u8* out = codes + sl * GE_SUB * D + c;
             u32 sign = 0;
+            const bool sym = ge_is_sym<MODE>(gs[m]);
             for (u32 t = 0; t < ns; t++) {
                 const float x = enc_load<SRC>(src, e + t * D);
-                const u32 q = ok[m] ? ge_code(gs[m], x, L) : 0u;
+                const u32 q = ok[m] ? ge_code<MODE>(gs[m], x, L) : 0u;
                 out[t * D] = (u8)q;
-                if (gs[m].sym && x < 0.0f && q > 0u) sign |= 1u << t;
+                if (sym && x < 0.0f && q > 0u) sign |= 1u << t;
             }
-            if (ok[m] && gs[m].sym)
+            if (ok[m] && sym)
                 reinterpret_cast<u32*>(body + d.sec_zero)[(g0 + (u64)sl * D + c) * (G >> 5) + (sb >> 5)] = sign;
         }
         __syncthreads();
@@ -419,16 +551,46 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
     }
 }
 
+// Kernels `encode_groups_{ch|tok|tok1}_{kivi|asym|sym|hybrid}_{src}`: the
+// coding mode is a template parameter, so each kernel carries one mode's
+// arithmetic.
 #define GE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_bf16(GE_ARGS) { groups_channels<SRC_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_f16(GE_ARGS) { groups_channels<SRC_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_f32(GE_ARGS) { groups_channels<SRC_F32>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_f16(GE_ARGS) { groups_tokens<SRC_F16, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_f32(GE_ARGS) { groups_tokens<SRC_F32, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_kivi_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_kivi_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_kivi_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_kivi_f16(GE_ARGS) { groups_channels<SRC_F16, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_kivi_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_kivi_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_kivi_f32(GE_ARGS) { groups_channels<SRC_F32, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_kivi_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_kivi_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_asym_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_asym_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_asym_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_asym_f16(GE_ARGS) { groups_channels<SRC_F16, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_asym_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_asym_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_asym_f32(GE_ARGS) { groups_channels<SRC_F32, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_asym_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_asym_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_sym_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_sym_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_sym_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_sym_f16(GE_ARGS) { groups_channels<SRC_F16, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_sym_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_sym_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_sym_f32(GE_ARGS) { groups_channels<SRC_F32, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_sym_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_sym_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_hybrid_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_hybrid_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_hybrid_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_hybrid_f16(GE_ARGS) { groups_channels<SRC_F16, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_hybrid_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_hybrid_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_hybrid_f32(GE_ARGS) { groups_channels<SRC_F32, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_hybrid_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_hybrid_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_HYBRID>(descs, work, status); }
 
 // InnerQ key normalization statistics (format/codecs/innerq.md, the
 // compressor's Codec::prepare): max |x| per (kv head, channel) over the
