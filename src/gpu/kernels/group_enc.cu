@@ -122,8 +122,14 @@ __device__ __forceinline__ u32 ge_quot(float d, const GeGroup& g, float L) {
 __device__ __forceinline__ u32 ge_quot_fast(float d, const GeGroup& g, float L, bool& near) {
     const float t = fminf(fmaxf(__fmul_rn(d, g.r), 0.0f), L);
     const float m = __fadd_rn(t, GE_RNE);
-    near |= fabsf(__fsub_rn(t, __fsub_rn(m, GE_RNE))) > GE_HALF;
+    near = fabsf(__fsub_rn(t, __fsub_rn(m, GE_RNE))) > GE_HALF;
     return __float_as_uint(m) - 0x4b400000u;
+}
+
+// The operand of ge_quot for value x of group g.
+template <u32 MODE>
+__device__ __forceinline__ float ge_operand(const GeGroup& g, float x) {
+    return ge_is_sym<MODE>(g) ? fabsf(x) : __fsub_rn(x, g.z);
 }
 
 template <u32 MODE>
@@ -226,11 +232,20 @@ __device__ GE_COLD bool ge_hybrid_exact(At at, u32 n, const GeGroup& s, const Ge
 template <class At, class Mem>
 __device__ __forceinline__ bool ge_hybrid_sym(At at, Mem mem, u32 n, const GeGroup& s, const GeGroup& a, float L) {
     float fs = 0.0f, fa = 0.0f;
-    bool near = false;
+    u32 near = 0;          // bit i (i < 32): a code of value i may differ from ge_code's
+    bool differs = false;  // the same for some value i >= 32
 #pragma unroll
     for (u32 i = 0; i < n; i++) {
         const float x = at(i);
-        const u32 qs = ge_quot_fast(fabsf(x), s, L, near), qa = ge_quot_fast(__fsub_rn(x, a.z), a, L, near);
+        bool ns, na;
+        const u32 qs = ge_quot_fast(fabsf(x), s, L, ns), qa = ge_quot_fast(__fsub_rn(x, a.z), a, L, na);
+        if (ns || na) {
+            if (i < 32u) {
+                near |= 1u << i;
+            } else {
+                differs = true;
+            }
+        }
         float vs = __fmul_rn(code_f32(qs), s.s);
         if (x < 0.0f && qs > 0u) vs = -vs;
         const float va = __fadd_rn(__fmul_rn(code_f32(qa), a.s), a.z);
@@ -239,7 +254,16 @@ __device__ __forceinline__ bool ge_hybrid_sym(At at, Mem mem, u32 n, const GeGro
         fa = __fmaf_rn(ea, ea, fa);
     }
     const float tot = __fadd_rn(fs, fa);
-    if (!near && is_finite(tot) && tot >= 8.0779357e-28f &&
+    // The sums stand when every uncertain code equals ge_code's.
+    while (near != 0u && !differs) {
+        const u32 i = (u32)__ffs(near) - 1u;
+        near &= near - 1u;
+        const float x = mem(i);
+        bool unused;
+        differs = ge_quot_fast(fabsf(x), s, L, unused) != ge_code<GE_SYM>(s, x, L) ||
+                  ge_quot_fast(__fsub_rn(x, a.z), a, L, unused) != ge_code<GE_ASYM>(a, x, L);
+    }
+    if (!differs && is_finite(tot) && tot >= 8.0779357e-28f &&
         fabsf(__fsub_rn(fs, fa)) > __fmul_rn(__fmul_rn((float)(n + 8u), 1.1920929e-7f), tot))
         return fs < fa;
     return ge_hybrid_exact(mem, n, s, a, L);
@@ -290,24 +314,22 @@ __device__ __forceinline__ void ge_store_params(u8* body, const EncDesc& d, u64 
 
 // Codes of a full group of 32 values held in registers (the fast paths
 // for G = 32), without a division and without a branch per value: each
-// value's code by ge_quot_fast, either (BYTES) into
-// `codes[i * cstride]` as bytes or packed LSB-first at `bits` bits (the
-// constant B when B > 0) and stored word by word through `out`; sign bits
-// into `sign`.
-// Returns false when some t' lies within GE_NEAR of a half-integer: the
-// caller then codes the group again with ge_code (which replays the
-// division for those values), overwriting what was stored.
+// value's code by ge_quot_fast, either (BYTES) into `codes[i * cstride]`
+// as bytes or packed LSB-first at `bits` bits (the constant B when B > 0)
+// and stored word by word through `out` (the group's own whole words);
+// sign bits into `sign`. Returns the mask of values whose code may differ
+// from ge_code's, for ge_fix32.
 template <u32 MODE, int B, bool BYTES>
-__device__ __forceinline__ bool ge_codes32(const float (&x)[32], const GeGroup& g, float L, u32 bits_rt, u32* out,
-                                           u8* codes, u32 cstride, u32& sign) {
+__device__ __forceinline__ u32 ge_codes32(const float (&x)[32], const GeGroup& g, float L, u32 bits_rt, u32* out,
+                                          u8* codes, u32 cstride, u32& sign) {
     const u32 bits = B > 0 ? (u32)B : bits_rt;
-    const bool sym = ge_is_sym<MODE>(g);
-    bool near = false;
-    u32 acc = 0, sh = 0, sg = 0;
+    u32 acc = 0, sh = 0, sg = 0, near = 0;
 #pragma unroll
     for (u32 i = 0; i < 32u; i++) {
-        const u32 q = ge_quot_fast(sym ? fabsf(x[i]) : __fsub_rn(x[i], g.z), g, L, near);
-        if (MODE == GE_SYM || MODE == GE_HYBRID) sg |= (sym && x[i] < 0.0f && q > 0u ? 1u : 0u) << i;
+        bool nr;
+        const u32 q = ge_quot_fast(ge_operand<MODE>(g, x[i]), g, L, nr);
+        if (nr) near |= 1u << i;
+        if (MODE == GE_SYM || MODE == GE_HYBRID) sg |= (ge_is_sym<MODE>(g) && x[i] < 0.0f && q > 0u ? 1u : 0u) << i;
         if (BYTES) {
             codes[i * cstride] = (u8)q;
             continue;
@@ -321,7 +343,31 @@ __device__ __forceinline__ bool ge_codes32(const float (&x)[32], const GeGroup& 
         }
     }
     sign = sg;
-    return !near;
+    return near;
+}
+
+// Recodes the values of `near` (ge_codes32's mask) with ge_code, which
+// replays the division where it decides, reading them through `mem`, and
+// rewrites their codes and sign bits: the few lanes of a warp with such a
+// value take a few iterations instead of the warp recoding whole groups.
+// `out` is the group's first word (its codes start on a word boundary).
+template <u32 MODE, bool BYTES, class Mem>
+__device__ __forceinline__ void ge_fix32(u32 near, Mem mem, const GeGroup& g, float L, u32 bits, u32* out, u8* codes,
+                                         u32 cstride, u32& sign) {
+    while (near != 0u) {
+        const u32 i = (u32)__ffs(near) - 1u;
+        near &= near - 1u;
+        const float x = mem(i);
+        const u32 q = ge_code<MODE>(g, x, L);
+        if (ge_is_sym<MODE>(g)) sign = (sign & ~(1u << i)) | ((x < 0.0f && q > 0u ? 1u : 0u) << i);
+        if (BYTES) {
+            codes[i * cstride] = (u8)q;
+            continue;
+        }
+        const u32 pos = i * bits, wi = pos >> 5, sh = pos & 31u, m = (1u << bits) - 1u;
+        out[wi] = (out[wi] & ~(m << sh)) | (q << sh);
+        if (sh + bits > 32u) out[wi + 1u] = (out[wi + 1u] & ~(m >> (32u - sh))) | (q >> (32u - sh));
+    }
 }
 
 // Shared-memory index of staged element i (a pad word every 32).
@@ -383,11 +429,9 @@ __device__ __forceinline__ void ge_ch32(const float* vals, u32 n, const EncDesc&
         u32* out = index + (((u64)r0 * D + 32u * k) * bits >> 5);
         u32* signs = reinterpret_cast<u32*>(body + d.sec_zero) + (g0 + k);
         u32 sign;
-        if (!ge_codes32<MODE, B, false>(x, g, L, bits, out, nullptr, 0u, sign)) {
-            ge_codes_ch<MODE>(vals, 32u * k, 32u, L, bits, g, signs, out, nullptr);
-        } else if (ge_is_sym<MODE>(g)) {
-            *signs = sign;
-        }
+        const u32 near = ge_codes32<MODE, B, false>(x, g, L, bits, out, nullptr, 0u, sign);
+        ge_fix32<MODE, false>(near, [=](u32 i) { return v[i]; }, g, L, bits, out, nullptr, 0u, sign);
+        if (ge_is_sym<MODE>(g)) *signs = sign;
     }
 }
 
@@ -506,11 +550,10 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
             if (ok[m]) {
                 u8* out = codes + sl * GE_SUB * D + c;
                 u32 sign;
-                if (ge_codes32<MODE, 0, true>(x, gs[m], L, bits, nullptr, out, D, sign)) {
-                    done = true;
-                    if (ge_is_sym<MODE>(gs[m]))
-                        reinterpret_cast<u32*>(body + d.sec_zero)[g0 + (u64)sl * D + c] = sign;
-                }
+                const u32 near = ge_codes32<MODE, 0, true>(x, gs[m], L, bits, nullptr, out, D, sign);
+                ge_fix32<MODE, true>(near, mem, gs[m], L, bits, nullptr, out, D, sign);
+                done = true;
+                if (ge_is_sym<MODE>(gs[m])) reinterpret_cast<u32*>(body + d.sec_zero)[g0 + (u64)sl * D + c] = sign;
             }
         } else {
             ok[m] = ge_params<MODE>(mem, mem, len[m], L, gs[m]);
