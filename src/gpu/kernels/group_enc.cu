@@ -407,6 +407,46 @@ __device__ __forceinline__ void ge_codes_ch(const float* vals, u32 e0, u32 G, fl
     }
 }
 
+// Stages elements [0, n) of a row run (head_dim D) into `vals` as f32 at
+// ge_pad positions, InnerQ keys divided by their factors (`norm`).
+// 16-byte loads of eight 16-bit elements where aligned, GE_LOADS of them
+// issued before any is used, so that their latencies overlap.
+#define GE_LOADS 4u
+template <int SRC>
+__device__ __forceinline__ void ge_stage(const u8* src, u32 n, u32 D, bool norm, const float* factors, float* vals) {
+    if (SRC != SRC_F32 && (D & 7u) == 0u && (reinterpret_cast<u64>(src) & 15u) == 0u) {
+        const u32 nv = n / 8u;
+        for (u32 v0 = threadIdx.x; v0 < nv; v0 += GE_LOADS * blockDim.x) {
+            uint4 q[GE_LOADS];
+#pragma unroll
+            for (u32 j = 0; j < GE_LOADS; j++) {
+                const u32 v = v0 + j * blockDim.x;
+                if (v < nv) q[j] = __ldg(reinterpret_cast<const uint4*>(src) + v);
+            }
+#pragma unroll
+            for (u32 j = 0; j < GE_LOADS; j++) {
+                const u32 v = v0 + j * blockDim.x;
+                if (v >= nv) break;
+                const u32 ws[4] = {q[j].x, q[j].y, q[j].z, q[j].w};
+                const u32 i0 = 8u * v, c0 = norm ? i0 % D : 0u;
+#pragma unroll
+                for (u32 k = 0; k < 8u; k++) {
+                    const u16 h = (u16)(ws[k >> 1] >> (16u * (k & 1u)));
+                    float x = SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+                    if (norm) x = __fdiv_rn(x, __ldg(factors + c0 + k));
+                    vals[ge_pad(i0 + k)] = x;
+                }
+            }
+        }
+    } else {
+        for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
+            float x = enc_load<SRC>(src, i);
+            if (norm) x = __fdiv_rn(x, __ldg(factors + i % D));
+            vals[ge_pad(i)] = x;
+        }
+    }
+}
+
 // The channel-group work item's groups of 32 (G = 32, codes stored straight
 // from registers): group k is vals[33k .. 33k + 32) (ge_pad), one thread
 // per group, conflict-free (thread k reads bank (k + i) mod 32).
@@ -452,27 +492,7 @@ __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ desc
     const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride + (u64)t0 * D);
     const float* factors = reinterpret_cast<const float*>(d.side) + (u64)(plane % d.heads) * D;
     u8* body = reinterpret_cast<u8*>(d.body);
-    if (SRC != SRC_F32 && (D & 7u) == 0u && (reinterpret_cast<u64>(src) & 15u) == 0u) {
-        // 16-byte loads: eight 16-bit elements per thread and step.
-        for (u32 v = threadIdx.x; v < n / 8u; v += blockDim.x) {
-            const uint4 q = __ldg(reinterpret_cast<const uint4*>(src) + v);
-            const u32 ws[4] = {q.x, q.y, q.z, q.w};
-            const u32 i0 = 8u * v, c0 = norm ? i0 % D : 0u;
-#pragma unroll
-            for (u32 k = 0; k < 8u; k++) {
-                const u16 h = (u16)(ws[k >> 1] >> (16u * (k & 1u)));
-                float x = SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-                if (norm) x = __fdiv_rn(x, __ldg(factors + c0 + k));
-                vals[ge_pad(i0 + k)] = x;
-            }
-        }
-    } else {
-        for (u32 i = threadIdx.x; i < n; i += blockDim.x) {
-            float x = enc_load<SRC>(src, i);
-            if (norm) x = __fdiv_rn(x, __ldg(factors + i % D));
-            vals[ge_pad(i)] = x;
-        }
-    }
+    ge_stage<SRC>(src, n, D, norm, factors, vals);
     __syncthreads();
     const u64 g0 = (u64)r0 * D / G;
     // Whole words per group: every group's codes start on a word boundary.
@@ -508,13 +528,14 @@ __device__ __forceinline__ void groups_channels(const EncDesc* __restrict__ desc
 
 // CPT = groups per thread: 1 when the item's K * head_dim groups fit the
 // block (head_dim <= BLOCK), else GE_CPT (fewer live registers with 1).
-// With CPT = 1 and G = 32, a full group is read from global memory once
-// into registers and coded there (ge_codes32); other groups read it in
-// each pass.
+// With CPT = 1, G = 32 and D a multiple of 32, a full group is read from
+// the staged item into registers and coded there (ge_codes32); other
+// groups read global memory in each pass.
 template <int SRC, int CPT, u32 MODE>
 __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
                                               const uint2* __restrict__ work, u64* status) {
     __shared__ __align__(16) u8 codes[GE_SUB * CPT * BLOCK];
+    __shared__ float vals[CPT == 1 ? GE_TILE + GE_TILE / 32 : 1];
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
     const u32 D = d.head_dim, G = d.p0, K = d.p2, bits = d.p1 & 0xffu;
@@ -529,6 +550,16 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
     // thread lane idx = threadIdx.x + m * blockDim.x is (slot idx / D,
     // channel idx % D); element (t, c) of slot sl is element
     // (sl * G + t) * D + c of the item.
+    // CPT = 1, G = 32, D a multiple of 32: the item's rows (K * 32 * D <=
+    // 32 * BLOCK = GE_TILE elements) staged in shared memory with 16-byte
+    // loads, then each thread reads its group's column: value i of the
+    // group at column offset p0 is vals[p0 + i * (D + D / 32)] (ge_pad),
+    // and a warp's 32 consecutive channels read 32 consecutive words.
+    const bool staged = CPT == 1 && G == 32u && (D & 31u) == 0u;
+    if (staged) {
+        ge_stage<SRC>(src, min(K * 32u, d.tokens - t0) * D, D, false, nullptr, vals);
+        __syncthreads();
+    }
     GeGroup gs[CPT];
     bool ok[CPT];
     u32 len[CPT];
@@ -542,16 +573,18 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
         len[m] = min(G, d.tokens - t0 - sl * G);
         const u32 e = sl * G * D + c;
         const auto mem = [=](u32 i) { return enc_load<SRC>(src, e + i * D); };
-        if (CPT == 1 && G == 32u && len[m] == 32u) {
+        if (staged && len[m] == 32u) {
+            const u32 p0 = ge_pad(e), dp = D + D / 32u;
+            const auto smem = [=](u32 i) { return vals[p0 + i * dp]; };
             float x[32];
 #pragma unroll
-            for (u32 i = 0; i < 32u; i++) x[i] = mem(i);
-            ok[m] = ge_params<MODE>([&](u32 i) { return x[i]; }, mem, 32u, L, gs[m]);
+            for (u32 i = 0; i < 32u; i++) x[i] = smem(i);
+            ok[m] = ge_params<MODE>([&](u32 i) { return x[i]; }, smem, 32u, L, gs[m]);
             if (ok[m]) {
                 u8* out = codes + sl * GE_SUB * D + c;
                 u32 sign;
                 const u32 near = ge_codes32<MODE, 0, true>(x, gs[m], L, bits, nullptr, out, D, sign);
-                ge_fix32<MODE, true>(near, mem, gs[m], L, bits, nullptr, out, D, sign);
+                ge_fix32<MODE, true>(near, smem, gs[m], L, bits, nullptr, out, D, sign);
                 done = true;
                 if (ge_is_sym<MODE>(gs[m])) reinterpret_cast<u32*>(body + d.sec_zero)[g0 + (u64)sl * D + c] = sign;
             }
@@ -598,42 +631,47 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
 // coding mode is a template parameter, so each kernel carries one mode's
 // arithmetic.
 #define GE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_kivi_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_KIVI>(descs, work, status); }
+// Blocks per SM the staged kernels (ch, tok1) are compiled for: 4 x 256
+// threads (at most 64 registers each; 4 x 42 kB of shared memory).
+#ifndef GE_MIN_BLOCKS
+#define GE_MIN_BLOCKS 4
+#endif
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_kivi_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_KIVI>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_kivi_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT, GE_KIVI>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_kivi_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_KIVI>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_kivi_f16(GE_ARGS) { groups_channels<SRC_F16, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_kivi_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_kivi_f16(GE_ARGS) { groups_channels<SRC_F16, GE_KIVI>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_kivi_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT, GE_KIVI>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_kivi_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_KIVI>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_kivi_f32(GE_ARGS) { groups_channels<SRC_F32, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_kivi_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_kivi_f32(GE_ARGS) { groups_channels<SRC_F32, GE_KIVI>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_kivi_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT, GE_KIVI>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_kivi_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_KIVI>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_asym_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_kivi_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_KIVI>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_asym_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_ASYM>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_asym_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT, GE_ASYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_asym_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_ASYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_asym_f16(GE_ARGS) { groups_channels<SRC_F16, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_asym_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_asym_f16(GE_ARGS) { groups_channels<SRC_F16, GE_ASYM>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_asym_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT, GE_ASYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_asym_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_ASYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_asym_f32(GE_ARGS) { groups_channels<SRC_F32, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_asym_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_asym_f32(GE_ARGS) { groups_channels<SRC_F32, GE_ASYM>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_asym_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT, GE_ASYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_asym_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_ASYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_sym_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_asym_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_ASYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_sym_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_SYM>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_sym_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT, GE_SYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_sym_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_SYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_sym_f16(GE_ARGS) { groups_channels<SRC_F16, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_sym_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_sym_f16(GE_ARGS) { groups_channels<SRC_F16, GE_SYM>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_sym_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT, GE_SYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_sym_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_SYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_sym_f32(GE_ARGS) { groups_channels<SRC_F32, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_sym_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_sym_f32(GE_ARGS) { groups_channels<SRC_F32, GE_SYM>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_sym_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT, GE_SYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_sym_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_SYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_hybrid_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_sym_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_SYM>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_hybrid_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_HYBRID>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_hybrid_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT, GE_HYBRID>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_hybrid_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_HYBRID>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_hybrid_f16(GE_ARGS) { groups_channels<SRC_F16, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_hybrid_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_hybrid_f16(GE_ARGS) { groups_channels<SRC_F16, GE_HYBRID>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_hybrid_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT, GE_HYBRID>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_hybrid_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_HYBRID>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_ch_hybrid_f32(GE_ARGS) { groups_channels<SRC_F32, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_hybrid_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_hybrid_f32(GE_ARGS) { groups_channels<SRC_F32, GE_HYBRID>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_hybrid_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT, GE_HYBRID>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok1_hybrid_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_hybrid_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_HYBRID>(descs, work, status); }
 
 // InnerQ key normalization statistics (format/codecs/innerq.md, the
 // compressor's Codec::prepare): max |x| per (kv head, channel) over the
