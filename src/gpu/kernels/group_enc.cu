@@ -17,19 +17,26 @@
 // CPU. InnerQ keys are divided by the layer's normalization factor n_{h,c}
 // (side table, f32 [heads, head_dim]) before anything else.
 //
-// Groups along channels (kivi V, innerq K): `encode_groups_ch_{src}`, work
-// item (page, first row) = up to p3 rows of one plane staged in shared
-// memory as f32 (a pad word every 32 so that one thread per group reads
-// without bank conflicts); one thread per group.
-// Groups along tokens (kivi K, innerq V): `encode_groups_tok_{src}`, work
+// Kernels `encode_groups_{ch|tok|tok1}_{mode}_{src}`, mode kivi, asym, sym
+// or hybrid (a template parameter: each kernel carries one mode's
+// arithmetic). Groups along channels (kivi V, innerq K): `ch`, work item
+// (page, first row) = up to p3 rows of one plane staged in shared memory
+// as f32 (a pad word every 32 so that one thread per group reads without
+// bank conflicts); one thread per group. Groups along tokens (kivi K,
+// innerq V): `tok1` (one group per thread) and `tok` (up to GE_CPT), work
 // item (page, first row of a token group) = p2 consecutive token groups of
 // G (or fewer, at the page end) tokens of one plane; one thread per
-// (group, channel) (up to GE_CPT per thread), reading the group from global
-// memory in each pass; codes are emitted 32 rows of each group at a time.
-// Either way the b-bit codes of a run of consecutive rows are staged in
-// shared memory and packed LSB-first into the INDEX section: words the run
-// covers whole are stored, the two edge words OR-ed in with atomics (the
-// body template is zeroed).
+// (group, channel); `tok1` with G = 32 and head_dim a multiple of 32
+// stages the item in shared memory as `ch` does, other cases read the
+// group from global memory in each pass.
+// Groups of 32 (the default G) are coded from registers without a
+// division (ge_codes32), recoding only the few values near a rounding
+// boundary exactly (ge_fix32). Codes go straight from registers into
+// INDEX where a group fills whole words (`ch`); otherwise the b-bit codes
+// of a run of consecutive rows are staged in shared memory and packed
+// LSB-first into the INDEX section: words the run covers whole are
+// stored, the two edge words OR-ed in with atomics (the body template is
+// zeroed).
 //
 // EncDesc: sec_scale = SCALE 0, sec_zero = ZERO 0, sec_index = INDEX 0,
 // sec3 = AUX 0 (innerq hybrid mode flags), side = normalization factors
