@@ -180,6 +180,10 @@ impl GpuFamily for Family {
 /// Largest head_dim of the polar encode kernels (`2 * PE_MAX_PAIRS`).
 const MAX_ENCODE_DIM: u32 = 1024;
 
+/// Staging tiles (`PE_TILE` codes) per work item of `encode_polar_{src}`:
+/// 256 rows at head_dim 128.
+const CODE_TILES: u32 = 4;
+
 /// `polar` key pages: the radius-scale kernel (SCALE), then the code
 /// kernel (INDEX).
 fn plan_polar(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
@@ -204,7 +208,10 @@ fn plan_polar(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout
     let d = info.head_dim;
     let pairs = d / 2;
     let bits = u32::from(m) + u32::from(n);
-    let rows_per_item = (group_enc::TILE / pairs.max(1)).max(1);
+    // Rows per work item of the code kernel: CODE_TILES staging tiles (the
+    // kernel packs one tile at a time; m + n = 8 codes need none), so that a
+    // block's set-up is spread over many rows.
+    let rows_per_item = (CODE_TILES * group_enc::TILE / pairs.max(1)).max(1);
     let sfx = src_suffix(info.dtype);
     let scale_kernel = enc_choice("polar_enc", format!("encode_polar_scale_{sfx}"), u32::MAX);
     let code_kernel = enc_choice("polar_enc", format!("encode_polar_{sfx}"), rows_per_item);

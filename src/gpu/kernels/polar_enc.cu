@@ -19,7 +19,8 @@
 // bits: radii are non-negative), then SCALE written. A NaN or infinity is
 // reported as atomicMin of page << 32 | row.
 // `encode_polar_{src}`: work item (page, first row) = up to p3 rows of one
-// plane; codes staged in shared memory, then packed into INDEX (whole
+// plane; codes stored straight into INDEX (m + n = 8 on the fast path) or
+// staged in shared memory PE_TILE at a time, then packed into INDEX (whole
 // words stored, the two edge words OR-ed in with atomics).
 //
 // EncDesc: sec_scale = SCALE 0, sec_index = INDEX 0, side = the direction
@@ -226,6 +227,8 @@ __device__ __forceinline__ void polar_codes_any(const EncDesc& d, const u8* src,
 // address steps stay in registers.
 
 #define PE_V 8
+// Resident blocks per SM the code kernels are compiled for (64 registers).
+#define PE_MIN_BLOCKS 4
 #ifdef KVPACK_EMU
 #define PE_COLD
 #else
@@ -546,21 +549,29 @@ __device__ __forceinline__ void polar_codes(const EncDesc* __restrict__ descs, c
     __syncthreads();
     const bool fast = (d.p2 & 2u) != 0u && pe_fast_shape(pairs, src);
     const bool direct = fast && d.p0 + d.p1 == 8u && (reinterpret_cast<u64>(index) & 7u) == 0u;
-    if (fast && (d.p2 & 1u) != 0u)
-        polar_codes_fast<SRC, true>(d, src, r0, nr, ssc, sfr, sdirs, codes, index, direct);
-    else if (fast)
-        polar_codes_fast<SRC, false>(d, src, r0, nr, ssc, sfr, sdirs, codes, index, direct);
-    else
-        polar_codes_any<SRC>(d, src, nr, ssc, sfr, sdirs, codes);
-    if (direct) return;
-    __syncthreads();
-    enc_pack(codes, nr * pairs, (u64)r0 * pairs, d.p0 + d.p1, reinterpret_cast<u32*>(index));
+    // Staged codes go through shared memory PE_TILE at a time.
+    const u32 chunk = direct ? nr : PE_TILE / pairs;
+    const u64 rstep = (u64)(SRC == SRC_F32 ? 4u : 2u) * D;
+    for (u32 c0 = 0; c0 < nr; c0 += chunk) {
+        const u32 cn = min(chunk, nr - c0);
+        const u8* csrc = src + c0 * rstep;
+        if (fast && (d.p2 & 1u) != 0u)
+            polar_codes_fast<SRC, true>(d, csrc, r0 + c0, cn, ssc, sfr, sdirs, codes, index, direct);
+        else if (fast)
+            polar_codes_fast<SRC, false>(d, csrc, r0 + c0, cn, ssc, sfr, sdirs, codes, index, direct);
+        else
+            polar_codes_any<SRC>(d, csrc, cn, ssc, sfr, sdirs, codes);
+        if (direct) return;
+        __syncthreads();
+        enc_pack(codes, cn * pairs, ((u64)r0 + c0) * pairs, d.p0 + d.p1, reinterpret_cast<u32*>(index));
+        __syncthreads();
+    }
 }
 
 #define PE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_polar_scale_bf16(PE_ARGS) { polar_scale<SRC_BF16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_polar_scale_f16(PE_ARGS) { polar_scale<SRC_F16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_polar_scale_f32(PE_ARGS) { polar_scale<SRC_F32>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_polar_bf16(PE_ARGS) { polar_codes<SRC_BF16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_polar_f16(PE_ARGS) { polar_codes<SRC_F16>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_polar_f32(PE_ARGS) { polar_codes<SRC_F32>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, PE_MIN_BLOCKS) encode_polar_bf16(PE_ARGS) { polar_codes<SRC_BF16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, PE_MIN_BLOCKS) encode_polar_f16(PE_ARGS) { polar_codes<SRC_F16>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, PE_MIN_BLOCKS) encode_polar_f32(PE_ARGS) { polar_codes<SRC_F32>(descs, work, status); }
