@@ -445,7 +445,8 @@ __device__ __forceinline__ u32 pe_fast(float x, float y, float rs, float half, c
     // j = rne(w) in 0 ..= M from the low bits (w + 1.5 * 2^23 holds rne(w)
     // in its low 22 bits): j and j + 1 index the extended table directly.
     const u32 j = __float_as_uint(__fadd_rn(w, PE_RNE)) & k.mask2;
-    const float d1 = pe_dot(x, y, dirs[j]), d2 = pe_dot(x, y, dirs[j + 1u]);
+    const float2* u = dirs + j;
+    const float d1 = pe_dot(x, y, u[0]), d2 = pe_dot(x, y, u[1]);
     const u32 dir = (j + (u32)(d2 > d1)) & k.mask;
     const float n2 = __fmaf_rn(x, x, __fmul_rn(y, y));
     const float t = __fmul_rn(__fmul_rn(n2, pe_rsqrt(n2)), rs);
