@@ -23,9 +23,14 @@
 // staged in shared memory PE_TILE at a time, then packed into INDEX (whole
 // words stored, the two edge words OR-ed in with atomics).
 //
+// Fused (p2 bit 2, planned for pages of at most 512 tokens on the fast
+// path): `encode_polar_{src}` alone, its work item a whole plane of a page,
+// computes SCALE as `encode_polar_scale_{src}` does, then the codes (the
+// plane read twice, the second time mostly from L2).
+//
 // EncDesc: sec_scale = SCALE 0, sec_index = INDEX 0, side = the direction
 // table (2^m (cos, sin) f32 pairs); p0 = m, p1 = n, p2 = adjacent | uniform
-// << 1, p3 = rows per work item of `encode_polar_{src}`.
+// << 1 | fused << 2, p3 = rows per work item of `encode_polar_{src}`.
 
 #define PE_MAX_PAIRS 512
 #define PE_TILE 4096
@@ -327,8 +332,7 @@ __device__ __forceinline__ bool pe_fast_shape(u32 pairs, const u8* src) {
 // holding a NaN or infinity.
 template <int SRC, bool ADJ>
 __device__ __forceinline__ void polar_scale_fast(const EncDesc& d, const u8* src, u32 r0, u32 plane, float* scales,
-                                                 u64* status) {
-    __shared__ double snorm[BLOCK * PE_V];
+                                                 u64* status, double* snorm) {
     const u32 D = d.head_dim, pairs = D / 2u, T = d.tokens, G = pairs / PE_V, R = BLOCK / G;
     const u32 tr = threadIdx.x / G, j0 = (threadIdx.x - tr * G) * PE_V;
     const u64 rstep = (u64)(SRC == SRC_F32 ? 4u : 2u) * D;
@@ -505,29 +509,41 @@ __device__ __forceinline__ void polar_codes_fast(const EncDesc& d, const u8* src
     }
 }
 
+// SCALE of the plane starting at `src` (page row r0); `snorm`: BLOCK *
+// PE_V doubles of shared memory.
+template <int SRC>
+__device__ __forceinline__ void pe_scale_plane(const EncDesc& d, const u8* src, u32 r0, u32 plane, float* scales,
+                                               u64* status, double* snorm) {
+    const u32 pairs = d.head_dim / 2u;
+    if (!pe_fast_shape(pairs, src))
+        polar_scale_any<SRC>(d, src, r0, plane, scales, status);
+    else if ((d.p2 & 1u) != 0u)
+        polar_scale_fast<SRC, true>(d, src, r0, plane, scales, status, snorm);
+    else
+        polar_scale_fast<SRC, false>(d, src, r0, plane, scales, status, snorm);
+}
+
 template <int SRC>
 __device__ __forceinline__ void polar_scale(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
                                             u64* status) {
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
-    const u32 pairs = d.head_dim / 2u, r0 = w.y, plane = udiv(r0, d.tokens, d.m_tokens);
+    const u32 r0 = w.y, plane = udiv(r0, d.tokens, d.m_tokens);
     const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride);
     float* scales = reinterpret_cast<float*>(reinterpret_cast<u8*>(d.body) + d.sec_scale);
-    if (!pe_fast_shape(pairs, src))
-        polar_scale_any<SRC>(d, src, r0, plane, scales, status);
-    else if ((d.p2 & 1u) != 0u)
-        polar_scale_fast<SRC, true>(d, src, r0, plane, scales, status);
-    else
-        polar_scale_fast<SRC, false>(d, src, r0, plane, scales, status);
+    __shared__ double snorm[BLOCK * PE_V];
+    pe_scale_plane<SRC>(d, src, r0, plane, scales, status, snorm);
 }
 
 template <int SRC>
 __device__ __forceinline__ void polar_codes(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
                                             u64* status) {
-    __shared__ __align__(16) u16 codes[PE_TILE];
+    // The staged codes (PE_TILE u16), or the fused scale pass's maxima
+    // before them.
+    __shared__ double stage[BLOCK * PE_V > PE_TILE / 4 ? BLOCK * PE_V : PE_TILE / 4];
+    u16* codes = reinterpret_cast<u16*>(stage);
     __shared__ float2 sdirs[513];  // the table extended to 2M + 1 entries (pe_fast)
     __shared__ float ssc[PE_MAX_PAIRS], sfr[PE_MAX_PAIRS];
-    (void)status;
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
     const u32 D = d.head_dim, pairs = D / 2u, m = d.p0, ndir = 1u << m;
@@ -536,7 +552,14 @@ __device__ __forceinline__ void polar_codes(const EncDesc* __restrict__ descs, c
     const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride + (u64)t0 * D);
     u8* body = reinterpret_cast<u8*>(d.body);
     u8* index = body + d.sec_index;
-    const float* scales = reinterpret_cast<const float*>(body + d.sec_scale) + (u64)plane * pairs;
+    if ((d.p2 & 4u) != 0u) {
+        // Fused: the work item is the whole plane (t0 = 0, nr = tokens);
+        // its SCALE first, read back below after the barrier.
+        pe_scale_plane<SRC>(d, src, r0, plane, reinterpret_cast<float*>(body + d.sec_scale), status, stage);
+        __syncthreads();
+    }
+    // (volatile: written by this kernel when fused, never a read-only load)
+    const volatile float* scales = reinterpret_cast<const volatile float*>(body + d.sec_scale) + (u64)plane * pairs;
     const float2* gdirs = reinterpret_cast<const float2*>(d.side);
     for (u32 k = threadIdx.x; k <= 2u * ndir; k += blockDim.x) sdirs[k] = gdirs[k & (ndir - 1u)];
     for (u32 k = threadIdx.x; k < pairs; k += blockDim.x) {
