@@ -7,17 +7,25 @@
 //     s_{p,j} = (max over the page's tokens of r) / f32(L), L = 2^n - 1
 //     rho = s > 0 ? rne(clamp(r / s, 0, L)) : 0
 //     a = the direction k maximizing (x * c_k) + (y * s_k), ties to the
-//         smallest k, by the CPU's search (NearestDirection::find): for the
-//         canonical uniform table with M >= 8 and 1e-30 <= max(|x|, |y|) <=
-//         1e30, the three candidates around the same approximate angle
-//         (the same binary32 operations, so the same candidates); otherwise
-//         every direction
+//         smallest k
 //     code = a | rho << m, (m + n)-bit codes in row-major (row, pair) order
 //
+// Two paths. The vectorized one (head_dim a multiple of 16, 16-byte
+// aligned rows; codes only for the canonical uniform table of M >= 8
+// directions): a thread takes 8 consecutive pairs of a row, radius levels
+// and directions come from binary32 approximations with proven error
+// bounds, and the rare pairs they cannot decide ("cold": pe_fast) take the
+// exact operations of the generic path. The generic path (any shape and
+// table): one pair per thread, the radius level in binary32 with the
+// exact binary64 path near half-integers (pe_rho), the direction by the
+// CPU's search (NearestDirection::find, pe_find: for the canonical table
+// with M >= 8 and 1e-30 <= max(|x|, |y|) <= 1e30 the three candidates
+// around the same approximate angle, otherwise every direction).
+//
 // `encode_polar_scale_{src}`: work item (page, first row of a plane); the
-// radius maxima of the plane's pairs in shared memory (atomicMax on the
-// bits: radii are non-negative), then SCALE written. A NaN or infinity is
-// reported as atomicMin of page << 32 | row.
+// radius maxima of the plane's pairs (as x^2 + y^2 in binary64), then
+// SCALE written. A NaN or infinity is reported as atomicMin of page << 32
+// | row.
 // `encode_polar_{src}`: work item (page, first row) = up to p3 rows of one
 // plane; codes stored straight into INDEX (m + n = 8 on the fast path) or
 // staged in shared memory PE_TILE at a time, then packed into INDEX (whole
