@@ -412,7 +412,7 @@ __device__ __forceinline__ PeAngle pe_angle(u32 ndir) {
 // Cold pairs are rare: ties, pairs outside the window (zeros among them)
 // and radius levels within `near` of a rounding boundary.
 //
-// Window: n2 = x*x + y*y (binary32, below) normal, i.e. 2^-63 <= max(|x|,
+// Window: n2 = x*x + y*y (binary32, below) normal, so 2^-63.5 <= max(|x|,
 // |y|) < 2^64, inside the CPU's fast window [1e-30, 1e30] of
 // NearestDirection::find. Outside it the radius level below is NaN or
 // infinite (rsqrt.approx.ftz of +0, a subnormal or +inf is +inf, +inf or
@@ -427,10 +427,10 @@ __device__ __forceinline__ PeAngle pe_angle(u32 ndir) {
 // angle lies in [j - 0.28, j + 0.78] bins: the nearest direction is j or
 // j + 1 and every other direction is at least 0.72 bins away, while the
 // nearest is within 0.5. The exact projections r cos(angle) then differ by
-// at least r (cos(0.5 b) - cos(0.72 b)) >= 0.13 b^2 r >= 7.8e-5 r (b = 2 pi
+// at least r (cos(0.5 b) - cos(0.72 b)) >= 0.12 b^2 r >= 7.2e-5 r (b = 2 pi
 // / M, M <= 256), far more than the error of the binary32 projections
 // (table entries within 2^-24, two products and a sum rounded: below
-// 3e-7 r; products underflowing by at most 2^-148, against r >= 2^-63). So
+// 3e-7 r each; products underflowing by at most 2^-148, against r >= 2^-64). So
 // the argmax of the rule (ties to the smallest index) is j or j + 1 (mod
 // M), and it is the larger of their two projections computed exactly as
 // the rule does. An exact tie of the two (the rule then takes the smaller
@@ -443,7 +443,8 @@ __device__ __forceinline__ PeAngle pe_angle(u32 ndir) {
 // <= 2^-21 (radius / s) <= (L + 1) 2^-21 = near / 4 (radius <= the plane's
 // largest radius, L s >= that radius (1 - 2^-24)). Hence t' < L + 0.5 -
 // near and q < L + 0.5: no clamp to L is needed, and rne(t') = rne(q)
-// unless t' lies within `near` of a half-integer: then cold.
+// unless t' lies within `near` of a half-integer: then cold. (The margin
+// would hold for an rsqrt error up to 2^-19.5.)
 __device__ __forceinline__ u32 pe_fast(float x, float y, float rs, float half, const float2* dirs, const PeAngle& k,
                                        u32 m, bool& cold) {
     const float ax = fabsf(x), ay = fabsf(y);
