@@ -1363,6 +1363,8 @@ fn encode_group_and_polar_codecs_match_cpu_bitwise() {
         (spec(2, 2, 77, 64), DType::F16, layout(32, 0, 0)),
         (spec(1, 3, 45, 64), DType::F32, layout(16, 0, 0)),
         (spec(1, 1, 40, 1024), DType::Bf16, layout(40, 0, 0)),
+        // Pages over 512 tokens: polar's separate scale kernel.
+        (spec(1, 2, 600, 64), DType::Bf16, layout(600, 0, 0)),
     ];
     for dev in devices() {
         let mut bytes = 0;
@@ -1544,6 +1546,102 @@ fn encode_rejects_non_finite_rows() {
             assert!(
                 m.contains("plane 1 token 17"),
                 "{} {codec}: {m}",
+                dev.name()
+            );
+        }
+    }
+}
+
+/// polar key pages at the edges of the GPU encoder's fast paths, equal to
+/// the CPU's: a plane of zeros (scale 0), radius levels exactly on a
+/// rounding boundary (2.5 of a scale of 1), pairs exactly half-way between
+/// two directions (ties), axis and diagonal pairs, magnitudes outside the
+/// fast window (subnormal, 1e-30, 1.5e38: scales whose reciprocal leaves
+/// [1e-30, 1e30]), on head_dim 32 and 16 (the vectorized paths), 36 (the
+/// generic path), f32 / bf16 / f16 sources, pages of 20 tokens (a partial
+/// last page), and tables of 8 to 256 directions.
+#[test]
+fn encode_polar_edge_values_match_cpu_bitwise() {
+    let fine = kvpack::kernels::polar::uniform_directions(5);
+    for (dtype, d) in [
+        (DType::F32, 32),
+        (DType::Bf16, 32),
+        (DType::F16, 32),
+        (DType::Bf16, 16),
+        (DType::F32, 36),
+    ] {
+        let (huge, tiny) = if dtype == DType::F16 {
+            (6.0e4f32, 6.0e-8f32)
+        } else {
+            (1.5e38f32, 1.0e-30f32)
+        };
+        let mut cache = synthetic(&[spec(1, 4, 48, d)], dtype, 17);
+        let h = d as usize / 2;
+        let plane = 48 * d as usize;
+        for t in &mut cache.tensors {
+            let n = t.info.elements() as usize;
+            let base: Vec<f32> = match &t.data {
+                TensorData::F32(v) => v.clone(),
+                TensorData::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+                TensorData::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+                TensorData::Fp8(..) => unreachable!("no fp8 here"),
+            };
+            let vals: Vec<f32> = (0..n)
+                .map(|i| {
+                    let (p, row, c) = (i / plane, i % plane / d as usize, i % d as usize);
+                    // Pair j's x (first) or y (second) channel, half pairing.
+                    let (j, second) = (c % h, c >= h);
+                    let xy = |x: f32, y: f32| if second { y } else { x };
+                    match (p, row % 8) {
+                        (0, _) => 0.0,
+                        (1, 0) => xy(15.0, 0.0),
+                        (1, 1) => {
+                            [xy(2.5, 0.0), xy(0.0, -10.5), xy(-7.5, 0.0), xy(0.5, 0.0)][j % 4]
+                        }
+                        (1, 2) => xy(3.0, -4.0),
+                        (1, 3) => {
+                            [xy(1.25, 1.25), xy(-1.25, 1.25), xy(2.0, -2.0), xy(0.0, 7.0)][j % 4]
+                        }
+                        (1, 4) => {
+                            let u = fine[(2 * j + 1) % fine.len()];
+                            xy(u[0] * 8.0, u[1] * 8.0)
+                        }
+                        (1, 5) => [xy(1.0e-40, 1.0e-41), xy(tiny, -tiny), xy(0.0, -tiny)][j % 3],
+                        (1, _) => base[i] * 3.0,
+                        (2, r) if r < 4 => (base[i] * huge).clamp(-huge, huge),
+                        (3, r) if r < 4 => base[i] * tiny,
+                        (3, 4) => base[i] * 1.0e-18,
+                        _ => base[i],
+                    }
+                })
+                .collect();
+            match &mut t.data {
+                TensorData::F32(v) => v.copy_from_slice(&vals),
+                TensorData::Bf16(v) => v
+                    .iter_mut()
+                    .zip(&vals)
+                    .for_each(|(o, &x)| *o = bf16::from_f32(x)),
+                TensorData::F16(v) => v
+                    .iter_mut()
+                    .zip(&vals)
+                    .for_each(|(o, &x)| *o = f16::from_f32(x)),
+                TensorData::Fp8(..) => unreachable!("no fp8 here"),
+            }
+        }
+        for dev in devices() {
+            let mut bytes = 0;
+            for codec in [
+                "polar:m4n4",
+                "polar:m4n2",
+                "polar:m4n4:adjacent",
+                "polar:m3n5",
+                "polar:m6n2:adjacent",
+                "polar:m8n8",
+            ] {
+                bytes += check_encode(&dev, &cache, codec, layout(20, 0, 0));
+            }
+            println!(
+                "polar edge encode ({dtype:?}, head_dim {d}) on {}: {bytes} section bytes identical to the CPU",
                 dev.name()
             );
         }

@@ -180,6 +180,18 @@ impl GpuFamily for Family {
 /// Largest head_dim of the polar encode kernels (`2 * PE_MAX_PAIRS`).
 const MAX_ENCODE_DIM: u32 = 1024;
 
+/// Pairs per thread of the kernels' vectorized path (`PE_V`).
+const FAST_PAIRS: u32 = 8;
+
+/// Longest page of the fused polar encode (one work item per plane of a
+/// page: 1024 work items for a 32768-token layer of 8 heads at 256-token
+/// pages).
+const FUSED_MAX_TOKENS: u32 = 512;
+
+/// Staging tiles (`PE_TILE` codes) per work item of `encode_polar_{src}`:
+/// 256 rows at head_dim 128.
+const CODE_TILES: u32 = 4;
+
 /// `polar` key pages: the radius-scale kernel (SCALE), then the code
 /// kernel (INDEX).
 fn plan_polar(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
@@ -204,7 +216,23 @@ fn plan_polar(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout
     let d = info.head_dim;
     let pairs = d / 2;
     let bits = u32::from(m) + u32::from(n);
-    let rows_per_item = (group_enc::TILE / pairs.max(1)).max(1);
+    // Rows per work item of the code kernel: CODE_TILES staging tiles (the
+    // kernel packs one tile at a time; m + n = 8 codes need none), so that a
+    // block's set-up is spread over many rows.
+    let rows_per_item = (CODE_TILES * group_enc::TILE / pairs.max(1)).max(1);
+    // Fused (one kernel, a whole plane of a page per work item, SCALE
+    // computed in it): the kernels' vectorized path (pairs a multiple of
+    // 8, 16-byte aligned rows: every row is, at head_dim a multiple of 16,
+    // when the source is) with pages short enough to give many work items.
+    let fused = uniform
+        && pairs.is_multiple_of(FAST_PAIRS)
+        && src.is_multiple_of(16)
+        && pages.iter().all(|pg| pg.tokens <= FUSED_MAX_TOKENS);
+    let rows_per_item = if fused {
+        pages.iter().map(|pg| pg.tokens).max().unwrap_or(1).max(1)
+    } else {
+        rows_per_item
+    };
     let sfx = src_suffix(info.dtype);
     let scale_kernel = enc_choice("polar_enc", format!("encode_polar_scale_{sfx}"), u32::MAX);
     let code_kernel = enc_choice("polar_enc", format!("encode_polar_{sfx}"), rows_per_item);
@@ -229,7 +257,7 @@ fn plan_polar(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout
             side,
             p0: u32::from(m),
             p1: u32::from(n),
-            p2: u32::from(adjacent) | u32::from(uniform) << 1,
+            p2: u32::from(adjacent) | u32::from(uniform) << 1 | u32::from(fused) << 2,
             p3: rows_per_item,
             ..desc(src, info, pg, i, rows, off)
         });
@@ -239,7 +267,9 @@ fn plan_polar(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout
         plane_items(i as u32, rows, pg.tokens, rows_per_item, &mut w2);
         p.layouts.push((l, off));
     }
-    p.works.push(work(scale_kernel, w1));
+    if !fused {
+        p.works.push(work(scale_kernel, w1));
+    }
     p.works.push(work(code_kernel, w2));
     Ok(p)
 }
