@@ -643,9 +643,6 @@ __device__ __forceinline__ void groups_tokens(const EncDesc* __restrict__ descs,
 #ifndef GE_MIN_BLOCKS
 #define GE_MIN_BLOCKS 4
 #endif
-#ifndef GE_MIN_BLOCKS_HYBRID
-#define GE_MIN_BLOCKS_HYBRID 3
-#endif
 extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_kivi_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_KIVI>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_kivi_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT, GE_KIVI>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_kivi_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_KIVI>(descs, work, status); }
@@ -673,15 +670,15 @@ extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups
 extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_sym_f32(GE_ARGS) { groups_channels<SRC_F32, GE_SYM>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_sym_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT, GE_SYM>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_sym_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_SYM>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS_HYBRID) encode_groups_ch_hybrid_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_hybrid_bf16(GE_ARGS) { groups_channels<SRC_BF16, GE_HYBRID>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_hybrid_bf16(GE_ARGS) { groups_tokens<SRC_BF16, GE_CPT, GE_HYBRID>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS_HYBRID) encode_groups_tok1_hybrid_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_HYBRID>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS_HYBRID) encode_groups_ch_hybrid_f16(GE_ARGS) { groups_channels<SRC_F16, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_hybrid_bf16(GE_ARGS) { groups_tokens<SRC_BF16, 1, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_hybrid_f16(GE_ARGS) { groups_channels<SRC_F16, GE_HYBRID>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_hybrid_f16(GE_ARGS) { groups_tokens<SRC_F16, GE_CPT, GE_HYBRID>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS_HYBRID) encode_groups_tok1_hybrid_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_HYBRID>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS_HYBRID) encode_groups_ch_hybrid_f32(GE_ARGS) { groups_channels<SRC_F32, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_hybrid_f16(GE_ARGS) { groups_tokens<SRC_F16, 1, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_ch_hybrid_f32(GE_ARGS) { groups_channels<SRC_F32, GE_HYBRID>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_groups_tok_hybrid_f32(GE_ARGS) { groups_tokens<SRC_F32, GE_CPT, GE_HYBRID>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS_HYBRID) encode_groups_tok1_hybrid_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_HYBRID>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, GE_MIN_BLOCKS) encode_groups_tok1_hybrid_f32(GE_ARGS) { groups_tokens<SRC_F32, 1, GE_HYBRID>(descs, work, status); }
 
 // InnerQ key normalization statistics (format/codecs/innerq.md, the
 // compressor's Codec::prepare): max |x| per (kv head, channel) over the
