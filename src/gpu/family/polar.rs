@@ -193,7 +193,9 @@ const FUSED_MAX_TOKENS: u32 = 512;
 const CODE_TILES: u32 = 4;
 
 /// `polar` key pages: the radius-scale kernel (SCALE), then the code
-/// kernel (INDEX).
+/// kernel (INDEX); or, on the vectorized path with pages of at most
+/// [`FUSED_MAX_TOKENS`] tokens, the code kernel alone, computing both per
+/// plane of a page.
 fn plan_polar(job: &EncodeJob<'_>, place: &mut dyn Place) -> Result<EncodeLayout> {
     let EncodeJob {
         src,
