@@ -6,15 +6,15 @@
 //! sample of the cache itself (no queries, calibration data or model).
 //!
 //! Steps ([`plan`]):
-//! 1. every candidate codec of [`candidates`] that accepts a tensor's shape
-//!    encodes and decodes the tensor's token sample ([`sample`]: 16
+//! 1. every candidate codec of `candidates` that accepts a tensor's shape
+//!    encodes and decodes the tensor's token sample (`sample`: 16
 //!    leading slots and 48 spread over the rest);
 //! 2. each (codec, sink window) pair becomes an operating point of the
 //!    tensor: estimated bytes of its pages (sample payload scaled to the
 //!    tensor, page frames, index entries, the window's `raw` page) and the
 //!    distortion of its layer's attention output ([`distortion`]);
 //! 3. the points are allocated under the budget minus the header, index
-//!    and trailer ([`allocate`]).
+//!    and trailer (`allocate`).
 //!
 //! [`compress_budget`] then writes the file ([`crate::compress::compress_mixed`]):
 //! tensors point at their codec's slot in the codec table and windows are

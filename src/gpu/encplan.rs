@@ -116,7 +116,7 @@ pub struct EncodeLayout {
     /// Bytes of the bodies buffer: every body, [`BODY_ALIGN`]-aligned.
     /// The device buffer starts zeroed and the kernels write the sections;
     /// the section tables are written on the host
-    /// ([`EncodedBodies::canonical`]), so nothing of the size of the
+    /// ([`EncodedBodies::page`]), so nothing of the size of the
     /// output is built or uploaded.
     pub host_len: usize,
     /// One descriptor per page.

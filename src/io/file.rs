@@ -219,7 +219,7 @@ pub fn open_input_with(path: &str, rules: InputRules<'_>) -> Result<InputBytes> 
     Ok(InputBytes::Mapped(m, f))
 }
 
-/// Takes a shared advisory lock on the whole of `f` (see [`record_lock`]):
+/// Takes a shared advisory lock on the whole of `f` (see `record_lock`):
 /// readers hold it while the file is mapped, and [`append_file`] only
 /// truncates a torn tail when it can take the exclusive lock. Never
 /// blocks; a file that cannot be locked (no support on this file system,

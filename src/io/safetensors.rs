@@ -486,7 +486,7 @@ fn header_json(
 /// written at their offsets in any order, from any thread
 /// ([`Layout::write_piece`]), into a file of [`Layout::len`] bytes, and the
 /// header and fp8 scales last ([`Layout::finish`]). The file is the same,
-/// byte for byte, as [`write`] makes, except that the header may carry
+/// byte for byte, as [`write()`] makes, except that the header may carry
 /// trailing spaces (room reserved for token ids that arrive last, as the
 /// safetensors format allows).
 #[derive(Debug, Clone, PartialEq)]
@@ -503,7 +503,7 @@ pub struct Layout {
 
 impl Layout {
     /// The layout of `infos` (output dtypes) with `metadata` and
-    /// `token_ids`: the file [`write`] makes.
+    /// `token_ids`: the file [`write()`] makes.
     ///
     /// # Errors
     /// As [`write_header`].

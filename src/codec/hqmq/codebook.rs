@@ -98,7 +98,7 @@ impl Codebook {
 /// Codebooks built so far, keyed by `(layer, head, kind)`. Codebooks are a
 /// pure function of the codec parameters and the key, so caching them in
 /// an otherwise immutable codec is invisible to callers.
-/// Bounded twice: at most [`MAX_CACHED`] entries per cache, and all caches
+/// Bounded twice: at most `MAX_CACHED` entries per cache, and all caches
 /// of the process together within the budget of [`set_budget`]; past the
 /// budget a codebook is built for the page at hand and not kept.
 #[derive(Default)]
