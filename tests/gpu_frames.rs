@@ -341,6 +341,98 @@ fn device_decode_refuses_every_flipped_byte_class() {
     );
 }
 
+/// The next layer of a handoff: files of identical structure whose pages
+/// differ only in content and CRCs, decoded from device memory one after
+/// the other, reuse the first one's plan. Each decode must still equal
+/// the staged decode of its own file, and a damaged file that follows an
+/// intact one (a flipped body byte, body CRC field, header CRC field,
+/// index entry CRC, section table byte, padding byte) must still be
+/// refused with the cache untouched.
+#[test]
+fn device_decode_reuses_plans_and_still_refuses_damage() {
+    let Some(g) = gpu() else { return };
+    let pl = PagedLayout::FlashAttn;
+    let opts = kvpack::compress::CompressOptions {
+        layout: layout(32, 4, 16),
+        align_log2: 12,
+        ..Default::default()
+    };
+    for codec in ["bdr64", "int4", "polar:m4n4"] {
+        let cd = kvpack::codec::parse(codec).unwrap();
+        // Three "layers": different values, one block table, one structure.
+        let mut files = Vec::new();
+        let mut shape_ids = None;
+        for seed in [61, 62, 63] {
+            let (_, shape, dtype, _, src_image, ids) = layer(&g, seed, 8);
+            let ids = shape_ids.get_or_insert((shape, ids)).1.clone();
+            let src = cache(&src_image, pl, &shape, dtype);
+            let (file, _) = g
+                .encode_paged(&src, &ids, 120, cd.as_ref(), 0, &opts, Vec::new())
+                .unwrap();
+            files.push(file);
+        }
+        let (shape, ids) = shape_ids.unwrap();
+        assert_eq!(files[0].len(), files[1].len(), "{codec}: one structure");
+        assert_ne!(files[0], files[1], "{codec}: different content");
+        let decode = |file: &[u8], device: bool| {
+            let out = g
+                .upload(&vec![POISON; 2 * shape.kv_elements() as usize])
+                .unwrap();
+            let c = cache(&out, pl, &shape, DType::Bf16);
+            let dev_file = g.upload(file).unwrap();
+            let r = if device {
+                // SAFETY: `dev_file` holds `file`, unchanged until the job
+                // is waited for.
+                unsafe {
+                    g.decode_paged_device(dev_file.device_ptr(), file.len() as u64, 0, &c, &ids)
+                }
+            } else {
+                let a = Archive::open(file).unwrap();
+                g.decode_paged(&a, 0, &c, &ids)
+            };
+            r.and_then(|j| j.wait())
+                .map(|stats| (out.to_vec().unwrap(), stats.plan_reused))
+        };
+        for (i, f) in files.iter().enumerate() {
+            let (want, _) = decode(f, false).unwrap();
+            let (got, reused) = decode(f, true).unwrap();
+            assert!(got == want, "{codec}: device decode of file {i} differs");
+            assert_eq!(reused, i > 0, "{codec}: plan reuse for file {i}");
+        }
+        let (h, index, entry) = places(&files[1], 2);
+        let stored = u64::from_le_bytes(files[1][h + 24..h + 32].try_into().unwrap()) as usize;
+        let flips = [
+            ("body", h + 64 + 300),
+            ("header body CRC field", h + 41),
+            ("header CRC field", h + 62),
+            ("index entry body CRC", entry + 33),
+            ("index header", index + 5),
+            ("section table", h + 64 + 9),
+            ("frame padding", h + 64 + stored + 3),
+        ];
+        for (what, at) in flips {
+            // An intact layer first: its plan is the one the damaged file
+            // would reuse.
+            assert!(decode(&files[0], true).is_ok(), "{codec}: intact layer");
+            assert!(
+                decode(&files[2], true).unwrap().1,
+                "{codec}: intact layer, plan reused"
+            );
+            let mut bad = files[1].clone();
+            bad[at] ^= 0x04;
+            refused_on_device(&g, &bad, pl, &shape, &ids, &format!("{codec} {what}"));
+        }
+        let (want, _) = decode(&files[2], false).unwrap();
+        assert!(
+            decode(&files[2], true).unwrap().0 == want,
+            "{codec}: after the refusals"
+        );
+    }
+    println!(
+        "device decode: plans reused across 3 codecs, 7 damage classes refused after an intact layer"
+    );
+}
+
 /// Decodes layer 0 of `bad` from device memory into a poisoned bf16 cache:
 /// asserts a format error and that no element of the cache was written.
 fn refused_on_device(

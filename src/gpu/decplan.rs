@@ -250,6 +250,28 @@ pub(crate) struct DeviceChecks {
     pub zero: Vec<(u64, u64)>,
 }
 
+/// The [`DeviceChecks`] of `staged` pages whose frames are `frames`
+/// (file offset, length).
+fn device_checks_of(staged: &[Staged<'_>], frames: &[(u64, u64)]) -> DeviceChecks {
+    let mut c = DeviceChecks::default();
+    for (s, &(frame, frame_len)) in staged.iter().zip(frames) {
+        let h = &s.view.header;
+        let body = frame + crate::format::FRAME_HEADER_LEN as u64;
+        c.crc.push((body, h.stored_len));
+        c.want.push(h.body_crc);
+        let secs = s.view.sections();
+        for (i, d) in secs.iter().enumerate() {
+            let end = u64::from(d.offset) + u64::from(d.len);
+            let to = secs.get(i + 1).map_or(h.body_len, |n| u64::from(n.offset));
+            c.zero.push((body + end, to - end));
+        }
+        c.zero
+            .push((body + h.stored_len, frame + frame_len - body - h.stored_len));
+    }
+    c.zero.retain(|&(_, n)| n > 0);
+    c
+}
+
 /// [`Error::Unsupported`] for pages whose host checks read their code
 /// streams or raw elements (the bulk of a body, `hqmq`): those are checked
 /// with the whole body on the host.
@@ -365,6 +387,86 @@ pub(crate) fn layer_pages(
     Ok((tensors, tokens, pages))
 }
 
+/// The bytes that decide a [`BodyCheck::Device`] plan of layer pages
+/// `pages` (tensors `tensors`) of `archive` (opened on `buf`), apart from
+/// the layer's name and the CRCs: the format version and alignment, the
+/// codec table, the two tensors' descriptions (without name and layer),
+/// and per page its index entry (offset, frame length, tensor, tokens,
+/// codec slot, flags) and its page header and section table with its
+/// padding (at most `head` bytes of the frame), with the body CRC (header
+/// bytes 40..44) and the header CRC (60..64) zeroed. Two files with equal
+/// keys have pages of identical structure, so every check of
+/// [`PagedImage::resident`] but the CRCs gives the same result on both;
+/// `extra` (the destination: block table, cache shape, element type) is
+/// appended.
+///
+/// # Errors
+/// [`Error::Parameter`] when a page's head lies outside the archive's
+/// buffer.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn plan_key(
+    archive: &Archive<'_>,
+    buf: &[u8],
+    tensors: &[(u32, Kind); 2],
+    pages: &[usize],
+    head: u64,
+    extra: &[u8],
+) -> Result<Vec<u8>> {
+    let r = archive.reader();
+    let h = r.header();
+    let mut key = Vec::with_capacity(pages.len() * (head as usize + 40) + 1024);
+    key.extend_from_slice(&h.version_major.to_le_bytes());
+    key.extend_from_slice(&h.version_minor.to_le_bytes());
+    key.push(h.align_log2);
+    for c in &h.codecs {
+        key.extend_from_slice(&c.id.to_le_bytes());
+        key.extend_from_slice(&(c.params.len() as u64).to_le_bytes());
+        key.extend_from_slice(&c.params);
+    }
+    for &(t, _) in tensors {
+        let info = crate::cache::TensorInfo {
+            name: String::new(),
+            layer: 0,
+            tokens: r.tokens(t as usize),
+            ..h.tensors[t as usize].clone()
+        };
+        key.extend_from_slice(format!("{info:?};").as_bytes());
+    }
+    for &p in pages {
+        let e = &r.index().entries[p];
+        key.extend_from_slice(&e.offset.to_le_bytes());
+        key.extend_from_slice(&e.frame_len.to_le_bytes());
+        key.extend_from_slice(&e.meta.tensor.to_le_bytes());
+        key.extend_from_slice(&e.meta.token_start.to_le_bytes());
+        key.extend_from_slice(&e.meta.tokens.to_le_bytes());
+        key.extend_from_slice(&e.meta.codec.to_le_bytes());
+        key.extend_from_slice(&e.flags.to_le_bytes());
+        let at = r.header_len() + e.offset;
+        let n = e.frame_len.min(head);
+        let frame = usize::try_from(at)
+            .ok()
+            .zip(usize::try_from(at + n).ok())
+            .and_then(|(a, b)| buf.get(a..b))
+            .ok_or_else(|| Error::param("page head outside the buffer"))?;
+        // The header and the section table with its padding: the
+        // sections' content (which follows within `head` bytes) differs
+        // from file to file and is checked on the device.
+        let sections = frame
+            .get(20..22)
+            .map_or(0, |b| u16::from_le_bytes([b[0], b[1]]));
+        let table = (64 + (16 * usize::from(sections)).next_multiple_of(64)).min(frame.len());
+        let start = key.len();
+        key.extend_from_slice(&frame[..table]);
+        for i in (40..44).chain(60..64) {
+            if let Some(b) = key.get_mut(start + i) {
+                *b = 0;
+            }
+        }
+    }
+    key.extend_from_slice(extra);
+    Ok(key)
+}
+
 /// Serializes groups as `[descs of group 0][work of group 0][descs of
 /// group 1]...` (each part 256-aligned) into `out`, returning per group
 /// `(key, descs offset, work offset, blocks)`.
@@ -392,7 +494,14 @@ pub(crate) type Launch = (GroupKey, usize, usize, u32);
 /// The validated pages of one layer and the fixed part of the image that
 /// carries them to the device (module docs).
 pub(crate) struct PagedImage<'a> {
-    staged: Vec<Staged<'a>>,
+    /// Tensor, codec slot and geometry of each page of the layer.
+    pages: Vec<PagePlan>,
+    /// The validated view of each page whose body is carried in the image
+    /// (`None` for pages read in place, `resident`).
+    host: Vec<Option<crate::format::PageView<'a>>>,
+    /// What the device checks of the bodies ([`BodyCheck::Device`];
+    /// empty otherwise).
+    checks: DeviceChecks,
     /// Body offset of each staged page in the image (unused for pages
     /// read in place, `resident`).
     pub bodies: Vec<usize>,
@@ -416,6 +525,17 @@ pub(crate) struct PagedImage<'a> {
     /// Page frame bytes of the layer (for statistics).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub file_bytes: u64,
+    /// Length of the descriptor tables ([`PagedImage::tables`]; it does not
+    /// depend on the addresses), once computed.
+    table_len: std::sync::OnceLock<usize>,
+}
+
+/// A staged page without its view: what the descriptor tables need.
+#[derive(Clone)]
+struct PagePlan {
+    tensor: u32,
+    codec: u16,
+    geom: PageGeom,
 }
 
 impl<'a> PagedImage<'a> {
@@ -439,24 +559,8 @@ impl<'a> PagedImage<'a> {
     /// that must be zero (the padding after each section and after the
     /// body).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub fn device_checks(&self) -> DeviceChecks {
-        let mut c = DeviceChecks::default();
-        for (s, &(frame, frame_len)) in self.staged.iter().zip(&self.frames) {
-            let h = &s.view.header;
-            let body = frame + crate::format::FRAME_HEADER_LEN as u64;
-            c.crc.push((body, h.stored_len));
-            c.want.push(h.body_crc);
-            let secs = s.view.sections();
-            for (i, d) in secs.iter().enumerate() {
-                let end = u64::from(d.offset) + u64::from(d.len);
-                let to = secs.get(i + 1).map_or(h.body_len, |n| u64::from(n.offset));
-                c.zero.push((body + end, to - end));
-            }
-            c.zero
-                .push((body + h.stored_len, frame + frame_len - body - h.stored_len));
-        }
-        c.zero.retain(|&(_, n)| n > 0);
-        c
+    pub fn device_checks(&self) -> &DeviceChecks {
+        &self.checks
     }
 
     /// As [`PagedImage::new`]; with `file = Some(address)`, the device
@@ -489,7 +593,7 @@ impl<'a> PagedImage<'a> {
             })
             .collect::<Result<_>>()?;
         let header_len = archive.reader().header_len();
-        let frames = pages
+        let frames: Vec<(u64, u64)> = pages
             .iter()
             .map(|&p| (header_len + entries[p].offset, entries[p].frame_len))
             .collect();
@@ -512,12 +616,31 @@ impl<'a> PagedImage<'a> {
         }
         let (tables, side_at) =
             crate::gpu::side::for_archive(archive, staged.iter().map(|s| (s.codec, s.tensor)))?;
+        let checks = if check == BodyCheck::Device {
+            device_checks_of(&staged, &frames)
+        } else {
+            DeviceChecks::default()
+        };
+        let (pages, host) = staged
+            .into_iter()
+            .zip(&resident)
+            .map(|(s, r)| {
+                let plan = PagePlan {
+                    tensor: s.tensor,
+                    codec: s.codec,
+                    geom: s.geom,
+                };
+                (plan, r.is_none().then_some(s.view))
+            })
+            .unzip();
         let side0 = at;
         let slots0 = side0 + tables.len().next_multiple_of(BODY_ALIGN);
         let status0 = slots0 + (8 * slots.len()).next_multiple_of(BODY_ALIGN);
         let fixed = status0 + BODY_ALIGN;
         Ok(PagedImage {
-            staged,
+            pages,
+            host,
+            checks,
             bodies,
             resident,
             frames,
@@ -530,24 +653,79 @@ impl<'a> PagedImage<'a> {
             fixed,
             tensors,
             file_bytes,
+            table_len: std::sync::OnceLock::new(),
         })
+    }
+
+    /// True when every page is read in place (`resident`, no body
+    /// carried in the image), so [`PagedImage::detach`] keeps it whole.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn detachable(&self) -> bool {
+        self.host.iter().all(Option::is_none)
+    }
+
+    /// This image without borrows, for reusing the plan of one layer for
+    /// the next layer of the same structure ([`PagedImage::reuse`]); `None`
+    /// unless [`PagedImage::detachable`].
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn detach(self) -> Option<PagedImage<'static>> {
+        if !self.detachable() {
+            return None;
+        }
+        Some(PagedImage {
+            host: self.host.iter().map(|_| None).collect(),
+            pages: self.pages,
+            checks: self.checks,
+            bodies: self.bodies,
+            resident: self.resident,
+            frames: self.frames,
+            tables: self.tables,
+            side_at: self.side_at,
+            side0: self.side0,
+            slots: self.slots,
+            slots0: self.slots0,
+            status0: self.status0,
+            fixed: self.fixed,
+            tensors: self.tensors,
+            file_bytes: self.file_bytes,
+            table_len: self.table_len,
+        })
+    }
+
+    /// The same plan for another file of identical structure (every page
+    /// header, section table and index entry equal but for the CRCs) that
+    /// lies at device address `file` (this image's file was at `was`),
+    /// whose pages declare the body CRCs `want` (in page order).
+    ///
+    /// # Errors
+    /// [`Error::Parameter`] when `want` does not have one CRC per page.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn reuse(&mut self, was: u64, file: u64, want: Vec<u32>) -> Result<()> {
+        if want.len() != self.checks.want.len() {
+            return Err(Error::param("plan reuse: one body CRC per page needed"));
+        }
+        for r in self.resident.iter_mut().flatten() {
+            *r = *r - was + file;
+        }
+        self.checks.want = want;
+        Ok(())
     }
 
     /// Writes bodies, side tables, slot mapping and status words (all
     /// `u64::MAX`) into `out[..self.fixed]`, bodies on all threads.
     pub fn fill(&self, out: &mut [u8]) {
         let (head, rest) = out.split_at_mut(self.side0);
-        let mut parts = Vec::with_capacity(self.staged.len());
+        let mut parts = Vec::with_capacity(self.pages.len());
         let mut tail = head;
         let mut pos = 0;
-        for ((s, &o), r) in self.staged.iter().zip(&self.bodies).zip(&self.resident) {
-            if r.is_some() {
+        for (view, &o) in self.host.iter().zip(&self.bodies) {
+            let Some(view) = view else {
                 continue;
-            }
+            };
             let (_, r) = std::mem::take(&mut tail).split_at_mut(o - pos);
-            let n = s.view.body().len();
+            let n = view.body().len();
             let (mine, r) = r.split_at_mut(n);
-            parts.push((mine, s.view.body()));
+            parts.push((mine, view.body()));
             tail = r;
             pos = o + n;
         }
@@ -560,6 +738,26 @@ impl<'a> PagedImage<'a> {
         rest[s..s + 8 * self.slots.len()].copy_from_slice(bytemuck::cast_slice(&self.slots));
         let st = self.status0 - self.side0;
         rest[st..st + 16].fill(0xff);
+    }
+
+    /// The length of [`PagedImage::tables`] (which does not depend on the
+    /// addresses), computed once per image.
+    ///
+    /// # Errors
+    /// As [`PagedImage::tables`].
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub fn tables_len(
+        &self,
+        target: impl Fn(Kind) -> (u64, u64, PagedAddr),
+        out: OutType,
+        opts: KernelOptions,
+    ) -> Result<usize> {
+        if let Some(&n) = self.table_len.get() {
+            return Ok(n);
+        }
+        let n = self.tables(0, target, out, opts)?.0.len();
+        let _ = self.table_len.set(n);
+        Ok(n)
     }
 
     /// The descriptor tables for the image placed at device address `base`
@@ -593,7 +791,7 @@ impl<'a> PagedImage<'a> {
             self.tensors.iter().map(|&(t, k)| (t, dst(k))).collect();
         let mut groups = BTreeMap::new();
         let mut written = 0;
-        for ((s, &o), r) in self.staged.iter().zip(&self.bodies).zip(&self.resident) {
+        for ((s, &o), r) in self.pages.iter().zip(&self.bodies).zip(&self.resident) {
             let mut g = s.geom;
             if let Some(&t) = self.side_at.get(&(s.codec, s.tensor)) {
                 g.side = base + (self.side0 as u64) + t;

@@ -267,6 +267,13 @@ pub struct PagedStats {
     pub uploaded_bytes: u64,
     /// Bytes written into the cache.
     pub output_bytes: u64,
+    /// [`Gpu::decode_paged_device`] only: the host staging of the pages
+    /// was skipped, because the previous device-checked decode had a file
+    /// of identical structure (the previous layer of a handoff: every page
+    /// header, section table and index entry equal but for the CRCs) and
+    /// its plan was reused; the header CRCs were checked on the host and
+    /// the bodies on the device as always.
+    pub plan_reused: bool,
 }
 
 /// A host-side destination layout for [`Device::decode_tensor`].

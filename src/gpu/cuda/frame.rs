@@ -6,10 +6,11 @@
 use cudarc::driver::{LaunchConfig, PushKernelArg, result};
 
 use super::{Gpu, GpuBuffer, PagedJob, cuda_err};
+use crate::cache::Kind;
 use crate::decode::Archive;
 use crate::error::{Error, Location, Result};
 use crate::gpu::decplan::{
-    BodyCheck, PagedImage, any_host_checked, host_checked_spans, layer_pages,
+    BodyCheck, PagedImage, any_host_checked, host_checked_spans, layer_pages, plan_key,
 };
 use crate::gpu::frame::{DeviceFile, FrameCopy, FrameCrcSpan, FrameLaunches};
 use crate::gpu::paged::PagedCache;
@@ -39,6 +40,40 @@ fn grid(blocks: u32) -> LaunchConfig {
 pub(super) struct Shadow {
     bytes: Vec<u8>,
     written: Vec<(u64, u64)>,
+}
+
+/// The plan of a device-checked decode, kept for the next file of the
+/// same structure ([`crate::gpu::decplan::plan_key`]): the next layer of a
+/// handoff, whose pages differ only in their CRCs, skips the host staging
+/// of every page.
+pub(super) struct CachedPlan {
+    key: Vec<u8>,
+    /// Device address of the file the image's resident addresses point into.
+    file: u64,
+    img: PagedImage<'static>,
+}
+
+/// The body CRC of each page of `pages` when every page header in `buf`
+/// (opened as `archive`) carries a valid header CRC and the body CRC of
+/// its index entry; `None` otherwise (the full checks then name the
+/// fault).
+fn page_crcs(archive: &Archive<'_>, buf: &[u8], pages: &[usize]) -> Option<Vec<u32>> {
+    let r = archive.reader();
+    let u32_at = |b: &[u8], at: usize| {
+        b.get(at..at + 4)
+            .map(|x| u32::from_le_bytes([x[0], x[1], x[2], x[3]]))
+    };
+    pages
+        .iter()
+        .map(|&p| {
+            let e = &r.index().entries[p];
+            let at = usize::try_from(r.header_len() + e.offset).ok()?;
+            let head = buf.get(at..at.checked_add(64)?)?;
+            let body_crc = u32_at(head, 40)?;
+            (crc32fast::hash(&head[..60]) == u32_at(head, 60)? && body_crc == e.body_crc)
+                .then_some(body_crc)
+        })
+        .collect()
 }
 
 /// `[tables][crcs]` of one framing, and where each table starts.
@@ -348,15 +383,75 @@ impl Gpu {
             clock.mark("checked sections read back");
         }
         let archive = Archive::open(&shadow.bytes)?;
-        let img = PagedImage::resident(
-            &archive,
-            layer,
-            &cache.shape(),
-            block_ids,
-            Some(file),
-            BodyCheck::Device,
-        )?;
-        clock.mark("pages staged");
+        let shape = cache.shape();
+        let key = {
+            let (tensors, _, pages) = layer_pages(&archive, layer, &shape)?;
+            let mut extra: Vec<u8> = bytemuck::cast_slice(block_ids).to_vec();
+            let dst = (cache.target(Kind::Key).2, cache.target(Kind::Value).2);
+            extra.extend_from_slice(
+                format!("{shape:?};{:?};{dst:?};{:?}", cache.dtype(), self.options).as_bytes(),
+            );
+            let key = plan_key(&archive, &shadow.bytes, &tensors, &pages, PAGE_HEAD, &extra)?;
+            let last = self
+                .inner
+                .plan
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+            match last {
+                Some(mut c) if !content && c.key == key => {
+                    match page_crcs(&archive, &shadow.bytes, &pages) {
+                        Some(want) => {
+                            c.img.reuse(c.file, file, want)?;
+                            c.file = file;
+                            Ok(c)
+                        }
+                        None => Err(key),
+                    }
+                }
+                _ => Err(key),
+            }
+        };
+        let reused = key.is_ok();
+        let plan = match key {
+            Ok(c) => {
+                clock.mark("plan reused");
+                c
+            }
+            Err(key) => {
+                let img = PagedImage::resident(
+                    &archive,
+                    layer,
+                    &shape,
+                    block_ids,
+                    Some(file),
+                    BodyCheck::Device,
+                )?;
+                clock.mark("pages staged");
+                if !img.detachable() {
+                    return self.check_and_enqueue(file, &img, cache, clock, false);
+                }
+                let img = img
+                    .detach()
+                    .ok_or_else(|| Error::param("plan not detachable"))?;
+                CachedPlan { key, file, img }
+            }
+        };
+        let r = self.check_and_enqueue(file, &plan.img, cache, clock, reused);
+        *self.inner.plan.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan);
+        r
+    }
+
+    /// The device checks of `img` (body CRCs, zero padding), then its
+    /// decode enqueued: the tail of [`Gpu::decode_checked_in`].
+    fn check_and_enqueue(
+        &self,
+        file: u64,
+        img: &PagedImage<'_>,
+        cache: &PagedCache,
+        mut clock: super::paged::Stages,
+        reused: bool,
+    ) -> Result<PagedJob> {
         let checks = img.device_checks();
         let spans = |v: &[(u64, u64)]| -> Vec<FrameCrcSpan> {
             v.iter()
@@ -387,7 +482,10 @@ impl Gpu {
             ));
         }
         clock.mark("bodies checked");
-        let job = self.enqueue_image(&img, cache);
+        let job = self.enqueue_image(img, cache).map(|mut j| {
+            j.stats.plan_reused = reused;
+            j
+        });
         clock.mark("enqueued");
         clock.print_as("decode_paged_device");
         job

@@ -87,6 +87,9 @@ struct Inner {
     frame_heads: Mutex<Option<FrameHeads>>,
     /// The host image of the last device-checked decode, for reuse.
     shadow: Mutex<Option<frame::Shadow>>,
+    /// The plan of the last device-checked decode: the next layer of a
+    /// handoff has the same structure and reuses it (`frame.rs`).
+    plan: Mutex<Option<frame::CachedPlan>>,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -167,6 +170,7 @@ impl Gpu {
                 smem: Mutex::new(HashMap::new()),
                 frame_heads: Mutex::new(None),
                 shadow: Mutex::new(None),
+                plan: Mutex::new(None),
             }),
             stream,
             options: KernelOptions::default(),

@@ -38,7 +38,7 @@ pub struct PagedJob {
     staging: Option<PinnedHostSlice<u8>>,
     status_at: usize,
     event: CudaEvent,
-    stats: PagedStats,
+    pub(super) stats: PagedStats,
 }
 
 impl std::fmt::Debug for PagedJob {
@@ -190,7 +190,7 @@ impl Gpu {
         let out = OutType::from_dtype(cache.dtype())?;
         let target = |k: Kind| cache.target(k);
         // The tables' size does not depend on the base address.
-        let tlen = img.tables(0, target, out, self.options)?.0.len();
+        let tlen = img.tables_len(target, out, self.options)?;
         let total = img.fixed + tlen;
         let dev = self.alloc_uninit(total)?;
         let base = dev.device_ptr();
@@ -244,6 +244,7 @@ impl Gpu {
                 file_bytes: img.file_bytes,
                 uploaded_bytes: total as u64,
                 output_bytes: written,
+                plan_reused: false,
             },
         };
         read_back.map(|()| job)
@@ -324,7 +325,8 @@ impl Gpu {
     /// size the pages; zstd; the CPU fallback) are written on the host as
     /// by [`Gpu::encode_paged`] and copied to `out`. Byte-identical to
     /// [`Gpu::encode_paged`] either way. Returns when the file is in `out`
-    /// (a stream synchronize).
+    /// (a stream synchronize); on an error the content of `out` is
+    /// unspecified.
     ///
     /// # Safety
     /// `out` must be device memory of this handle's device holding `cap`
@@ -377,8 +379,9 @@ impl Gpu {
                             && opts.zstd_level.is_none() =>
                     {
                         let start = std::time::Instant::now();
+                        let mut sub = Stages::new();
                         let file = crate::compress::EncodedFile::new(
-                            d.infos,
+                            d.infos.clone(),
                             &Default::default(),
                             d.codec,
                             opts,
@@ -398,7 +401,9 @@ impl Gpu {
                             .zip(&layouts)
                             .map(|(p, (l, _))| (file.meta(p), *l))
                             .collect();
+                        sub.mark("file header");
                         let framed = crate::gpu::frame::DeviceFile::new(&file.header, &pages, &[])?;
+                        sub.mark("frames planned");
                         if framed.len() > cap {
                             return Err(too_long(framed.len()));
                         }
@@ -407,8 +412,17 @@ impl Gpu {
                         // caller's contract); the bodies live in `d.plans`,
                         // finished, until the synchronize below.
                         let tables = unsafe { self.frame_file(&framed, out, &bodies)? };
-                        self.synchronize()?;
+                        sub.mark("framing enqueued");
+                        // One wait for the gather, the encodes and the
+                        // framing (enqueued in that order on the stream);
+                        // a refused row leaves `out` unspecified.
+                        let waited = self.synchronize();
+                        sub.mark("synchronized");
+                        let waited = waited.and_then(|()| d.wait());
+                        sub.mark("status checked");
+                        sub.print_as("encode_paged framing");
                         drop(tables);
+                        waited?;
                         Ok((framed.len(), file.report(d.codec, framed.len(), start)))
                     }
                     // Data-dependent page sizes (hqmq+med), zstd, the CPU
@@ -486,18 +500,16 @@ impl Gpu {
             })
             .collect::<Result<Vec<_>>>()?;
         clock.mark("encodes planned, launched");
-        gather.finish()?;
-        for p in &plans {
-            p.finish()?;
-        }
-        clock.mark("kernels done");
-        finish(Encoded::Device(DeviceBodies {
+        // No wait here: `finish` enqueues what follows (the device
+        // framing) first, then waits once (`DeviceBodies::wait`).
+        finish(Encoded::Device(Box::new(DeviceBodies {
             infos,
             codec,
             pages,
             groups,
             plans,
-        }))
+            gather,
+        })))
     }
 }
 
@@ -511,16 +523,18 @@ enum Encoded<'a> {
         codec: &'a dyn crate::codec::Codec,
     },
     /// The page bodies in device memory.
-    Device(DeviceBodies<'a>),
+    Device(Box<DeviceBodies<'a>>),
 }
 
-/// Page bodies encoded on the device, per page group.
+/// Page bodies encoded on the device, per page group: enqueued, not yet
+/// waited for ([`DeviceBodies::wait`]).
 struct DeviceBodies<'a> {
     infos: Vec<crate::cache::TensorInfo>,
     codec: &'a dyn crate::codec::Codec,
     pages: Vec<crate::plan::PlannedPage>,
     groups: Vec<crate::gpu::paged::PageGroup>,
     plans: Vec<super::EncodePlan<'a>>,
+    gather: GatherPlan<'a>,
 }
 
 impl Encoded<'_> {
@@ -537,6 +551,7 @@ impl Encoded<'_> {
                 crate::gpu::paged::file_from_host(infos, host, codec, opts, out)
             }
             Encoded::Device(d) => {
+                d.wait()?;
                 let bodies = d.download()?;
                 crate::gpu::paged::file_from_bodies(d.infos, d.codec, opts, &d.pages, &bodies, out)
             }
@@ -545,6 +560,16 @@ impl Encoded<'_> {
 }
 
 impl DeviceBodies<'_> {
+    /// Waits for the gather and every encode launch and checks their
+    /// status words (a row the codec refuses is named here).
+    fn wait(&self) -> Result<()> {
+        self.gather.finish()?;
+        for p in &self.plans {
+            p.finish()?;
+        }
+        Ok(())
+    }
+
     /// The bodies downloaded into pinned staging, in plan order.
     fn download(&self) -> Result<crate::gpu::paged::PagedBodies> {
         let bodies = self
