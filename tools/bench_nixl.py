@@ -138,6 +138,10 @@ def _run(args, tx, jobs, results, caches, blocks, codec: str, rate: float) -> Di
     wire = sum(s.done - s.posted for s in tx_stats.values())
     dec = sum(s["decode_end"] - s["decode_start"] for s in rx_stats)
     t0 = min(s.encode_start for s in tx_stats.values())
+    ms = lambda a, b: round((b - a) * 1e3, 3)  # noqa: E731
+    tx0, rx0 = tx_stats[0], rx_stats[0]
+    ends = sorted(s["decode_end"] for s in rx_stats)
+    gaps = sorted(b - a for a, b in zip(ends, ends[1:]))
     return {
         "codec": codec,
         "rate_gbit": rate,
@@ -149,6 +153,19 @@ def _run(args, tx, jobs, results, caches, blocks, codec: str, rate: float) -> Di
         "frame_bytes": frames,
         "source_bytes": src * args.layers,
         "bytes_ratio": frames / (src * args.layers),
+        # layer 0's path, ms: encode call, queued until posted (pacing and
+        # thread hand-off), posted until the decode side saw the
+        # notification, seen until decode_layer started, the decode call
+        "first_stages_ms": {
+            "encode": ms(tx0.encode_start, tx0.encode_end),
+            "to_post": ms(tx0.encode_end, tx0.posted),
+            "post_to_seen": ms(tx0.posted, rx0["landed"]),
+            "seen_to_decode": ms(rx0["landed"], rx0["decode_start"]),
+            "decode": ms(rx0["decode_start"], rx0["decode_end"]),
+        },
+        # median time between consecutive layers' decode ends (the pipeline's
+        # steady-state period per layer)
+        "layer_period_ms": round(gaps[len(gaps) // 2] * 1e3, 3) if gaps else 0.0,
     }
 
 
@@ -235,6 +252,12 @@ def main() -> int:
         link = f"{r['rate_gbit']:g}G" if r["rate_gbit"] else "unpaced"
         print(f"{r['codec']:>12} {link:>8} {r['total_ms']:9.1f} {r['x_raw']:6.3f} {r['first_layer_ms']:9.2f} "
               f"{r['encode_gbps']:9.2f} {r['wire_gbit']:10.1f} {r['decode_gbps']:9.2f} {r['bytes_ratio']:6.3f}")
+    print("first layer, ms: encode | to post | post to seen | seen to decode | decode; layer period ms")
+    for r in rows:
+        link = f"{r['rate_gbit']:g}G" if r["rate_gbit"] else "unpaced"
+        f = r["first_stages_ms"]
+        print(f"{r['codec']:>12} {link:>8} {f['encode']:.3f} | {f['to_post']:.3f} | {f['post_to_seen']:.3f} | "
+              f"{f['seen_to_decode']:.3f} | {f['decode']:.3f}; {r['layer_period_ms']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "loadavg": os.getloadavg(), "rows": rows}, f, indent=1)

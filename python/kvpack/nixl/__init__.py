@@ -60,15 +60,20 @@ one layer's file: about the compressed size for fixed-rate codecs). The
 prefill side registers a staging buffer of the same size. Closed requests'
 buffers stay registered for the next request (two per agent). Both are host DRAM
 by default; ``memory="VRAM"`` puts them in GPU memory so that NIXL moves
-GPU to GPU (GPUDirect RDMA where the NIC supports it). kvpack's CUDA
-encoder and decoder stage page frames through host memory today (CRCs are
-checked on the CPU), so with VRAM buffers each side adds one PCIe copy of
-the compressed frames.
+GPU to GPU (GPUDirect RDMA where the NIC supports it). With VRAM buffers
+and CUDA caches no frame byte passes through the host: the encoder builds
+and checksums the page frames on the GPU straight into the staging slot,
+and the decoder reads back only the file's header, index and page headers,
+checks every body's CRC and padding on the GPU and decodes in place. A
+request's layers share one page structure, so from the second layer on the
+decoder reuses the first layer's plan (only the CRCs differ, and are
+checked) instead of staging every page again.
 
 Threads: each agent has a polling thread (NIXL notifications; every
 0.2 ms while a request is open, about 5% of a core, else every 5 ms) and
-each outgoing request a thread that posts its writes (when due, with
-``link_gbit`` pacing) and polls them to completion. NIXL's own progress
+each outgoing request a thread that polls its writes to completion
+(and, with ``link_gbit`` pacing, posts each when it is due; unpaced
+writes are posted by :meth:`Outgoing.send_layer` itself). NIXL's own progress
 thread is off by default (``progress_thread=True`` turns it on).
 
 Timing (``stats``) uses ``time.perf_counter()`` which on Linux is the

@@ -209,12 +209,23 @@ class Outgoing:
             raise
         st.frame_bytes = n
         st.encode_end = time.perf_counter()
-        due = st.encode_end
-        if self._rate is not None:
-            # Link pacing (benchmarks): the layer's last byte would arrive
-            # n / rate after the link is free and the layer is ready.
-            due = max(self._link_free, st.encode_end) + n / self._rate
-            self._link_free = due
+        if self._rate is None:
+            # Posted from this thread (no hand-off to the request thread,
+            # which only polls the write to completion).
+            with self._cv:
+                if self._error is not None:
+                    raise self._error
+                try:
+                    self._post(layer, n)
+                except BaseException as e:
+                    self._error = e
+                    raise
+                self._cv.notify()
+            return st
+        # Link pacing (benchmarks): the layer's last byte would arrive
+        # n / rate after the link is free and the layer is ready.
+        due = max(self._link_free, st.encode_end) + n / self._rate
+        self._link_free = due
         with self._cv:
             if self._error is not None:
                 raise self._error
