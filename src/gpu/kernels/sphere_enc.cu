@@ -135,6 +135,27 @@ __device__ __forceinline__ void se_octahedral(const float t[3], float& xi, float
     if (l == 0.0f) xi = eta = 0.0f;
 }
 
+// se_search over the 2^B bounds at `b` (shared memory), B known at compile
+// time: the same bisection on byte offsets, so that each level after the
+// first is one shared load at a register plus a constant, a compare and a
+// predicated add.
+template <int B>
+__device__ __forceinline__ u32 se_search_b(const float* b, float x) {
+    const char* base = reinterpret_cast<const char*>(b);
+    u32 off = 0;  // 4 * the index so far
+#pragma unroll
+    for (int s = 1 << (B - 1); s > 0; s >>= 1) {
+        const float bk = *reinterpret_cast<const float*>(base + off + 4u * (u32)(s - 1));
+#ifdef __CUDA_ARCH__
+        // A predicated add (ptxas otherwise selects, then adds).
+        asm("{\n\t.reg .pred p;\n\tsetp.lt.f32 p, %1, %2;\n\t@p add.u32 %0, %0, %3;\n\t}" : "+r"(off) : "f"(bk), "f"(x), "r"(4u * (u32)s));
+#else
+        if (bk < x) off += 4u * (u32)s;
+#endif
+    }
+    return off >> 2;
+}
+
 // se_search over bounds held in shared or global memory (any size).
 struct SeBisect {
     const float* b;
@@ -358,14 +379,17 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     // The row's lanes are done reading its staged copy (it is overwritten
     // below by octopus and QJL).
     __syncwarp();
-    // Rotate and scale: u = H (s ⊙ x) * f.
+    // Rotate and scale: u = H (s ⊙ x) * f. With f == 0 (u zeroed) every
+    // H (s ⊙ x)_i is finite (gamma is 0, or so small that c_D / gamma
+    // overflows), so the product is +-0: a zero of either sign has the
+    // codes, residuals (up to the sign of a zero) and sign bits of +0.
     const u8* signs = se_signs(d, row, QJL);
     const u32 rot = *reinterpret_cast<const u32*>(signs + 4u * j);
 #pragma unroll
     for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
     wht<32>(v, D);
 #pragma unroll
-    for (int i = 0; i < 32; i++) v[i] = f == 0.0f ? 0.0f : __fmul_rn(v[i], f);
+    for (int i = 0; i < 32; i++) v[i] = __fmul_rn(v[i], f);
     if (!OCT) {
         // Turbo: B-bit codes, B words per unit; the residual stays in v.
         u32 cw[B > 0 ? B : 1];
@@ -373,7 +397,7 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
         for (int k = 0; k < B; k++) cw[k] = 0u;
 #pragma unroll
         for (int i = 0; i < 32; i++) {
-            u32 c = se_search(sb, (u32)B, v[i]);
+            u32 c = se_search_b<B>(sb, v[i]);
             const int bit = i * B;
             cw[bit >> 5] |= c << (bit & 31);
             if ((bit & 31) + B > 32) cw[(bit >> 5) + 1] |= c >> (32 - (bit & 31));
