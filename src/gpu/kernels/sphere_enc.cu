@@ -286,6 +286,89 @@ __device__ __forceinline__ void se_code_triplets(float* xs, u32 RS, u32 lpr, u32
 
 // ------------------------------------------------------------------ fast
 
+// Turbo without QJL for D = 128 (4 lanes per row, B <= 4), from v = the
+// lane's 32 sign-flipped elements (lane j of the row: elements 32 j ..
+// 32 j + 31): the in-register butterflies (strides 1 .. 16), then a
+// transpose through the row's staging area `rowp` (units 36 floats apart)
+// so that lane j holds chunk j (8 elements) of each unit k, i.e. elements
+// 32 k + 8 j + e in w[8 k + e], and strides 32 and 64 are butterflies in
+// registers too (no shuffles). The codes of chunk j of unit k (8 B bits)
+// go back through rowp to the lane of unit k, which writes its B words at
+// out[k * B] (out: the row's first unit). Every lane of the warp calls
+// this; only `live` lanes write. The caller's lanes are done with rowp.
+template <int B>
+__device__ __forceinline__ void se_turbo_lpr4(float v[32], float* rowp, u32 j, float f, const float* sb, bool live,
+                                              u32* out) {
+    wht<32>(v, 32u);
+    float* mine = rowp + 36u * j;
+    if (live) {
+#pragma unroll
+        for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+#pragma unroll
+        for (int h = 0; h < 8; h += 4) {
+            const float4 q = *reinterpret_cast<const float4*>(rowp + 36u * (u32)k + 8u * j + (u32)h);
+            v[8 * k + h] = q.x;
+            v[8 * k + h + 1] = q.y;
+            v[8 * k + h + 2] = q.z;
+            v[8 * k + h + 3] = q.w;
+        }
+    }
+    // Strides 32 (units k, k + 1) and 64 (k, k + 2), the lower index a + b.
+#pragma unroll
+    for (int s = 1; s < 4; s <<= 1) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (!(k & s)) {
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    const float a = v[8 * k + e], b = v[8 * (k + s) + e];
+                    v[8 * k + e] = __fadd_rn(a, b);
+                    v[8 * (k + s) + e] = __fsub_rn(a, b);
+                }
+            }
+        }
+    }
+    u32 p[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        p[k] = 0u;
+#pragma unroll
+        for (int e = 0; e < 8; e++) p[k] |= se_search_b<B>(sb, __fmul_rn(v[8 * k + e], f)) << (B * e);
+    }
+    if (B == 4) {
+        // Chunk j of unit k is word j of unit k.
+        if (live) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) out[4 * k + (int)j] = p[k];
+        }
+        return;
+    }
+    // Chunk codes through rowp: lane j's four at words 4 j .. 4 j + 3; unit
+    // j's chunks are words j, 4 + j, 8 + j, 12 + j.
+    u32* cb = reinterpret_cast<u32*>(rowp);
+    __syncwarp();
+    if (live) *reinterpret_cast<uint4*>(cb + 4u * j) = make_uint4(p[0], p[1], p[2], p[3]);
+    __syncwarp();
+    if (live) {
+        u32 w[B > 0 ? B : 1];
+#pragma unroll
+        for (int k = 0; k < B; k++) w[k] = 0u;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const u32 q = cb[4 * c + (int)j];
+            const int bit = 8 * B * c;
+            w[bit >> 5] |= q << (bit & 31);
+            if ((bit & 31) + 8 * B > 32) w[(bit >> 5) + 1] |= q >> (32 - (bit & 31));
+        }
+#pragma unroll
+        for (int k = 0; k < B; k++) out[B * (int)j + k] = w[k];
+    }
+}
+
 template <int SRC, bool OCT, bool QJL, int B>
 __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
                                                    u64* status) {
@@ -387,6 +470,12 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     const u32 rot = *reinterpret_cast<const u32*>(signs + 4u * j);
 #pragma unroll
     for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
+    if (!OCT && !QJL && B <= 4) {
+        if (lpr == 4u) {
+            se_turbo_lpr4<B>(v, xs + rl * RS, j, f, sb, live, reinterpret_cast<u32*>(body + d.sec_index) + (u64)(u - j) * B);
+            return;
+        }
+    }
     wht<32>(v, D);
 #pragma unroll
     for (int i = 0; i < 32; i++) v[i] = __fmul_rn(v[i], f);
