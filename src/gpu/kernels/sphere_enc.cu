@@ -139,8 +139,9 @@ __device__ __forceinline__ void se_octahedral(const float t[3], float& xi, float
 // time: the same bisection on byte offsets, so that each level after the
 // first is one shared load at a register plus a constant, a compare and a
 // predicated add.
+// Returns 4 times the index.
 template <int B>
-__device__ __forceinline__ u32 se_search_b(const float* b, float x) {
+__device__ __forceinline__ u32 se_search_b4(const float* b, float x) {
     const char* base = reinterpret_cast<const char*>(b);
     u32 off = 0;  // 4 * the index so far
 #pragma unroll
@@ -153,7 +154,12 @@ __device__ __forceinline__ u32 se_search_b(const float* b, float x) {
         if (bk < x) off += 4u * (u32)s;
 #endif
     }
-    return off >> 2;
+    return off;
+}
+
+template <int B>
+__device__ __forceinline__ u32 se_search_b(const float* b, float x) {
+    return se_search_b4<B>(b, x) >> 2;
 }
 
 // se_search over bounds held in shared or global memory (any size).
@@ -242,11 +248,14 @@ __device__ __forceinline__ void se_or_bits(u32* words, u64 bit, u32 v, u32 n) {
     if (sh + n > 32u) atomicOr(w + 1, v >> (32u - sh));
 }
 
-// Rotation (and with QJL projection) sign bits of the kv head of `row`.
+// Rotation (and with QJL projection) sign bits of the kv head of plane p.
+__device__ __forceinline__ const u8* se_signs_p(const EncDesc& d, u32 p, bool qjl) {
+    return reinterpret_cast<const u8*>(d.side) + d.p1 + (u64)(p % d.heads) * (qjl ? 2u : 1u) * (d.head_dim >> 3);
+}
+
+// The same for the plane of `row`.
 __device__ __forceinline__ const u8* se_signs(const EncDesc& d, u32 row, bool qjl) {
-    u32 p = udiv(row, d.tokens, d.m_tokens);
-    u32 head = p % d.heads;
-    return reinterpret_cast<const u8*>(d.side) + d.p1 + (u64)head * (qjl ? 2u : 1u) * (d.head_dim >> 3);
+    return se_signs_p(d, udiv(row, d.tokens, d.m_tokens), qjl);
 }
 
 // Octopus codes of the block's rows (staged rotated in xs, RS floats apart,
@@ -285,6 +294,41 @@ __device__ __forceinline__ void se_code_triplets(float* xs, u32 RS, u32 lpr, u32
 }
 
 // ------------------------------------------------------------------ fast
+
+// 32 source elements (16-byte aligned) widened to f32, element i negated
+// when bit i of `rot` is set. For 16-bit sources the signs are flipped in
+// the packed pairs: pair k (elements 2 k, 2 k + 1) takes bits 2 k and
+// 2 k + 1 of rot at bits 15 and 31, from w (bits 0 .. 15 of rot: even bits
+// in place, odd bits moved up by 15; bits 16 .. 31 likewise after a shift
+// by 16) shifted left by 15 - 2 (k mod 8).
+template <int SRC>
+__device__ __forceinline__ void se_load_flipped(const u8* p, float v[32], u32 rot) {
+    if (SRC == SRC_F32) {
+        load_src<SRC, 32>(p, v);
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
+        return;
+    }
+    const u32 wl = (rot & 0x5555u) | ((rot & 0xaaaau) << 15);
+    const u32 wh = ((rot >> 16) & 0x5555u) | ((rot & 0xaaaa0000u) >> 1);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(p) + i);
+        const u32 x[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int pr = 4 * i + k;
+            const u32 y = x[k] ^ (((pr < 8 ? wl : wh) << (15 - 2 * (pr & 7))) & 0x80008000u);
+            if (SRC == SRC_BF16) {
+                v[2 * pr] = __uint_as_float(y << 16);
+                v[2 * pr + 1] = __uint_as_float(y & 0xffff0000u);
+            } else {
+                v[2 * pr] = f16_to_f32((u16)(y & 0xffffu));
+                v[2 * pr + 1] = f16_to_f32((u16)(y >> 16));
+            }
+        }
+    }
+}
 
 // Turbo without QJL for D = 128 (4 lanes per row, B <= 4), from v = the
 // lane's 32 sign-flipped elements (lane j of the row: elements 32 j ..
@@ -337,7 +381,11 @@ __device__ __forceinline__ void se_turbo_lpr4(float v[32], float* rowp, u32 j, f
     for (int k = 0; k < 4; k++) {
         p[k] = 0u;
 #pragma unroll
-        for (int e = 0; e < 8; e++) p[k] |= se_search_b<B>(sb, __fmul_rn(v[8 * k + e], f)) << (B * e);
+        for (int e = 0; e < 8; e++) {
+            // 4 c shifted into place: one shift-add (the fields are disjoint).
+            const u32 c4 = se_search_b4<B>(sb, __fmul_rn(v[8 * k + e], f));
+            p[k] += B * e >= 2 ? c4 << (B * e - 2) : c4 >> (2 - B * e);
+        }
     }
     if (B == 4) {
         // Chunk j of unit k is word j of unit k.
@@ -381,7 +429,9 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     const u32 D = d.head_dim, lpr = d.upr;
     const u32 bd = d.p0 & 0xffu, bn = (d.p0 >> 8) & 0xffu, rounding = (d.p0 >> 16) & 0xffu;
     const u32 RS = se_row_stride(lpr);
-    const u32 row0 = w.y / lpr, nrows = min((u32)BLOCK / lpr, d.rows - row0);
+    // lpr is a power of two: divisions by it are shifts.
+    const u32 ls = (u32)__ffs(lpr) - 1u;
+    const u32 row0 = w.y >> ls, nrows = min((u32)BLOCK >> ls, d.rows - row0);
     const u8* side = reinterpret_cast<const u8*>(d.side);
     const float* bounds = reinterpret_cast<const float*>(d.aux);
     u8* body = reinterpret_cast<u8*>(d.body);
@@ -399,20 +449,21 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     // Load: 32 consecutive elements of a row per thread, also staged.
     const u32 u = w.y + threadIdx.x;
     const bool live = u < d.rows * lpr;
-    // Threads past the page act as lane 0 of the block's first row (their
-    // values are zero and never stored).
-    const u32 row = live ? udiv(u, lpr, d.m_upr) : row0;
-    const u32 j = live ? u - row * lpr : 0u, rl = row - row0;
+    // Threads past the page act as lane 0 of the block's first row: they
+    // load its values and never store.
+    const u32 row = live ? u >> ls : row0;
+    const u32 j = live ? u & (lpr - 1u) : 0u, rl = row - row0;
     const u32 esize = SRC == SRC_F32 ? 4u : 2u;
+    // The rotation signs s are applied as the values are loaded (the norm
+    // and the staged copy do not depend on signs).
+    const u32 p = udiv(row, d.tokens, d.m_tokens);
+    const u8* signs = se_signs_p(d, p, QJL);
     float v[32];
-    if (live) {
-        u32 p = udiv(row, d.tokens, d.m_tokens);
-        u32 t = row - p * d.tokens;
-        u64 e = (u64)p * d.stride + (u64)t * D + 32u * j;
-        load_src<SRC, 32>(reinterpret_cast<const u8*>(d.src) + e * esize, v);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = 0.0f;
+    {
+        const u32 t = row - p * d.tokens;
+        const u64 e = (u64)p * d.stride + (u64)t * D + 32u * j;
+        se_load_flipped<SRC>(reinterpret_cast<const u8*>(d.src) + e * esize, v,
+                             *reinterpret_cast<const u32*>(signs + 4u * j));
     }
     float* mine = xs + rl * RS + 36u * j;
     if (live) {
@@ -421,7 +472,7 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     }
     // Octopus: the block's code word buffers (after its rows) zeroed.
     const u32 T = (D + 2u) / 3u;
-    const u32 rows_blk = (u32)BLOCK / lpr;
+    const u32 rows_blk = (u32)BLOCK >> ls;
     const u32 nwd = OCT ? (rows_blk * T * 2u * bd + 31u) / 32u + 1u : 0u;
     const u32 nwn = OCT ? (rows_blk * T * bn + 31u) / 32u + 1u : 0u;
     u32* wd = reinterpret_cast<u32*>(xs + rows_blk * RS);
@@ -466,10 +517,6 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     // H (s ⊙ x)_i is finite (gamma is 0, or so small that c_D / gamma
     // overflows), so the product is +-0: a zero of either sign has the
     // codes, residuals (up to the sign of a zero) and sign bits of +0.
-    const u8* signs = se_signs(d, row, QJL);
-    const u32 rot = *reinterpret_cast<const u32*>(signs + 4u * j);
-#pragma unroll
-    for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
     if (!OCT && !QJL && B <= 4) {
         if (lpr == 4u) {
             se_turbo_lpr4<B>(v, xs + rl * RS, j, f, sb, live, reinterpret_cast<u32*>(body + d.sec_index) + (u64)(u - j) * B);
@@ -574,47 +621,47 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
 }
 
 #define SE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 1>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 2>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 2>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 3>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 3>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 4>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 4>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 5>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 5>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 6>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 6>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_oct_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, false, 0>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, true, 0>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 1>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 2>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 2>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 3>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 3>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 4>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 4>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 5>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 5>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 6>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 6>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_oct_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, false, 0>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, true, 0>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 1>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 2>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 2>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 3>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 3>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 4>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 4>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 5>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 5>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 6>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 6>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_oct_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, false, 0>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, true, 0>(descs, work, status); }
 
 // -------------------------------------------------------------- fallback
