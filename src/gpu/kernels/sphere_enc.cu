@@ -295,20 +295,13 @@ __device__ __forceinline__ void se_code_triplets(float* xs, u32 RS, u32 lpr, u32
 
 // ------------------------------------------------------------------ fast
 
-// 32 source elements (16-byte aligned) widened to f32, element i negated
-// when bit i of `rot` is set. For 16-bit sources the signs are flipped in
-// the packed pairs: pair k (elements 2 k, 2 k + 1) takes bits 2 k and
-// 2 k + 1 of rot at bits 15 and 31, from w (bits 0 .. 15 of rot: even bits
-// in place, odd bits moved up by 15; bits 16 .. 31 likewise after a shift
-// by 16) shifted left by 15 - 2 (k mod 8).
-template <int SRC>
-__device__ __forceinline__ void se_load_flipped(const u8* p, float v[32], u32 rot) {
-    if (SRC == SRC_F32) {
-        load_src<SRC, 32>(p, v);
-#pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
-        return;
-    }
+// 32 bf16 source elements (16-byte aligned) widened to f32, element i
+// negated when bit i of `rot` is set, the signs flipped in the packed
+// pairs: pair k (elements 2 k, 2 k + 1) takes bits 2 k and 2 k + 1 of rot
+// at bits 15 and 31, from w (bits 0 .. 15 of rot: even bits in place, odd
+// bits moved up by 15; bits 16 .. 31 likewise after a shift by 16) shifted
+// left by 15 - 2 (k mod 8).
+__device__ __forceinline__ void se_load_bf16_flipped(const u8* p, float v[32], u32 rot) {
     const u32 wl = (rot & 0x5555u) | ((rot & 0xaaaau) << 15);
     const u32 wh = ((rot >> 16) & 0x5555u) | ((rot & 0xaaaa0000u) >> 1);
 #pragma unroll
@@ -319,13 +312,8 @@ __device__ __forceinline__ void se_load_flipped(const u8* p, float v[32], u32 ro
         for (int k = 0; k < 4; k++) {
             const int pr = 4 * i + k;
             const u32 y = x[k] ^ (((pr < 8 ? wl : wh) << (15 - 2 * (pr & 7))) & 0x80008000u);
-            if (SRC == SRC_BF16) {
-                v[2 * pr] = __uint_as_float(y << 16);
-                v[2 * pr + 1] = __uint_as_float(y & 0xffff0000u);
-            } else {
-                v[2 * pr] = f16_to_f32((u16)(y & 0xffffu));
-                v[2 * pr + 1] = f16_to_f32((u16)(y >> 16));
-            }
+            v[2 * pr] = __uint_as_float(y << 16);
+            v[2 * pr + 1] = __uint_as_float(y & 0xffff0000u);
         }
     }
 }
@@ -454,16 +442,20 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     const u32 row = live ? u >> ls : row0;
     const u32 j = live ? u & (lpr - 1u) : 0u, rl = row - row0;
     const u32 esize = SRC == SRC_F32 ? 4u : 2u;
-    // The rotation signs s are applied as the values are loaded (the norm
-    // and the staged copy do not depend on signs).
+    // bf16: the rotation signs s are applied as the values are loaded (the
+    // norm and the staged copy do not depend on signs); f16 and f32 flip
+    // after the norm (at load time their register counts rose above 64).
     const u32 p = udiv(row, d.tokens, d.m_tokens);
-    const u8* signs = se_signs_p(d, p, QJL);
     float v[32];
     {
         const u32 t = row - p * d.tokens;
         const u64 e = (u64)p * d.stride + (u64)t * D + 32u * j;
-        se_load_flipped<SRC>(reinterpret_cast<const u8*>(d.src) + e * esize, v,
-                             *reinterpret_cast<const u32*>(signs + 4u * j));
+        const u8* src = reinterpret_cast<const u8*>(d.src) + e * esize;
+        if (SRC == SRC_BF16) {
+            se_load_bf16_flipped(src, v, *reinterpret_cast<const u32*>(se_signs_p(d, p, QJL) + 4u * j));
+        } else {
+            load_src<SRC, 32>(src, v);
+        }
     }
     float* mine = xs + rl * RS + 36u * j;
     if (live) {
@@ -517,6 +509,11 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     // H (s ⊙ x)_i is finite (gamma is 0, or so small that c_D / gamma
     // overflows), so the product is +-0: a zero of either sign has the
     // codes, residuals (up to the sign of a zero) and sign bits of +0.
+    if (SRC != SRC_BF16) {
+        const u32 rot = *reinterpret_cast<const u32*>(se_signs(d, row, QJL) + 4u * j);
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
+    }
     if (!OCT && !QJL && B <= 4) {
         if (lpr == 4u) {
             se_turbo_lpr4<B>(v, xs + rl * RS, j, f, sb, live, reinterpret_cast<u32*>(body + d.sec_index) + (u64)(u - j) * B);
@@ -609,7 +606,7 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
             const float g = se_norm_fast(xs + threadIdx.x * RS, D);
             reinterpret_cast<u16*>(body + d.sec3)[row0 + threadIdx.x] = f32_to_f16(g);
         }
-        const u32 qs = *reinterpret_cast<const u32*>(signs + (D >> 3) + 4u * j);
+        const u32 qs = *reinterpret_cast<const u32*>(se_signs(d, row, QJL) + (D >> 3) + 4u * j);
 #pragma unroll
         for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (qs >> i) & 1u);
         wht<32>(v, D);
