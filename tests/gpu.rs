@@ -1475,6 +1475,7 @@ fn encode_sphere_matches_cpu_bitwise() {
     codecs.extend([
         "turbo:b1",
         "turbo:b2",
+        "turbo:b3+qjl",
         "turbo:b4",
         "turbo:b4+qjl",
         "turbo:b5:seed9",

@@ -318,7 +318,33 @@ __device__ __forceinline__ void se_load_bf16_flipped(const u8* p, float v[32], u
     }
 }
 
-// Turbo without QJL for D = 128 (4 lanes per row, B <= 4), from v = the
+// The B-bit chunk codes p[k] (chunk j of unit k, B < 4) to the lane of
+// each unit through rowp: lane j's four at words 4 j .. 4 j + 3; unit j's
+// chunks are words j, 4 + j, 8 + j, 12 + j; lane j writes unit j's B words
+// at out[B j].
+template <int B>
+__device__ __forceinline__ void se_lpr4_words(const u32 p[4], float* rowp, u32 j, bool live, u32* out) {
+    u32* cb = reinterpret_cast<u32*>(rowp);
+    __syncwarp();
+    if (live) *reinterpret_cast<uint4*>(cb + 4u * j) = make_uint4(p[0], p[1], p[2], p[3]);
+    __syncwarp();
+    if (live) {
+        u32 w[B > 0 ? B : 1];
+#pragma unroll
+        for (int k = 0; k < B; k++) w[k] = 0u;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const u32 q = cb[4 * c + (int)j];
+            const int bit = 8 * B * c;
+            w[bit >> 5] |= q << (bit & 31);
+            if ((bit & 31) + 8 * B > 32) w[(bit >> 5) + 1] |= q >> (32 - (bit & 31));
+        }
+#pragma unroll
+        for (int k = 0; k < B; k++) out[B * (int)j + k] = w[k];
+    }
+}
+
+// Turbo for D = 128 (4 lanes per row, B <= 4), from v = the
 // lane's 32 sign-flipped elements (lane j of the row: elements 32 j ..
 // 32 j + 31): the in-register butterflies (strides 1 .. 16), then a
 // transpose through the row's staging area `rowp` (units 36 floats apart)
@@ -326,11 +352,14 @@ __device__ __forceinline__ void se_load_bf16_flipped(const u8* p, float v[32], u
 // 32 k + 8 j + e in w[8 k + e], and strides 32 and 64 are butterflies in
 // registers too (no shuffles). The codes of chunk j of unit k (8 B bits)
 // go back through rowp to the lane of unit k, which writes its B words at
-// out[k * B] (out: the row's first unit). Every lane of the warp calls
-// this; only `live` lanes write. The caller's lanes are done with rowp.
-template <int B>
-__device__ __forceinline__ void se_turbo_lpr4(float v[32], float* rowp, u32 j, float f, const float* sb, bool live,
-                                              u32* out) {
+// out[k * B] (out: the row's first unit). With QJL the residuals
+// u - C[c] (centroids at slut) end in rowp in index order (unit j of the
+// row at rowp + 36 j), for the caller's barrier. Every lane of the warp
+// calls this; only `live` lanes write. The caller's lanes are done with
+// rowp.
+template <int B, bool QJL>
+__device__ __forceinline__ void se_turbo_lpr4(float v[32], float* rowp, u32 j, float f, const float* sb,
+                                              const float* slut, bool live, u32* out) {
     wht<32>(v, 32u);
     float* mine = rowp + 36u * j;
     if (live) {
@@ -371,37 +400,35 @@ __device__ __forceinline__ void se_turbo_lpr4(float v[32], float* rowp, u32 j, f
 #pragma unroll
         for (int e = 0; e < 8; e++) {
             // 4 c shifted into place: one shift-add (the fields are disjoint).
-            const u32 c4 = se_search_b4<B>(sb, __fmul_rn(v[8 * k + e], f));
+            const float x = __fmul_rn(v[8 * k + e], f);
+            const u32 c4 = se_search_b4<B>(sb, x);
+            if (QJL) v[8 * k + e] = __fsub_rn(x, *reinterpret_cast<const float*>(reinterpret_cast<const char*>(slut) + c4));
             p[k] += B * e >= 2 ? c4 << (B * e - 2) : c4 >> (2 - B * e);
         }
     }
-    if (B == 4) {
+    if constexpr (B == 4) {
         // Chunk j of unit k is word j of unit k.
         if (live) {
 #pragma unroll
             for (int k = 0; k < 4; k++) out[4 * k + (int)j] = p[k];
         }
-        return;
+    } else {
+        se_lpr4_words<B>(p, rowp, j, live, out);
     }
-    // Chunk codes through rowp: lane j's four at words 4 j .. 4 j + 3; unit
-    // j's chunks are words j, 4 + j, 8 + j, 12 + j.
-    u32* cb = reinterpret_cast<u32*>(rowp);
-    __syncwarp();
-    if (live) *reinterpret_cast<uint4*>(cb + 4u * j) = make_uint4(p[0], p[1], p[2], p[3]);
-    __syncwarp();
-    if (live) {
-        u32 w[B > 0 ? B : 1];
+    if (QJL) {
+        // Chunk j of unit k back where lane j read it (after the lanes'
+        // reads of the code words, which share the start of rowp).
+        if (B != 4) __syncwarp();
+        if (live) {
 #pragma unroll
-        for (int k = 0; k < B; k++) w[k] = 0u;
+            for (int k = 0; k < 4; k++) {
 #pragma unroll
-        for (int c = 0; c < 4; c++) {
-            const u32 q = cb[4 * c + (int)j];
-            const int bit = 8 * B * c;
-            w[bit >> 5] |= q << (bit & 31);
-            if ((bit & 31) + 8 * B > 32) w[(bit >> 5) + 1] |= q >> (32 - (bit & 31));
+                for (int h = 0; h < 8; h += 4) {
+                    *reinterpret_cast<float4*>(rowp + 36u * (u32)k + 8u * j + (u32)h) =
+                        make_float4(v[8 * k + h], v[8 * k + h + 1], v[8 * k + h + 2], v[8 * k + h + 3]);
+                }
+            }
         }
-#pragma unroll
-        for (int k = 0; k < B; k++) out[B * (int)j + k] = w[k];
     }
 }
 
@@ -514,87 +541,90 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
 #pragma unroll
         for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
     }
-    if (!OCT && !QJL && B <= 4) {
-        if (lpr == 4u) {
-            se_turbo_lpr4<B>(v, xs + rl * RS, j, f, sb, live, reinterpret_cast<u32*>(body + d.sec_index) + (u64)(u - j) * B);
-            return;
-        }
-    }
-    wht<32>(v, D);
-#pragma unroll
-    for (int i = 0; i < 32; i++) v[i] = __fmul_rn(v[i], f);
-    if (!OCT) {
-        // Turbo: B-bit codes, B words per unit; the residual stays in v.
-        u32 cw[B > 0 ? B : 1];
-#pragma unroll
-        for (int k = 0; k < B; k++) cw[k] = 0u;
-#pragma unroll
-        for (int i = 0; i < 32; i++) {
-            u32 c = se_search_b<B>(sb, v[i]);
-            const int bit = i * B;
-            cw[bit >> 5] |= c << (bit & 31);
-            if ((bit & 31) + B > 32) cw[(bit >> 5) + 1] |= c >> (32 - (bit & 31));
-            if (QJL) v[i] = __fsub_rn(v[i], slut[c]);
-        }
-        if (live) {
-            u32* out = reinterpret_cast<u32*>(body + d.sec_index) + (u64)u * B;
-#pragma unroll
-            for (int k = 0; k < B; k++) out[k] = cw[k];
-        }
-        if (QJL && live) {
-#pragma unroll
-            for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
-        }
+    // Turbo at D = 128 (b <= 4): se_turbo_lpr4; with QJL its residuals are
+    // staged for the tail below.
+    const bool t4 = !OCT && B <= 4 && lpr == 4u;
+    if (t4) {
+        se_turbo_lpr4<(B <= 4 ? B : 4), QJL>(v, xs + rl * RS, j, f, sb, slut, live,
+                                            reinterpret_cast<u32*>(body + d.sec_index) + (u64)(u - j) * B);
+        if (!QJL) return;
     } else {
-        // Octopus: the rotated rows into shared memory, one triplet per
-        // thread and step, the codes OR-ed into the block's word buffers.
-        if (live) {
+        wht<32>(v, D);
 #pragma unroll
-            for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
-        }
-        const u32 mT = (u32)((0x100000000ull + T - 1u) / T);
-        const u64 bd0 = (u64)row0 * T * 2u * bd, bn0 = (u64)row0 * T * bn;
-        // Each warp codes the triplets of its own rows: no block barrier.
-        __syncwarp();
-        if (bd <= 4u && bn <= 3u) {
-            // Small codebooks (b <= 3 splits): the bounds in registers, the
-            // directions in shared memory.
-            SeCount<15> ds;
-            SeCount<7> ns;
-            ds.load(sb, bd);
-            ns.load(sb + nb0, bn);
-            se_code_triplets<QJL>(xs, RS, lpr, nrows, T, mT, D, sdir, ds, ns, bd, bn, rounding, wd, wn, bd0, bn0, slut);
+        for (int i = 0; i < 32; i++) v[i] = __fmul_rn(v[i], f);
+        if (!OCT) {
+            // Turbo: B-bit codes, B words per unit; the residual stays in v.
+            u32 cw[B > 0 ? B : 1];
+#pragma unroll
+            for (int k = 0; k < B; k++) cw[k] = 0u;
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                u32 c = se_search_b<B>(sb, v[i]);
+                const int bit = i * B;
+                cw[bit >> 5] |= c << (bit & 31);
+                if ((bit & 31) + B > 32) cw[(bit >> 5) + 1] |= c >> (32 - (bit & 31));
+                if (QJL) v[i] = __fsub_rn(v[i], slut[c]);
+            }
+            if (live) {
+                u32* out = reinterpret_cast<u32*>(body + d.sec_index) + (u64)u * B;
+#pragma unroll
+                for (int k = 0; k < B; k++) out[k] = cw[k];
+            }
+            if (QJL && live) {
+#pragma unroll
+                for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+            }
         } else {
-            const float4* dirs = dir_smem ? sdir : reinterpret_cast<const float4*>(side);
-            se_code_triplets<QJL>(xs, RS, lpr, nrows, T, mT, D, dirs, SeBisect{sb, bd}, SeBisect{sb + nb0, bn}, bd,
-                                  bn, rounding, wd, wn, bd0, bn0, slut);
-        }
-        __syncthreads();
-        // The word buffers out: words shared with a neighbouring block
-        // (partly outside the block's bits) with atomics.
-        const u64 bd1 = bd0 + (u64)nrows * T * 2u * bd, bn1 = bn0 + (u64)nrows * T * bn;
-        for (u32 s = 0; s < 2u; s++) {
-            const u64 lo = s == 0u ? bd0 : bn0, hi = s == 0u ? bd1 : bn1;
-            const u32* src = s == 0u ? wd : wn;
-            u32* dst = reinterpret_cast<u32*>(body + (s == 0u ? d.sec_index : d.sec_zero)) + (lo >> 5);
-            const u32 nw = (u32)(((hi + 31u) >> 5) - (lo >> 5));
-            for (u32 k = threadIdx.x; k < nw; k += BLOCK) {
-                const bool partial = (k == 0u && (lo & 31u)) || (k == nw - 1u && (hi & 31u));
-                if (partial) {
-                    atomicOr(dst + k, src[k]);
-                } else {
-                    dst[k] = src[k];
+            // Octopus: the rotated rows into shared memory, one triplet per
+            // thread and step, the codes OR-ed into the block's word buffers.
+            if (live) {
+#pragma unroll
+                for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+            }
+            const u32 mT = (u32)((0x100000000ull + T - 1u) / T);
+            const u64 bd0 = (u64)row0 * T * 2u * bd, bn0 = (u64)row0 * T * bn;
+            // Each warp codes the triplets of its own rows: no block barrier.
+            __syncwarp();
+            if (bd <= 4u && bn <= 3u) {
+                // Small codebooks (b <= 3 splits): the bounds in registers, the
+                // directions in shared memory.
+                SeCount<15> ds;
+                SeCount<7> ns;
+                ds.load(sb, bd);
+                ns.load(sb + nb0, bn);
+                se_code_triplets<QJL>(xs, RS, lpr, nrows, T, mT, D, sdir, ds, ns, bd, bn, rounding, wd, wn, bd0, bn0, slut);
+            } else {
+                const float4* dirs = dir_smem ? sdir : reinterpret_cast<const float4*>(side);
+                se_code_triplets<QJL>(xs, RS, lpr, nrows, T, mT, D, dirs, SeBisect{sb, bd}, SeBisect{sb + nb0, bn}, bd,
+                                      bn, rounding, wd, wn, bd0, bn0, slut);
+            }
+            __syncthreads();
+            // The word buffers out: words shared with a neighbouring block
+            // (partly outside the block's bits) with atomics.
+            const u64 bd1 = bd0 + (u64)nrows * T * 2u * bd, bn1 = bn0 + (u64)nrows * T * bn;
+            for (u32 s = 0; s < 2u; s++) {
+                const u64 lo = s == 0u ? bd0 : bn0, hi = s == 0u ? bd1 : bn1;
+                const u32* src = s == 0u ? wd : wn;
+                u32* dst = reinterpret_cast<u32*>(body + (s == 0u ? d.sec_index : d.sec_zero)) + (lo >> 5);
+                const u32 nw = (u32)(((hi + 31u) >> 5) - (lo >> 5));
+                for (u32 k = threadIdx.x; k < nw; k += BLOCK) {
+                    const bool partial = (k == 0u && (lo & 31u)) || (k == nw - 1u && (hi & 31u));
+                    if (partial) {
+                        atomicOr(dst + k, src[k]);
+                    } else {
+                        dst[k] = src[k];
+                    }
                 }
             }
-        }
-        if (QJL && live) {
+            if (QJL && live) {
 #pragma unroll
-            for (int i = 0; i < 32; i += 4) {
-                float4 q = *reinterpret_cast<const float4*>(mine + i);
-                v[i] = q.x;
-                v[i + 1] = q.y;
-                v[i + 2] = q.z;
-                v[i + 3] = q.w;
+                for (int i = 0; i < 32; i += 4) {
+                    float4 q = *reinterpret_cast<const float4*>(mine + i);
+                    v[i] = q.x;
+                    v[i + 1] = q.y;
+                    v[i + 2] = q.z;
+                    v[i + 3] = q.w;
+                }
             }
         }
     }
@@ -605,6 +635,17 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
         if (threadIdx.x < nrows) {
             const float g = se_norm_fast(xs + threadIdx.x * RS, D);
             reinterpret_cast<u16*>(body + d.sec3)[row0 + threadIdx.x] = f32_to_f16(g);
+        }
+        if (t4) {
+            // The lane's unit of residuals back from the staged row.
+#pragma unroll
+            for (int i = 0; i < 32; i += 4) {
+                const float4 q = *reinterpret_cast<const float4*>(mine + i);
+                v[i] = q.x;
+                v[i + 1] = q.y;
+                v[i + 2] = q.z;
+                v[i + 3] = q.w;
+            }
         }
         const u32 qs = *reinterpret_cast<const u32*>(se_signs(d, row, QJL) + (D >> 3) + 4u * j);
 #pragma unroll
