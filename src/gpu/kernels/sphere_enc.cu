@@ -659,47 +659,53 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
 }
 
 #define SE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 1>(descs, work, status); }
+// Blocks per SM the turbo and octopus kernels without QJL are compiled for:
+// 4 x 256 threads (at most 64 registers each; 5 gives 48 registers with
+// about 90 bytes of spills).
+#ifndef SE_MIN_BLOCKS
+#define SE_MIN_BLOCKS 4
+#endif
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 1>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 2>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 2>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 3>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 3>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 4>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 4>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 5>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 5>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 6>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 6>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_oct_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_oct_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, false, 0>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, true, 0>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 1>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 2>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 2>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 3>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 3>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 4>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 4>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 5>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 5>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 6>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 6>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_oct_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_oct_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, false, 0>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, true, 0>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 1>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 2>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 2>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 3>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 3>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 4>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 4>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 5>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 5>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_turbo_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 6>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 6>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK, 4) encode_sphere_oct_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_oct_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, false, 0>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, true, 0>(descs, work, status); }
 
 // -------------------------------------------------------------- fallback
