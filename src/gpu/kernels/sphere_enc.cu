@@ -138,8 +138,7 @@ __device__ __forceinline__ void se_octahedral(const float t[3], float& xi, float
 // se_search over the 2^B bounds at `b` (shared memory), B known at compile
 // time: the same bisection on byte offsets, so that each level after the
 // first is one shared load at a register plus a constant, a compare and a
-// predicated add.
-// Returns 4 times the index.
+// predicated add. Returns 4 times the index.
 template <int B>
 __device__ __forceinline__ u32 se_search_b4(const float* b, float x) {
     const char* base = reinterpret_cast<const char*>(b);
@@ -157,6 +156,7 @@ __device__ __forceinline__ u32 se_search_b4(const float* b, float x) {
     return off;
 }
 
+// The index itself.
 template <int B>
 __device__ __forceinline__ u32 se_search_b(const float* b, float x) {
     return se_search_b4<B>(b, x) >> 2;
@@ -349,7 +349,7 @@ __device__ __forceinline__ void se_lpr4_words(const u32 p[4], float* rowp, u32 j
 // 32 j + 31): the in-register butterflies (strides 1 .. 16), then a
 // transpose through the row's staging area `rowp` (units 36 floats apart)
 // so that lane j holds chunk j (8 elements) of each unit k, i.e. elements
-// 32 k + 8 j + e in w[8 k + e], and strides 32 and 64 are butterflies in
+// 32 k + 8 j + e in v[8 k + e], and strides 32 and 64 are butterflies in
 // registers too (no shuffles). The codes of chunk j of unit k (8 B bits)
 // go back through rowp to the lane of unit k, which writes its B words at
 // out[k * B] (out: the row's first unit). With QJL the residuals
@@ -399,10 +399,10 @@ __device__ __forceinline__ void se_turbo_lpr4(float v[32], float* rowp, u32 j, f
         p[k] = 0u;
 #pragma unroll
         for (int e = 0; e < 8; e++) {
-            // 4 c shifted into place: one shift-add (the fields are disjoint).
             const float x = __fmul_rn(v[8 * k + e], f);
             const u32 c4 = se_search_b4<B>(sb, x);
             if (QJL) v[8 * k + e] = __fsub_rn(x, *reinterpret_cast<const float*>(reinterpret_cast<const char*>(slut) + c4));
+            // 4 c shifted into place: one shift-add (the fields are disjoint).
             p[k] += B * e >= 2 ? c4 << (B * e - 2) : c4 >> (2 - B * e);
         }
     }
