@@ -1474,6 +1474,9 @@ fn encode_sphere_matches_cpu_bitwise() {
     let mut codecs = examples.clone();
     codecs.extend([
         "turbo:b1",
+        "turbo:b2",
+        "turbo:b3+qjl",
+        "turbo:b4",
         "turbo:b4+qjl",
         "turbo:b5:seed9",
         "turbo:b6+qjl",

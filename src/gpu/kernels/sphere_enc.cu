@@ -135,6 +135,33 @@ __device__ __forceinline__ void se_octahedral(const float t[3], float& xi, float
     if (l == 0.0f) xi = eta = 0.0f;
 }
 
+// se_search over the 2^B bounds at `b` (shared memory), B known at compile
+// time: the same bisection on byte offsets, so that each level after the
+// first is one shared load at a register plus a constant, a compare and a
+// predicated add. Returns 4 times the index.
+template <int B>
+__device__ __forceinline__ u32 se_search_b4(const float* b, float x) {
+    const char* base = reinterpret_cast<const char*>(b);
+    u32 off = 0;  // 4 * the index so far
+#pragma unroll
+    for (int s = 1 << (B - 1); s > 0; s >>= 1) {
+        const float bk = *reinterpret_cast<const float*>(base + off + 4u * (u32)(s - 1));
+#ifdef __CUDA_ARCH__
+        // A predicated add (ptxas otherwise selects, then adds).
+        asm("{\n\t.reg .pred p;\n\tsetp.lt.f32 p, %1, %2;\n\t@p add.u32 %0, %0, %3;\n\t}" : "+r"(off) : "f"(bk), "f"(x), "r"(4u * (u32)s));
+#else
+        if (bk < x) off += 4u * (u32)s;
+#endif
+    }
+    return off;
+}
+
+// The index itself.
+template <int B>
+__device__ __forceinline__ u32 se_search_b(const float* b, float x) {
+    return se_search_b4<B>(b, x) >> 2;
+}
+
 // se_search over bounds held in shared or global memory (any size).
 struct SeBisect {
     const float* b;
@@ -221,11 +248,14 @@ __device__ __forceinline__ void se_or_bits(u32* words, u64 bit, u32 v, u32 n) {
     if (sh + n > 32u) atomicOr(w + 1, v >> (32u - sh));
 }
 
-// Rotation (and with QJL projection) sign bits of the kv head of `row`.
+// Rotation (and with QJL projection) sign bits of the kv head of plane p.
+__device__ __forceinline__ const u8* se_signs_p(const EncDesc& d, u32 p, bool qjl) {
+    return reinterpret_cast<const u8*>(d.side) + d.p1 + (u64)(p % d.heads) * (qjl ? 2u : 1u) * (d.head_dim >> 3);
+}
+
+// The same for the plane of `row`.
 __device__ __forceinline__ const u8* se_signs(const EncDesc& d, u32 row, bool qjl) {
-    u32 p = udiv(row, d.tokens, d.m_tokens);
-    u32 head = p % d.heads;
-    return reinterpret_cast<const u8*>(d.side) + d.p1 + (u64)head * (qjl ? 2u : 1u) * (d.head_dim >> 3);
+    return se_signs_p(d, udiv(row, d.tokens, d.m_tokens), qjl);
 }
 
 // Octopus codes of the block's rows (staged rotated in xs, RS floats apart,
@@ -265,6 +295,143 @@ __device__ __forceinline__ void se_code_triplets(float* xs, u32 RS, u32 lpr, u32
 
 // ------------------------------------------------------------------ fast
 
+// 32 bf16 source elements (16-byte aligned) widened to f32, element i
+// negated when bit i of `rot` is set, the signs flipped in the packed
+// pairs: pair k (elements 2 k, 2 k + 1) takes bits 2 k and 2 k + 1 of rot
+// at bits 15 and 31, from w (bits 0 .. 15 of rot: even bits in place, odd
+// bits moved up by 15; bits 16 .. 31 likewise after a shift by 16) shifted
+// left by 15 - 2 (k mod 8).
+__device__ __forceinline__ void se_load_bf16_flipped(const u8* p, float v[32], u32 rot) {
+    const u32 wl = (rot & 0x5555u) | ((rot & 0xaaaau) << 15);
+    const u32 wh = ((rot >> 16) & 0x5555u) | ((rot & 0xaaaa0000u) >> 1);
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(p) + i);
+        const u32 x[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int pr = 4 * i + k;
+            const u32 y = x[k] ^ (((pr < 8 ? wl : wh) << (15 - 2 * (pr & 7))) & 0x80008000u);
+            v[2 * pr] = __uint_as_float(y << 16);
+            v[2 * pr + 1] = __uint_as_float(y & 0xffff0000u);
+        }
+    }
+}
+
+// The B-bit chunk codes p[k] (chunk j of unit k, B < 4) to the lane of
+// each unit through rowp: lane j's four at words 4 j .. 4 j + 3; unit j's
+// chunks are words j, 4 + j, 8 + j, 12 + j; lane j writes unit j's B words
+// at out[B j].
+template <int B>
+__device__ __forceinline__ void se_lpr4_words(const u32 p[4], float* rowp, u32 j, bool live, u32* out) {
+    u32* cb = reinterpret_cast<u32*>(rowp);
+    __syncwarp();
+    if (live) *reinterpret_cast<uint4*>(cb + 4u * j) = make_uint4(p[0], p[1], p[2], p[3]);
+    __syncwarp();
+    if (live) {
+        u32 w[B > 0 ? B : 1];
+#pragma unroll
+        for (int k = 0; k < B; k++) w[k] = 0u;
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const u32 q = cb[4 * c + (int)j];
+            const int bit = 8 * B * c;
+            w[bit >> 5] |= q << (bit & 31);
+            if ((bit & 31) + 8 * B > 32) w[(bit >> 5) + 1] |= q >> (32 - (bit & 31));
+        }
+#pragma unroll
+        for (int k = 0; k < B; k++) out[B * (int)j + k] = w[k];
+    }
+}
+
+// Turbo for D = 128 (4 lanes per row, B <= 4), from v = the
+// lane's 32 sign-flipped elements (lane j of the row: elements 32 j ..
+// 32 j + 31): the in-register butterflies (strides 1 .. 16), then a
+// transpose through the row's staging area `rowp` (units 36 floats apart)
+// so that lane j holds chunk j (8 elements) of each unit k, i.e. elements
+// 32 k + 8 j + e in v[8 k + e], and strides 32 and 64 are butterflies in
+// registers too (no shuffles). The codes of chunk j of unit k (8 B bits)
+// go back through rowp to the lane of unit k, which writes its B words at
+// out[k * B] (out: the row's first unit). With QJL the residuals
+// u - C[c] (centroids at slut) end in rowp in index order (unit j of the
+// row at rowp + 36 j), for the caller's barrier. Every lane of the warp
+// calls this; only `live` lanes write. The caller's lanes are done with
+// rowp.
+template <int B, bool QJL>
+__device__ __forceinline__ void se_turbo_lpr4(float v[32], float* rowp, u32 j, float f, const float* sb,
+                                              const float* slut, bool live, u32* out) {
+    wht<32>(v, 32u);
+    float* mine = rowp + 36u * j;
+    if (live) {
+#pragma unroll
+        for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+#pragma unroll
+        for (int h = 0; h < 8; h += 4) {
+            const float4 q = *reinterpret_cast<const float4*>(rowp + 36u * (u32)k + 8u * j + (u32)h);
+            v[8 * k + h] = q.x;
+            v[8 * k + h + 1] = q.y;
+            v[8 * k + h + 2] = q.z;
+            v[8 * k + h + 3] = q.w;
+        }
+    }
+    // Strides 32 (units k, k + 1) and 64 (k, k + 2), the lower index a + b.
+#pragma unroll
+    for (int s = 1; s < 4; s <<= 1) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            if (!(k & s)) {
+#pragma unroll
+                for (int e = 0; e < 8; e++) {
+                    const float a = v[8 * k + e], b = v[8 * (k + s) + e];
+                    v[8 * k + e] = __fadd_rn(a, b);
+                    v[8 * (k + s) + e] = __fsub_rn(a, b);
+                }
+            }
+        }
+    }
+    u32 p[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        p[k] = 0u;
+#pragma unroll
+        for (int e = 0; e < 8; e++) {
+            const float x = __fmul_rn(v[8 * k + e], f);
+            const u32 c4 = se_search_b4<B>(sb, x);
+            if (QJL) v[8 * k + e] = __fsub_rn(x, *reinterpret_cast<const float*>(reinterpret_cast<const char*>(slut) + c4));
+            // 4 c shifted into place: one shift-add (the fields are disjoint).
+            p[k] += B * e >= 2 ? c4 << (B * e - 2) : c4 >> (2 - B * e);
+        }
+    }
+    if constexpr (B == 4) {
+        // Chunk j of unit k is word j of unit k.
+        if (live) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) out[4 * k + (int)j] = p[k];
+        }
+    } else {
+        se_lpr4_words<B>(p, rowp, j, live, out);
+    }
+    if (QJL) {
+        // Chunk j of unit k back where lane j read it (after the lanes'
+        // reads of the code words, which share the start of rowp).
+        if (B != 4) __syncwarp();
+        if (live) {
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+#pragma unroll
+                for (int h = 0; h < 8; h += 4) {
+                    *reinterpret_cast<float4*>(rowp + 36u * (u32)k + 8u * j + (u32)h) =
+                        make_float4(v[8 * k + h], v[8 * k + h + 1], v[8 * k + h + 2], v[8 * k + h + 3]);
+                }
+            }
+        }
+    }
+}
+
 template <int SRC, bool OCT, bool QJL, int B>
 __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ descs, const uint2* __restrict__ work,
                                                    u64* status) {
@@ -277,7 +444,9 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     const u32 D = d.head_dim, lpr = d.upr;
     const u32 bd = d.p0 & 0xffu, bn = (d.p0 >> 8) & 0xffu, rounding = (d.p0 >> 16) & 0xffu;
     const u32 RS = se_row_stride(lpr);
-    const u32 row0 = w.y / lpr, nrows = min((u32)BLOCK / lpr, d.rows - row0);
+    // lpr is a power of two: divisions by it are shifts.
+    const u32 ls = (u32)__ffs(lpr) - 1u;
+    const u32 row0 = w.y >> ls, nrows = min((u32)BLOCK >> ls, d.rows - row0);
     const u8* side = reinterpret_cast<const u8*>(d.side);
     const float* bounds = reinterpret_cast<const float*>(d.aux);
     u8* body = reinterpret_cast<u8*>(d.body);
@@ -295,20 +464,25 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     // Load: 32 consecutive elements of a row per thread, also staged.
     const u32 u = w.y + threadIdx.x;
     const bool live = u < d.rows * lpr;
-    // Threads past the page act as lane 0 of the block's first row (their
-    // values are zero and never stored).
-    const u32 row = live ? udiv(u, lpr, d.m_upr) : row0;
-    const u32 j = live ? u - row * lpr : 0u, rl = row - row0;
+    // Threads past the page act as lane 0 of the block's first row: they
+    // load its values and never store.
+    const u32 row = live ? u >> ls : row0;
+    const u32 j = live ? u & (lpr - 1u) : 0u, rl = row - row0;
     const u32 esize = SRC == SRC_F32 ? 4u : 2u;
+    // bf16: the rotation signs s are applied as the values are loaded (the
+    // norm and the staged copy do not depend on signs); f16 and f32 flip
+    // after the norm (at load time their register counts rose above 64).
+    const u32 p = udiv(row, d.tokens, d.m_tokens);
     float v[32];
-    if (live) {
-        u32 p = udiv(row, d.tokens, d.m_tokens);
-        u32 t = row - p * d.tokens;
-        u64 e = (u64)p * d.stride + (u64)t * D + 32u * j;
-        load_src<SRC, 32>(reinterpret_cast<const u8*>(d.src) + e * esize, v);
-    } else {
-#pragma unroll
-        for (int i = 0; i < 32; i++) v[i] = 0.0f;
+    {
+        const u32 t = row - p * d.tokens;
+        const u64 e = (u64)p * d.stride + (u64)t * D + 32u * j;
+        const u8* src = reinterpret_cast<const u8*>(d.src) + e * esize;
+        if (SRC == SRC_BF16) {
+            se_load_bf16_flipped(src, v, *reinterpret_cast<const u32*>(se_signs_p(d, p, QJL) + 4u * j));
+        } else {
+            load_src<SRC, 32>(src, v);
+        }
     }
     float* mine = xs + rl * RS + 36u * j;
     if (live) {
@@ -317,7 +491,7 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     }
     // Octopus: the block's code word buffers (after its rows) zeroed.
     const u32 T = (D + 2u) / 3u;
-    const u32 rows_blk = (u32)BLOCK / lpr;
+    const u32 rows_blk = (u32)BLOCK >> ls;
     const u32 nwd = OCT ? (rows_blk * T * 2u * bd + 31u) / 32u + 1u : 0u;
     const u32 nwn = OCT ? (rows_blk * T * bn + 31u) / 32u + 1u : 0u;
     u32* wd = reinterpret_cast<u32*>(xs + rows_blk * RS);
@@ -358,86 +532,99 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
     // The row's lanes are done reading its staged copy (it is overwritten
     // below by octopus and QJL).
     __syncwarp();
-    // Rotate and scale: u = H (s ⊙ x) * f.
-    const u8* signs = se_signs(d, row, QJL);
-    const u32 rot = *reinterpret_cast<const u32*>(signs + 4u * j);
+    // Rotate and scale: u = H (s ⊙ x) * f. With f == 0 (u zeroed) every
+    // H (s ⊙ x)_i is finite (gamma is 0, or so small that c_D / gamma
+    // overflows), so the product is +-0: a zero of either sign has the
+    // codes, residuals (up to the sign of a zero) and sign bits of +0.
+    if (SRC != SRC_BF16) {
+        const u32 rot = *reinterpret_cast<const u32*>(se_signs(d, row, QJL) + 4u * j);
 #pragma unroll
-    for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
-    wht<32>(v, D);
-#pragma unroll
-    for (int i = 0; i < 32; i++) v[i] = f == 0.0f ? 0.0f : __fmul_rn(v[i], f);
-    if (!OCT) {
-        // Turbo: B-bit codes, B words per unit; the residual stays in v.
-        u32 cw[B > 0 ? B : 1];
-#pragma unroll
-        for (int k = 0; k < B; k++) cw[k] = 0u;
-#pragma unroll
-        for (int i = 0; i < 32; i++) {
-            u32 c = se_search(sb, (u32)B, v[i]);
-            const int bit = i * B;
-            cw[bit >> 5] |= c << (bit & 31);
-            if ((bit & 31) + B > 32) cw[(bit >> 5) + 1] |= c >> (32 - (bit & 31));
-            if (QJL) v[i] = __fsub_rn(v[i], slut[c]);
-        }
-        if (live) {
-            u32* out = reinterpret_cast<u32*>(body + d.sec_index) + (u64)u * B;
-#pragma unroll
-            for (int k = 0; k < B; k++) out[k] = cw[k];
-        }
-        if (QJL && live) {
-#pragma unroll
-            for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
-        }
+        for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (rot >> i) & 1u);
+    }
+    // Turbo at D = 128 (b <= 4): se_turbo_lpr4; with QJL its residuals are
+    // staged for the tail below.
+    const bool t4 = !OCT && B <= 4 && lpr == 4u;
+    if (t4) {
+        se_turbo_lpr4<(B <= 4 ? B : 4), QJL>(v, xs + rl * RS, j, f, sb, slut, live,
+                                            reinterpret_cast<u32*>(body + d.sec_index) + (u64)(u - j) * B);
+        if (!QJL) return;
     } else {
-        // Octopus: the rotated rows into shared memory, one triplet per
-        // thread and step, the codes OR-ed into the block's word buffers.
-        if (live) {
+        wht<32>(v, D);
 #pragma unroll
-            for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
-        }
-        const u32 mT = (u32)((0x100000000ull + T - 1u) / T);
-        const u64 bd0 = (u64)row0 * T * 2u * bd, bn0 = (u64)row0 * T * bn;
-        // Each warp codes the triplets of its own rows: no block barrier.
-        __syncwarp();
-        if (bd <= 4u && bn <= 3u) {
-            // Small codebooks (b <= 3 splits): the bounds in registers, the
-            // directions in shared memory.
-            SeCount<15> ds;
-            SeCount<7> ns;
-            ds.load(sb, bd);
-            ns.load(sb + nb0, bn);
-            se_code_triplets<QJL>(xs, RS, lpr, nrows, T, mT, D, sdir, ds, ns, bd, bn, rounding, wd, wn, bd0, bn0, slut);
+        for (int i = 0; i < 32; i++) v[i] = __fmul_rn(v[i], f);
+        if (!OCT) {
+            // Turbo: B-bit codes, B words per unit; the residual stays in v.
+            u32 cw[B > 0 ? B : 1];
+#pragma unroll
+            for (int k = 0; k < B; k++) cw[k] = 0u;
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                u32 c = se_search_b<B>(sb, v[i]);
+                const int bit = i * B;
+                cw[bit >> 5] |= c << (bit & 31);
+                if ((bit & 31) + B > 32) cw[(bit >> 5) + 1] |= c >> (32 - (bit & 31));
+                if (QJL) v[i] = __fsub_rn(v[i], slut[c]);
+            }
+            if (live) {
+                u32* out = reinterpret_cast<u32*>(body + d.sec_index) + (u64)u * B;
+#pragma unroll
+                for (int k = 0; k < B; k++) out[k] = cw[k];
+            }
+            if (QJL && live) {
+#pragma unroll
+                for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+            }
         } else {
-            const float4* dirs = dir_smem ? sdir : reinterpret_cast<const float4*>(side);
-            se_code_triplets<QJL>(xs, RS, lpr, nrows, T, mT, D, dirs, SeBisect{sb, bd}, SeBisect{sb + nb0, bn}, bd,
-                                  bn, rounding, wd, wn, bd0, bn0, slut);
-        }
-        __syncthreads();
-        // The word buffers out: words shared with a neighbouring block
-        // (partly outside the block's bits) with atomics.
-        const u64 bd1 = bd0 + (u64)nrows * T * 2u * bd, bn1 = bn0 + (u64)nrows * T * bn;
-        for (u32 s = 0; s < 2u; s++) {
-            const u64 lo = s == 0u ? bd0 : bn0, hi = s == 0u ? bd1 : bn1;
-            const u32* src = s == 0u ? wd : wn;
-            u32* dst = reinterpret_cast<u32*>(body + (s == 0u ? d.sec_index : d.sec_zero)) + (lo >> 5);
-            const u32 nw = (u32)(((hi + 31u) >> 5) - (lo >> 5));
-            for (u32 k = threadIdx.x; k < nw; k += BLOCK) {
-                const bool partial = (k == 0u && (lo & 31u)) || (k == nw - 1u && (hi & 31u));
-                if (partial) {
-                    atomicOr(dst + k, src[k]);
-                } else {
-                    dst[k] = src[k];
+            // Octopus: the rotated rows into shared memory, one triplet per
+            // thread and step, the codes OR-ed into the block's word buffers.
+            if (live) {
+#pragma unroll
+                for (int i = 0; i < 32; i += 4) *reinterpret_cast<float4*>(mine + i) = make_float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+            }
+            const u32 mT = (u32)((0x100000000ull + T - 1u) / T);
+            const u64 bd0 = (u64)row0 * T * 2u * bd, bn0 = (u64)row0 * T * bn;
+            // Each warp codes the triplets of its own rows: no block barrier.
+            __syncwarp();
+            if (bd <= 4u && bn <= 3u) {
+                // Small codebooks (b <= 3 splits): the bounds in registers, the
+                // directions in shared memory.
+                SeCount<15> ds;
+                SeCount<7> ns;
+                ds.load(sb, bd);
+                ns.load(sb + nb0, bn);
+                se_code_triplets<QJL>(xs, RS, lpr, nrows, T, mT, D, sdir, ds, ns, bd, bn, rounding, wd, wn, bd0, bn0, slut);
+            } else {
+                const float4* dirs = dir_smem ? sdir : reinterpret_cast<const float4*>(side);
+                se_code_triplets<QJL>(xs, RS, lpr, nrows, T, mT, D, dirs, SeBisect{sb, bd}, SeBisect{sb + nb0, bn}, bd,
+                                      bn, rounding, wd, wn, bd0, bn0, slut);
+            }
+            __syncthreads();
+            // The word buffers out: words shared with a neighbouring block
+            // (partly outside the block's bits) with atomics.
+            const u64 bd1 = bd0 + (u64)nrows * T * 2u * bd, bn1 = bn0 + (u64)nrows * T * bn;
+            for (u32 s = 0; s < 2u; s++) {
+                const u64 lo = s == 0u ? bd0 : bn0, hi = s == 0u ? bd1 : bn1;
+                const u32* src = s == 0u ? wd : wn;
+                u32* dst = reinterpret_cast<u32*>(body + (s == 0u ? d.sec_index : d.sec_zero)) + (lo >> 5);
+                const u32 nw = (u32)(((hi + 31u) >> 5) - (lo >> 5));
+                for (u32 k = threadIdx.x; k < nw; k += BLOCK) {
+                    const bool partial = (k == 0u && (lo & 31u)) || (k == nw - 1u && (hi & 31u));
+                    if (partial) {
+                        atomicOr(dst + k, src[k]);
+                    } else {
+                        dst[k] = src[k];
+                    }
                 }
             }
-        }
-        if (QJL && live) {
+            if (QJL && live) {
 #pragma unroll
-            for (int i = 0; i < 32; i += 4) {
-                float4 q = *reinterpret_cast<const float4*>(mine + i);
-                v[i] = q.x;
-                v[i + 1] = q.y;
-                v[i + 2] = q.z;
-                v[i + 3] = q.w;
+                for (int i = 0; i < 32; i += 4) {
+                    float4 q = *reinterpret_cast<const float4*>(mine + i);
+                    v[i] = q.x;
+                    v[i + 1] = q.y;
+                    v[i + 2] = q.z;
+                    v[i + 3] = q.w;
+                }
             }
         }
     }
@@ -449,7 +636,18 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
             const float g = se_norm_fast(xs + threadIdx.x * RS, D);
             reinterpret_cast<u16*>(body + d.sec3)[row0 + threadIdx.x] = f32_to_f16(g);
         }
-        const u32 qs = *reinterpret_cast<const u32*>(signs + (D >> 3) + 4u * j);
+        if (t4) {
+            // The lane's unit of residuals back from the staged row.
+#pragma unroll
+            for (int i = 0; i < 32; i += 4) {
+                const float4 q = *reinterpret_cast<const float4*>(mine + i);
+                v[i] = q.x;
+                v[i + 1] = q.y;
+                v[i + 2] = q.z;
+                v[i + 3] = q.w;
+            }
+        }
+        const u32 qs = *reinterpret_cast<const u32*>(se_signs(d, row, QJL) + (D >> 3) + 4u * j);
 #pragma unroll
         for (int i = 0; i < 32; i++) v[i] = flip_if(v[i], (qs >> i) & 1u);
         wht<32>(v, D);
@@ -461,47 +659,53 @@ __device__ __forceinline__ void sphere_encode_fast(const EncDesc* __restrict__ d
 }
 
 #define SE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 1>(descs, work, status); }
+// Blocks per SM the turbo and octopus kernels without QJL are compiled for:
+// 4 x 256 threads (at most 64 registers each; 5 gives 48 registers with
+// about 90 bytes of spills).
+#ifndef SE_MIN_BLOCKS
+#define SE_MIN_BLOCKS 4
+#endif
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 1>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 2>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 2>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 3>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 3>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 4>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 4>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 5>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 5>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, false, 6>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, false, true, 6>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_oct_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, false, 0>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_bf16(SE_ARGS) { sphere_encode_fast<SRC_BF16, true, true, 0>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 1>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 2>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 2>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 3>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 3>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 4>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 4>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 5>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 5>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, false, 6>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, false, true, 6>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_oct_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, false, 0>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_f16(SE_ARGS) { sphere_encode_fast<SRC_F16, true, true, 0>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 1>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b1_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 1>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 2>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b2_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 2>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 3>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 3>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b3_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 3>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 4>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 4>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b4_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 4>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 5>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 5>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b5_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 5>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 6>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_turbo_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, false, 6>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_turbo_qjl_b6_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, false, true, 6>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, false, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK, SE_MIN_BLOCKS) encode_sphere_oct_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, false, 0>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK) encode_sphere_oct_qjl_f32(SE_ARGS) { sphere_encode_fast<SRC_F32, true, true, 0>(descs, work, status); }
 
 // -------------------------------------------------------------- fallback
