@@ -57,6 +57,12 @@ pub(super) struct CachedPlan {
     img: PagedImage<'static>,
 }
 
+/// `m` locked; a panic of another holder leaves nothing half-done here
+/// (each value is replaced whole), so a poisoned lock is taken as is.
+fn locked<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The body CRC of each page of `pages` when every page header in `buf`
 /// (opened as `archive`) carries a valid header CRC and the body CRC of
 /// its index entry; `None` otherwise (the full checks then name the
@@ -311,7 +317,7 @@ impl Gpu {
         let n = usize::try_from(len).map_err(|_| Error::param("file too large"))?;
         let mut shadow = self.take_shadow(n);
         let r = self.decode_checked_in(&mut shadow, file, len, layer, cache, block_ids);
-        *self.inner.shadow.lock().unwrap_or_else(|e| e.into_inner()) = Some(shadow);
+        *locked(&self.inner.shadow) = Some(shadow);
         r
     }
 
@@ -319,12 +325,7 @@ impl Gpu {
     /// read back zeroed again (a handoff's layers share one length: no
     /// fresh mapping to fault in per layer), or a new one.
     fn take_shadow(&self, n: usize) -> Shadow {
-        let last = self
-            .inner
-            .shadow
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let last = locked(&self.inner.shadow).take();
         match last {
             Some(mut s) if s.bytes.len() == n => {
                 for (o, l) in s.written.drain(..) {
@@ -357,11 +358,7 @@ impl Gpu {
         // back; the page heads this file's index names are read after
         // only when they differ.
         let guess: Vec<(u64, u64)> = {
-            let last = self
-                .inner
-                .frame_heads
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let last = locked(&self.inner.frame_heads);
             match &*last {
                 Some((l, h)) if *l == len => h.clone(),
                 _ => Vec::new(),
@@ -374,7 +371,7 @@ impl Gpu {
         // lie inside this one), so one wait covers both; they count only
         // if this file turns out to have the plan's structure.
         let early = {
-            let last = self.inner.plan.lock().unwrap_or_else(|e| e.into_inner());
+            let last = locked(&self.inner.plan);
             match &*last {
                 Some(c) if c.len == len => {
                     let checks = c.img.device_checks();
@@ -410,11 +407,7 @@ impl Gpu {
         if heads != guess {
             self.read_back(file, &heads, shadow)?;
             clock.mark("page headers read back");
-            *self
-                .inner
-                .frame_heads
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = Some((len, heads));
+            *locked(&self.inner.frame_heads) = Some((len, heads));
         }
         if content {
             let spans = {
@@ -435,12 +428,7 @@ impl Gpu {
                 format!("{shape:?};{:?};{dst:?};{:?}", cache.dtype(), self.options).as_bytes(),
             );
             let key = plan_key(&archive, &shadow.bytes, &tensors, &pages, PAGE_HEAD, &extra)?;
-            let last = self
-                .inner
-                .plan
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take();
+            let last = locked(&self.inner.plan).take();
             match last {
                 Some(mut c) if !content && c.key == key => {
                     match page_crcs(&archive, &shadow.bytes, &pages) {
@@ -493,7 +481,7 @@ impl Gpu {
             .filter(|&(id, _)| reused && id == plan.id)
             .map(|(_, l)| l);
         let r = self.check_and_enqueue(file, &plan.img, cache, clock, reused, early);
-        *self.inner.plan.lock().unwrap_or_else(|e| e.into_inner()) = Some(plan);
+        *locked(&self.inner.plan) = Some(plan);
         r
     }
 
