@@ -471,10 +471,10 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
 #define HQE_ARGS const EncDesc *descs, const uint2 *work, u64 *status
 // Six blocks of BLOCK threads per SM (at most 40 registers). The search is
 // latency-bound (dependent loads of the cell column, list and codewords),
-// so occupancy pays: without the bound the driver's JIT may give this
-// kernel up to 128 registers (ncu, H100: two blocks per SM, 25%
-// occupancy); 5 and 8 blocks per SM measured slower than 6
-// (tests/benches/gpu.md, ninth session).
+// so occupancy pays: without the bound the driver's JIT gave this kernel
+// 64 registers (four blocks per SM), in one build 128 (two); 5 and 8
+// blocks per SM measured slower than 6 (tests/benches/gpu.md, ninth
+// session).
 #define HQE_MIN_BLOCKS 6
 extern "C" __global__ void __launch_bounds__(BLOCK, HQE_MIN_BLOCKS) encode_hqmq_bf16(HQE_ARGS) { hqmq_encode<SRC_BF16>(descs, work, status); }
 extern "C" __global__ void __launch_bounds__(BLOCK, HQE_MIN_BLOCKS) encode_hqmq_f16(HQE_ARGS) { hqmq_encode<SRC_F16>(descs, work, status); }
