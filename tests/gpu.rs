@@ -1277,6 +1277,31 @@ fn encode_hqmq_matches_cpu_bitwise() {
             DType::Bf16,
             layout(4, 0, 0),
         ),
+        // Per-channel centring: the same shapes.
+        (
+            "hqmq:s24r3+ctr",
+            spec(2, 2, 77, 64),
+            DType::F16,
+            layout(32, 0, 0),
+        ),
+        (
+            "hqmq:s5r2+med2+ctr:seed9",
+            spec(1, 3, 70, 12),
+            DType::F32,
+            layout(1, 0, 0),
+        ),
+        (
+            "hqmq:s96r4+med3+ctr",
+            spec(1, 4, 300, 128),
+            DType::Bf16,
+            layout(128, 0, 0),
+        ),
+        (
+            "hqmq:s32r2+ctr:g7",
+            spec(1, 1, 9, 2048),
+            DType::Bf16,
+            layout(4, 0, 0),
+        ),
     ];
     for dev in devices() {
         let mut bytes = 0;
@@ -1398,7 +1423,8 @@ fn encode_group_and_polar_codecs_match_cpu_bitwise() {
 /// Hurwitz units and their halves (exact ties between codewords), values
 /// at the fp16 limit; S with its secondaries in global memory (300) and
 /// above the cell index's range (3000: every chunk through the coset
-/// search); with per-channel gains (zero, subnormal and fp16-limit gains).
+/// search); with per-channel gains and centring (zero, subnormal and
+/// fp16-limit gains, offsets at the fp16 limit).
 #[test]
 fn encode_hqmq_edge_values_match_cpu_bitwise() {
     let mut cache = synthetic(&[spec(1, 3, 48, 32)], DType::F32, 8);
@@ -1434,6 +1460,8 @@ fn encode_hqmq_edge_values_match_cpu_bitwise() {
             // Gains: zero channels (gain 0), subnormal and fp16-limit gains.
             "hqmq:s24r3+chan",
             "hqmq:s5r2+med1+chan",
+            "hqmq:s24r3+ctr",
+            "hqmq:s5r2+med1+ctr",
         ] {
             bytes += check_encode(&dev, &cache, codec, layout(16, 0, 0));
         }

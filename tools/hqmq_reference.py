@@ -214,8 +214,9 @@ def hqmq_params(p: bytes):
     e = (m & -m).bit_length() - 1
     o = m >> e
     w = (o**g - 1).bit_length()
-    assert flags & ~3 == 0, "unknown hqmq flag bits"
-    return dict(S=s, b=b, G=g, med=bool(flags & 1), chan=bool(flags & 2), seed=seed, E=e, O=o, W=w)
+    assert flags & ~7 == 0, "unknown hqmq flag bits"
+    assert flags & 6 != 6, "+chan and +ctr both set"
+    return dict(S=s, b=b, G=g, med=bool(flags & 1), chan=bool(flags & 6), ctr=bool(flags & 4), seed=seed, E=e, O=o, W=w)
 
 
 def decode_hqmq_page(prm, sections, layer, kind, heads, planes, tokens, d, codebooks):
@@ -226,9 +227,11 @@ def decode_hqmq_page(prm, sections, layer, kind, heads, planes, tokens, d, codeb
     scales = sections[(1, 0)]
     out_tab = parse_outliers(sections[(4, 0)][1], n) if prm["med"] else {}
     assert ((4, 0) in sections) == prm["med"]
-    # +chan: gain per (plane, channel), SCALE stream 1 (hqmq.md section 10).
+    # +chan: gain per (plane, channel), SCALE stream 1 (hqmq.md section 10);
+    # +ctr: per plane d gains then d offsets (section 11).
     assert ((1, 1) in sections) == prm["chan"]
-    gains = [f16(int.from_bytes(sections[(1, 1)][1][2 * i : 2 * i + 2], "little")) for i in range(planes * d)] if prm["chan"] else None
+    per = 2 * d if prm["ctr"] else d
+    side = [f16(int.from_bytes(sections[(1, 1)][1][2 * i : 2 * i + 2], "little")) for i in range(planes * per)] if prm["chan"] else None
     n_in = n - len(out_tab)
     lows = unpack(sections[(3, 0)][1], n_in, prm["E"])
     groups = unpack(sections[(3, 1)][1], -(-n_in // prm["G"]), prm["W"])
@@ -260,9 +263,11 @@ def decode_hqmq_page(prm, sections, layer, kind, heads, planes, tokens, d, codeb
                 j, q = v >> prm["b"], v & ((1 << prm["b"]) - 1)
                 rh = mul(float(q), step)
                 x = [mul(rh, cw) for cw in joint[j]]
-            if gains is not None:
-                p0 = (r // tokens) * d + 4 * c
-                x = [mul(xt, gains[p0 + t]) for t, xt in enumerate(x)]
+            if side is not None:
+                p0 = (r // tokens) * per + 4 * c
+                x = [mul(xt, side[p0 + t]) for t, xt in enumerate(x)]
+                if prm["ctr"]:
+                    x = [add(xt, side[p0 + d + t]) for t, xt in enumerate(x)]
             out.extend(x)
     return out
 

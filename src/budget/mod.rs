@@ -103,11 +103,12 @@ struct Candidate {
 
 impl Candidate {
     /// True when a page's coding depends on which rows share it (hqmq's
-    /// `+chan` gains are each channel's largest value in the page): its
+    /// `+chan` gains are each channel's largest value in the page, `+ctr`
+    /// offsets its mean): its
     /// sample is coded once per sink window, without the window's rows,
     /// as the file codes the pages after the window.
     fn windowed(&self) -> bool {
-        self.hqmq.as_ref().is_some_and(|h| h.channel_gains)
+        self.hqmq.as_ref().is_some_and(|h| h.channels.has_gains())
     }
 }
 

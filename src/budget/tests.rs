@@ -171,7 +171,9 @@ fn windowed_candidates_are_measured_per_sink_window() {
     let rows = load_rows(&view.tensors[t], &sample);
     let n = sample.len();
     let d = info.head_dim as usize;
-    let chan = Hqmq::new(24, 3, None, 0).unwrap().with_channel_gains(true);
+    let chan = Hqmq::new(24, 3, None, 0)
+        .unwrap()
+        .with_channels(hqmq::Channels::Gains);
     for &sink in candidates::SINKS {
         let e = exact_rows(&sample, sink);
         let after = rows_after(&rows, n, d, e);

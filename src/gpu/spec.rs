@@ -147,8 +147,8 @@ pub enum KernelCodec {
         o: u32,
         /// Outlier extraction (`+med{C}`).
         med: bool,
-        /// Per-channel gains (`+chan`).
-        chan: bool,
+        /// Per-channel gains (`+chan`) or centring (`+ctr`).
+        chan: crate::codec::hqmq::Channels,
     },
 }
 

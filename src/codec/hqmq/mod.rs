@@ -1,4 +1,4 @@
-//! `hqmq:s{S}r{b}[+med{C}][+chan]`: Hurwitz-quaternion multiplicative vector
+//! `hqmq:s{S}r{b}[+med{C}][+chan|+ctr]`: Hurwitz-quaternion multiplicative vector
 //! quantization (Swain et al., "Hurwitz Quaternion Multiplicative
 //! Quantization for KV Cache Compression", arXiv:2605.27646; bitstream in
 //! format/codecs/hqmq.md).
@@ -28,6 +28,17 @@
 //! KVQuant, arXiv:2401.18079, section 3.1, which both quantize keys per
 //! channel); the per-token radius scale then spends its levels on them.
 //! Gains put every channel on one scale first. Not part of the HQMQ paper.
+//!
+//! With `+ctr` every page first subtracts from each channel its mean over
+//! the page's tokens (an fp16 offset) and divides the rest by the square
+//! root of its largest remaining magnitude (an fp16 gain); the decoder
+//! multiplies the gain back and adds the offset. Keys of most models carry
+//! a per-channel offset common to all tokens (a constant vector added to
+//! every key changes no attention weight, since softmax ignores a constant
+//! added to every score), which otherwise takes most of each chunk's
+//! radius; the square root puts the channels on closer scales than the raw
+//! keys without flattening them as `+chan` does. Not part of the HQMQ
+//! paper (format/codecs/hqmq.md section 11).
 //!
 //! The `(direction, radius)` symbol of a chunk takes one of `24 S 2^b`
 //! values; it is split into its low `E` bits and a base-`O` digit (`24 S
@@ -64,8 +75,8 @@ pub const MAX_S: u32 = 65_536;
 pub const FAMILY: Family = Family {
     id: ID,
     name: "hqmq",
-    syntax: "hqmq:s{S}r{b}[+med{C}][+chan] e.g. hqmq:s96r4+med3",
-    summary: "Hurwitz-quaternion multiplicative VQ of 4-element chunks, fp16 outliers, per-channel gains (:seed{N})",
+    syntax: "hqmq:s{S}r{b}[+med{C}][+chan|+ctr] e.g. hqmq:s96r4+med3",
+    summary: "Hurwitz-quaternion multiplicative VQ of 4-element chunks, fp16 outliers, per-channel gains or centring (:seed{N})",
     parse: params::parse_family,
     from_params: |p| Ok(Box::new(params::from_params(p)?)),
     examples: &[
@@ -89,8 +100,46 @@ pub const FAMILY: Family = Family {
             name: "hqmq:s12r2+med4+chan",
             min_snr_db: 6.0,
         },
+        Example {
+            name: "hqmq:s24r3+ctr",
+            min_snr_db: 8.0,
+        },
+        Example {
+            name: "hqmq:s12r2+med4+ctr",
+            min_snr_db: 6.0,
+        },
     ],
 };
+
+/// What an hqmq page does to each channel (one of the `head_dim`
+/// coordinates of one kv head) before coding, and the decoder undoes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Channels {
+    /// Nothing: the paper's HQMQ.
+    #[default]
+    Off,
+    /// `+chan` (format flag bit 1): divide by the channel's largest
+    /// magnitude in the page, an fp16 gain stored in the page
+    /// (format/codecs/hqmq.md section 10).
+    Gains,
+    /// `+ctr` (format flag bit 2): subtract the channel's mean over the
+    /// page's tokens (an fp16 offset) and divide by the square root of the
+    /// largest remaining magnitude (an fp16 gain), both stored in the page
+    /// (format/codecs/hqmq.md section 11).
+    Centred,
+}
+
+impl Channels {
+    /// True when pages store a gain per plane and channel (SCALE stream 1).
+    pub fn has_gains(self) -> bool {
+        self != Channels::Off
+    }
+
+    /// True when pages store an offset per plane and channel (SCALE stream 2).
+    pub fn has_offsets(self) -> bool {
+        self == Channels::Centred
+    }
+}
 
 /// An HQMQ configuration. Immutable; caches the codebooks it builds.
 #[derive(Debug)]
@@ -106,11 +155,9 @@ pub struct Hqmq {
     pub seed: u64,
     /// Mixed-radix grouping of the direction digits.
     pub groups: Groups,
-    /// `+chan`: every page divides each channel of each plane by its
-    /// largest magnitude in the page (an fp16 gain stored in the page)
-    /// before coding, and the decoder multiplies it back
-    /// (format/codecs/hqmq.md "Channel gains"). Off by default.
-    pub channel_gains: bool,
+    /// The per-channel treatment of every page before coding (`+chan`,
+    /// `+ctr`; [`Channels`]). [`Channels::Off`] by default.
+    pub channels: Channels,
     cache: Arc<Cache>,
 }
 
@@ -170,17 +217,15 @@ impl Hqmq {
             outlier_multiplier,
             seed,
             groups,
-            channel_gains: false,
+            channels: Channels::Off,
             cache: Arc::default(),
         })
     }
 
-    /// This configuration with per-channel gains (`+chan`) on or off.
-    pub fn with_channel_gains(self, on: bool) -> Hqmq {
-        Hqmq {
-            channel_gains: on,
-            ..self
-        }
+    /// This configuration with the per-channel treatment `channels`
+    /// (`+chan`, `+ctr` or none).
+    pub fn with_channels(self, channels: Channels) -> Hqmq {
+        Hqmq { channels, ..self }
     }
 
     /// Radius levels minus one, `L = 2^b - 1`.
@@ -261,7 +306,8 @@ pub struct Trial {
     /// Section payload bytes (the `data` of every section).
     pub payload: u64,
     /// The part of `payload` that a page has whatever its token count:
-    /// the channel gains of `+chan` (`2 * planes * head_dim` bytes), else 0.
+    /// the channel gains of `+chan` (`2 * planes * head_dim` bytes), the
+    /// gains and offsets of `+ctr` (twice that), else 0.
     pub per_page: u64,
     /// Number of sections.
     pub sections: usize,
@@ -269,14 +315,14 @@ pub struct Trial {
 
 /// Work that hqmq configurations encoding the same page share
 /// ([`Hqmq::encode_shared`]): the page's chunks and radii, and the
-/// direction search of each `(S, seed)` met so far; one slot for plain
-/// configurations and one for `+chan` (their chunks differ). One per page.
+/// direction search of each `(S, seed)` met so far; one slot per
+/// [`Channels`] treatment (their chunks differ). One per page.
 #[derive(Debug, Clone, Default)]
 pub struct Shared {
-    slots: [Slot; 2],
+    slots: [Slot; 3],
 }
 
-/// The chunks of a page as configurations with or without channel gains
+/// The chunks of a page as configurations of one [`Channels`] treatment
 /// see them, and their direction searches.
 #[derive(Debug, Clone, Default)]
 struct Slot {

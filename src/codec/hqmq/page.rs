@@ -8,6 +8,7 @@
 //! |---|---|---|---|---|
 //! | SCALE | 0 | f16 | `R` | per-row radius scale `sigma_r` |
 //! | SCALE | 1 | f16 | `planes * head_dim` | only with `+chan`: per-channel gain `g_{p,c}` |
+//! | SCALE | 1 | f16 | `2 * planes * head_dim` | only with `+ctr`: per plane the gains `g_{p,c}`, then the offsets `m_{p,c}` |
 //! | INDEX | 0 | packed, `E` bits | `n_in` | low `E` bits of each inlier symbol |
 //! | INDEX | 1 | bytes | `ceil(ceil(n_in/G) W / 8)` | base-`O` digits of the symbols, mixed radix |
 //! | OUTLIERS | 0 | bytes | table | only with `+med{C}`: unit 4, fp16 chunks |
@@ -20,7 +21,7 @@ use crate::kernels::bitpack;
 
 use super::super::outliers::OutlierTable;
 use super::super::{PageIn, PageOut, expect_section, expect_section_count};
-use super::{Directions, Hqmq, Shared, search};
+use super::{Channels, Directions, Hqmq, Shared, search};
 
 /// `1.5 * 2^23`: `(t + M) - M` rounds `t` in `[0, 2^22]` to the nearest
 /// integer, ties to even.
@@ -46,18 +47,23 @@ fn f16_ceil(v: f32) -> Option<f16> {
 #[derive(Debug, Clone)]
 pub(super) struct Chunks {
     /// Component `k` of chunk `i` (row `i / n_c`, chunk `i % n_c`) at
-    /// `xs[k][i]`, divided by its channel's gain with `+chan`.
+    /// `xs[k][i]`, divided by its channel's gain with `+chan`, less its
+    /// channel's offset and then divided by its gain with `+ctr`.
     xs: [Vec<f32>; 4],
-    /// With `+chan`: the gain of channel `c` of plane `p` at `[p * head_dim
-    /// + c]` (fp16 values), else empty.
+    /// With `+chan` or `+ctr`: the gain of channel `c` of plane `p` at `[p
+    /// * head_dim + c]` (fp16 values), else empty.
     gains: Vec<f32>,
+    /// With `+ctr`: the offset of channel `c` of plane `p` at `[p *
+    /// head_dim + c]` (fp16 values), else empty.
+    offsets: Vec<f32>,
     /// `|x_i|`: `sqrt(((a*a + b*b) + c*c) + d*d)` in binary32.
     radii: Vec<f32>,
 }
 
 /// The chunks of `page` (`n` of them, `nc` per row) and their radii; with
-/// `gains`, each channel of each plane divided by its gain first
-/// (format/codecs/hqmq.md encoding rule 1, "Gains").
+/// `+chan`, each channel of each plane divided by its gain first
+/// (format/codecs/hqmq.md encoding rule 1, "Gains"); with `+ctr`, centred
+/// and divided by its gain (rule 1, "Centring").
 ///
 /// # Errors
 /// [`Error::Parameter`] naming the row of a value that is not finite or
@@ -67,7 +73,7 @@ fn load_chunks(
     page: &PageIn<'_>,
     n: usize,
     nc: usize,
-    gains: bool,
+    channels: Channels,
     at_row: impl Fn(usize) -> String,
 ) -> Result<Chunks> {
     let d = 4 * nc;
@@ -96,10 +102,13 @@ fn load_chunks(
             }
         }
     }
-    let gains = if gains {
-        divide_by_gains(&mut xs, page.tokens as usize, nc)
-    } else {
-        Vec::new()
+    let (gains, offsets) = match channels {
+        Channels::Off => (Vec::new(), Vec::new()),
+        Channels::Gains => (
+            divide_by_gains(&mut xs, page.tokens as usize, nc),
+            Vec::new(),
+        ),
+        Channels::Centred => centre(&mut xs, page.tokens as usize, nc),
     };
     let mut radii = vec![0f32; n];
     for ((((r, &a), &b), &c), &e) in radii
@@ -111,7 +120,12 @@ fn load_chunks(
     {
         *r = (((a * a + b * b) + c * c) + e * e).sqrt();
     }
-    Ok(Chunks { xs, radii, gains })
+    Ok(Chunks {
+        xs,
+        radii,
+        gains,
+        offsets,
+    })
 }
 
 /// Per-channel gains (format/codecs/hqmq.md encoding rule 1, "Gains"): for every
@@ -146,6 +160,59 @@ fn divide_by_gains(xs: &mut [Vec<f32>; 4], t: usize, nc: usize) -> Vec<f32> {
         }
     }
     gains
+}
+
+/// Per-channel centring (format/codecs/hqmq.md encoding rule 1,
+/// "Centring"): for every plane of `t` rows of `nc` chunks and channel `c`
+/// (component `c % 4` of chunk `c / 4`), the offset `m_c` = the fp16
+/// rounding (nearest, ties to even) of `s_c / f32(t)`, `s_c` the binary32
+/// sum of the channel's values in row order; the gain `g_c` = the smallest
+/// fp16 value `>= sqrt(max |x - m_c|)` (binary32 subtraction and correctly
+/// rounded square root); every value becomes `(x - m_c) / g_c` (`0` where
+/// `g_c = 0`). Returns `(gains, offsets)`, each `[plane][head_dim]`.
+fn centre(xs: &mut [Vec<f32>; 4], t: usize, nc: usize) -> (Vec<f32>, Vec<f32>) {
+    let planes = xs[0].len() / (t * nc).max(1);
+    let mut gains = vec![0f32; planes * 4 * nc];
+    let mut offsets = vec![0f32; planes * 4 * nc];
+    for p in 0..planes {
+        let span = p * t * nc..(p + 1) * t * nc;
+        for (k, comp) in xs.iter_mut().enumerate() {
+            let plane = &mut comp[span.clone()];
+            // Sums in row order (the loop over c vectorizes; each channel's
+            // additions stay in row order, as the rule says).
+            let mut sum = vec![0f32; nc];
+            for row in plane.chunks_exact(nc) {
+                for (s, v) in sum.iter_mut().zip(row) {
+                    *s += v;
+                }
+            }
+            // |x| <= 65504, so the mean is in the fp16 range.
+            let mean: Vec<f32> = sum
+                .iter()
+                .map(|s| f16::from_f32(s / t as f32).to_f32())
+                .collect();
+            let mut dev = vec![0f32; nc];
+            for row in plane.chunks_exact(nc) {
+                for ((d, v), m) in dev.iter_mut().zip(row).zip(&mean) {
+                    *d = d.max((v - m).abs());
+                }
+            }
+            for c in 0..nc {
+                // dev <= 131008, so sqrt(dev) < 362 has an fp16 ceiling.
+                gains[p * 4 * nc + 4 * c + k] =
+                    f16_ceil(dev[c].sqrt()).map_or(F16_MAX, f16::to_f32);
+                offsets[p * 4 * nc + 4 * c + k] = mean[c];
+            }
+            let g = &gains[p * 4 * nc..(p + 1) * 4 * nc];
+            for row in plane.chunks_exact_mut(nc) {
+                for ((c, v), m) in row.iter_mut().enumerate().zip(&mean) {
+                    let gc = g[4 * c + k];
+                    *v = if gc > 0.0 { (*v - m) / gc } else { 0.0 };
+                }
+            }
+        }
+    }
+    (gains, offsets)
 }
 
 /// What [`encode`] returns: the page's sections, or (with a
@@ -231,10 +298,9 @@ fn encode_page(
     let fresh_chunks;
     let (chunks, dirs): (&Chunks, Option<&mut Vec<Directions>>) = match shared {
         Some(shared) => {
-            let super::Slot { chunks, directions } =
-                &mut shared.slots[usize::from(h.channel_gains)];
+            let super::Slot { chunks, directions } = &mut shared.slots[h.channels as usize];
             if chunks.as_ref().is_none_or(|c| c.radii.len() != n) {
-                *chunks = Some(load_chunks(page, n, nc, h.channel_gains, at_row)?);
+                *chunks = Some(load_chunks(page, n, nc, h.channels, at_row)?);
                 directions.clear();
             }
             (
@@ -243,11 +309,12 @@ fn encode_page(
             )
         }
         None => {
-            fresh_chunks = load_chunks(page, n, nc, h.channel_gains, at_row)?;
+            fresh_chunks = load_chunks(page, n, nc, h.channels, at_row)?;
             (&fresh_chunks, None)
         }
     };
-    let (xs, radii, gains) = (&chunks.xs, &chunks.radii, &chunks.gains);
+    let (xs, radii) = (&chunks.xs, &chunks.radii);
+    let (gains, offsets) = (&chunks.gains, &chunks.offsets);
 
     // Med-C outlier extraction per plane: r > C * lower median.
     let per_plane = t * nc;
@@ -393,6 +460,12 @@ fn encode_page(
                             *v *= g;
                         }
                     }
+                    if !offsets.is_empty() {
+                        let m = &offsets[p * d + 4 * (i % nc)..][..4];
+                        for (v, m) in o.iter_mut().zip(m) {
+                            *v += m;
+                        }
+                    }
                 }
             }
         }
@@ -406,8 +479,9 @@ fn encode_page(
     if sizes_only {
         // The sizes of the sections below, without packing the symbols.
         let mut n_in = n;
-        let mut sections = 3 + usize::from(h.channel_gains);
-        let mut payload = scales.len() + 2 * gains.len();
+        let mut sections = 3 + usize::from(!gains.is_empty());
+        let side = 2 * (gains.len() + offsets.len());
+        let mut payload = scales.len() + side;
         if h.outlier_multiplier.is_some() {
             for (i, _) in outlier.iter().enumerate().filter(|(_, o)| **o) {
                 table.push(i as u32, &[xs[0][i], xs[1][i], xs[2][i], xs[3][i]]);
@@ -419,7 +493,7 @@ fn encode_page(
         payload += bitpack::packed_len(n_in, e) + h.groups.packed_len(n_in);
         return Ok(Coded::Sizes(super::Trial {
             payload: payload as u64,
-            per_page: 2 * gains.len() as u64,
+            per_page: side as u64,
             sections,
         }));
     }
@@ -457,16 +531,22 @@ fn encode_page(
         count: count(rows)?,
         data: scales,
     }];
-    if h.channel_gains {
+    if !gains.is_empty() {
+        // Per plane its gains, then (+ctr) its offsets.
+        let mut data = Vec::with_capacity(2 * (gains.len() + offsets.len()));
+        for p in 0..planes {
+            for side in [gains, offsets] {
+                for v in side.get(p * d..(p + 1) * d).unwrap_or_default() {
+                    data.extend_from_slice(&f16::from_f32(*v).to_le_bytes());
+                }
+            }
+        }
         sections.push(Section {
             kind: SectionKind::Scale,
             stream: 1,
             elem: ElemType::F16,
-            count: count(gains.len())?,
-            data: gains
-                .iter()
-                .flat_map(|g| f16::from_f32(*g).to_le_bytes())
-                .collect(),
+            count: count(data.len() / 2)?,
+            data,
         });
     }
     sections.extend([
@@ -490,8 +570,9 @@ fn encode_page(
 pub(crate) struct HqmqPage<'p> {
     /// SCALE stream 0: f16 radius scale per row, finite and non-negative.
     pub scales: &'p [u8],
-    /// SCALE stream 1 (`+chan`): f16 gain per plane and channel, finite
-    /// and non-negative; empty without `+chan`.
+    /// SCALE stream 1, `[plane][head_dim]` f16 gains (`+chan`, finite and
+    /// non-negative) or `[plane][2][head_dim]` gains then offsets (`+ctr`,
+    /// offsets finite); empty without either.
     pub gains: &'p [u8],
     /// The outlier table (empty without `+med`), finite values.
     pub table: OutlierTable,
@@ -505,8 +586,9 @@ pub(crate) struct HqmqPage<'p> {
 
 /// The checked layout of a page of `rows` rows (`planes` planes) of
 /// `head_dim` channels for a codec with outlier extraction `med`, channel
-/// gains `chan`, `e` low bits and digit grouping `groups`: exactly the sections of format/codecs/hqmq.md with their
-/// element types and counts, finite non-negative scales, a valid outlier
+/// treatment `channels`, `e` low bits and digit grouping `groups`: exactly
+/// the sections of format/codecs/hqmq.md with their element types and
+/// counts, finite non-negative scales and gains, finite offsets, a valid outlier
 /// table with finite values, zero padding bits. The CPU decoder and the
 /// GPU staging both read pages through it.
 ///
@@ -517,7 +599,7 @@ pub(crate) struct HqmqPage<'p> {
 pub(crate) fn page_layout<'p>(
     page: &'p PageView<'_>,
     med: bool,
-    chan: bool,
+    channels: Channels,
     planes: usize,
     e: u32,
     groups: &crate::kernels::radix::Groups,
@@ -536,16 +618,29 @@ pub(crate) fn page_layout<'p>(
             "SCALE of row {r} holds {s}; radius scales must be finite and non-negative"
         )));
     }
-    let gains = if chan {
-        let g = expect_section(page, SectionKind::Scale, 1, ElemType::F16, planes * d)?;
-        if let Some(i) = first_bad_f16(g) {
-            let v = f16::from_le_bytes([g[2 * i], g[2 * i + 1]]);
-            return Err(page.error(format!(
-                "SCALE stream 1 (channel gains) of plane {} channel {} holds {v}; gains must be \
-                 finite and non-negative",
-                i / d,
-                i % d
-            )));
+    let gains = if channels.has_gains() {
+        // Per plane: head_dim gains, then with +ctr head_dim offsets.
+        let per = if channels.has_offsets() { 2 * d } else { d };
+        let g = expect_section(page, SectionKind::Scale, 1, ElemType::F16, planes * per)?;
+        for (p, block) in g.chunks_exact(2 * per).enumerate() {
+            let (gs, ms) = block.split_at(2 * d);
+            if let Some(c) = first_bad_f16(gs) {
+                let v = f16::from_le_bytes([gs[2 * c], gs[2 * c + 1]]);
+                return Err(page.error(format!(
+                    "SCALE stream 1 (channel gains) of plane {p} channel {c} holds {v}; gains \
+                     must be finite and non-negative"
+                )));
+            }
+            if let Some(c) = ms
+                .chunks_exact(2)
+                .position(|x| u16::from_le_bytes([x[0], x[1]]) & 0x7c00 == 0x7c00)
+            {
+                let v = f16::from_le_bytes([ms[2 * c], ms[2 * c + 1]]);
+                return Err(page.error(format!(
+                    "SCALE stream 1 (channel offsets) of plane {p} channel {c} holds {v}; \
+                     offsets must be finite"
+                )));
+            }
         }
         g
     } else {
@@ -579,7 +674,10 @@ pub(crate) fn page_layout<'p>(
         ElemType::Bytes,
         groups.packed_len(n_in),
     )?;
-    expect_section_count(page, 3 + usize::from(has_table) + usize::from(chan))?;
+    expect_section_count(
+        page,
+        3 + usize::from(has_table) + usize::from(channels.has_gains()),
+    )?;
     if !bitpack::tail_is_zero(low, n_in, e) {
         return Err(page.error("INDEX stream 0: padding bits after the last code are set"));
     }
@@ -633,17 +731,21 @@ fn decode_page(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<(
     } = page_layout(
         page,
         h.outlier_multiplier.is_some(),
-        h.channel_gains,
+        h.channels,
         planes,
         e,
         &h.groups,
         rows,
         d,
     )?;
-    let gains: Vec<f32> = gains
-        .chunks_exact(2)
-        .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-        .collect();
+    let widen = |b: &[u8]| -> Vec<f32> {
+        b.chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect()
+    };
+    let side = widen(gains);
+    // Per plane: gains at [0, d), offsets (+ctr) at [d, 2d).
+    let per = if h.channels.has_offsets() { 2 * d } else { d };
     let mut low = vec![0u32; n_in];
     bitpack::unpack_u32(low_bytes, e, &mut low);
     let mut high = vec![0u32; n_in];
@@ -684,9 +786,13 @@ fn decode_page(h: &Hqmq, page: &PageView<'_>, out: &mut PageOut<'_>) -> Result<(
                 dst[2] = rh * cw[2];
                 dst[3] = rh * cw[3];
             }
-            if !gains.is_empty() {
-                for (v, g) in row.iter_mut().zip(&gains[p * d..(p + 1) * d]) {
+            if !side.is_empty() {
+                let plane = &side[p * per..(p + 1) * per];
+                for (v, g) in row.iter_mut().zip(&plane[..d]) {
                     *v *= g;
+                }
+                for (v, m) in row.iter_mut().zip(&plane[d..]) {
+                    *v += m;
                 }
             }
             out.store_row(r, &row);
@@ -863,7 +969,9 @@ mod tests {
     /// missing, extra, negative or infinite gains are format errors.
     #[test]
     fn channel_gains() {
-        let h = Hqmq::new(24, 3, None, 5).unwrap().with_channel_gains(true);
+        let h = Hqmq::new(24, 3, None, 5)
+            .unwrap()
+            .with_channels(Channels::Gains);
         let mut v = values();
         for (i, x) in v.iter_mut().enumerate() {
             if i % D == 3 {
@@ -945,6 +1053,111 @@ mod tests {
         assert!(decode(&plain, &good).unwrap_err().is_format());
     }
 
+    /// `+ctr`: the offsets are each channel's mean (row-order binary32
+    /// sum over the page's tokens, rounded to fp16), the gains the fp16
+    /// ceiling of the square root of the largest centred magnitude; a page
+    /// whose channels carry large common offsets decodes far closer than
+    /// without centring; missing, extra or non-finite offsets, gains
+    /// without offsets and offsets under another codec are format errors.
+    #[test]
+    fn channel_centring() {
+        let h = Hqmq::new(24, 3, None, 5)
+            .unwrap()
+            .with_channels(Channels::Centred);
+        let mut v = values();
+        for (i, x) in v.iter_mut().enumerate() {
+            match i % D {
+                3 => *x += 40.0,           // a large common offset
+                5 => *x = 0.25 * *x - 7.5, // a small channel around an offset
+                9 => *x = -3.0,            // constant: gain 0, decodes exactly
+                _ => {}
+            }
+        }
+        let (ti, page_values) = (info(), v.clone());
+        let page = PageIn {
+            source: None,
+            tensor: &ti,
+            token_start: 0,
+            tokens: T as u32,
+            planes: page_values.chunks(T * D).map(Elems::F32).collect(),
+        };
+        let good = h.encode(&page).unwrap();
+        let side = section_mut(&mut good.clone(), SectionKind::Scale, 1)
+            .data
+            .clone();
+        let at = |i: usize| f16::from_le_bytes([side[2 * i], side[2 * i + 1]]).to_f32();
+        assert_eq!(side.len(), 2 * 2 * 2 * D);
+        for p in 0..2 {
+            for c in 0..D {
+                let col = |t: usize| v[p * T * D + t * D + c];
+                let sum = (0..T).fold(0f32, |s, t| s + col(t));
+                let m = f16::from_f32(sum / T as f32).to_f32();
+                assert_eq!(at(2 * p * D + D + c), m, "plane {p} channel {c}");
+                let dev = (0..T).map(|t| (col(t) - m).abs()).fold(0f32, f32::max);
+                let g = at(2 * p * D + c);
+                if dev == 0.0 {
+                    assert_eq!(g, 0.0, "plane {p} channel {c}");
+                } else {
+                    let below = f16::from_bits(f16::from_f32(g).to_bits() - 1).to_f32();
+                    let r = dev.sqrt();
+                    assert!(g >= r && below < r, "plane {p} channel {c}: {g} for {r}");
+                }
+            }
+        }
+        let dec = decode_page_of(&h, &ti, &good);
+        let plain = Hqmq::new(24, 3, None, 5).unwrap();
+        let dec0 = decode_page_of(&plain, &ti, &plain.encode(&page).unwrap());
+        let err = |d: &[f32]| -> f32 { d.iter().zip(&v).map(|(a, b)| (a - b) * (a - b)).sum() };
+        assert!(
+            err(&dec) < 0.25 * err(&dec0),
+            "{} vs {}",
+            err(&dec),
+            err(&dec0)
+        );
+        assert!(
+            dec.iter()
+                .enumerate()
+                .all(|(i, x)| i % D != 9 || *x == -3.0)
+        );
+
+        // Plane 1's offsets start at f16 3 D (byte 6 D).
+        let edits: [(&str, Edit); 6] = [
+            ("missing gains and offsets", |s| {
+                s.retain(|x| !(x.kind == SectionKind::Scale && x.stream == 1))
+            }),
+            ("offsets cut (a +chan count)", |s| {
+                let x = section_mut(s, SectionKind::Scale, 1);
+                x.count /= 2;
+                x.data.truncate(x.data.len() / 2);
+            }),
+            ("infinite offset", |s| {
+                let x = section_mut(s, SectionKind::Scale, 1);
+                x.data[6 * D + 2] = 0x00;
+                x.data[6 * D + 3] = 0xFC;
+            }),
+            ("NaN offset", |s| {
+                let x = section_mut(s, SectionKind::Scale, 1);
+                x.data[2 * D + 4] = 0x01;
+                x.data[2 * D + 5] = 0x7C;
+            }),
+            ("negative gain of plane 1", |s| {
+                section_mut(s, SectionKind::Scale, 1).data[4 * D + 1] |= 0x80
+            }),
+            ("an extra stream", |s| {
+                let mut x = section_mut(s, SectionKind::Scale, 1).clone();
+                x.stream = 2;
+                s.push(x);
+            }),
+        ];
+        assert_rejected(&h, &good, &edits);
+        // Offsets where the codec has none.
+        let chan = Hqmq::new(24, 3, None, 5)
+            .unwrap()
+            .with_channels(Channels::Gains);
+        assert!(decode(&plain, &good).unwrap_err().is_format());
+        assert!(decode(&chan, &good).unwrap_err().is_format());
+    }
+
     /// Decodes `sections` as one page of `ti` (`tokens` rows per plane,
     /// f32) through the public frame path.
     fn decode_page_of(h: &Hqmq, ti: &TensorInfo, sections: &[Section]) -> Vec<f32> {
@@ -1002,6 +1215,9 @@ mod tests {
             "hqmq:s24r3+chan",
             "hqmq:s96r4+chan",
             "hqmq:s12r2+med3+chan",
+            "hqmq:s24r3+ctr",
+            "hqmq:s96r4+ctr",
+            "hqmq:s12r2+med3+ctr",
         ];
         let codecs: Vec<Hqmq> = names
             .iter()

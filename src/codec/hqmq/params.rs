@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 use crate::kernels::radix::Groups;
 
 use super::super::Codec;
-use super::Hqmq;
+use super::{Channels, Hqmq};
 
 /// Parameter block length in bytes.
 pub const PARAMS_LEN: usize = 24;
@@ -13,16 +13,20 @@ pub const PARAMS_LEN: usize = 24;
 const FLAG_OUTLIERS: u8 = 1;
 /// Flag bit 1: per-channel gains (`+chan`).
 const FLAG_CHANNELS: u8 = 2;
+/// Flag bit 2: per-channel centring (`+ctr`); never with bit 1.
+const FLAG_CENTRED: u8 = 4;
 
 /// Canonical name: `hqmq:s{S}r{b}`, then `+med{C}` with outliers, `+chan`
-/// with channel gains, then `:seed{N}` for a non-zero seed and `:g{G}` for a non-default grouping.
+/// with channel gains or `+ctr` with centring, then `:seed{N}` for a non-zero seed and `:g{G}` for a non-default grouping.
 pub(super) fn name(h: &Hqmq) -> String {
     let mut n = format!("hqmq:s{}r{}", h.secondaries, h.radius_bits);
     if let Some(c) = h.outlier_multiplier {
         n.push_str(&format!("+med{c}"));
     }
-    if h.channel_gains {
-        n.push_str("+chan");
+    match h.channels {
+        Channels::Off => {}
+        Channels::Gains => n.push_str("+chan"),
+        Channels::Centred => n.push_str("+ctr"),
     }
     if h.seed != 0 {
         n.push_str(&format!(":seed{}", h.seed));
@@ -40,7 +44,7 @@ pub(super) fn name(h: &Hqmq) -> String {
 /// | 0 | 4 | `S`, u32 |
 /// | 4 | 1 | radius bits `b` |
 /// | 5 | 1 | digits per group `G` |
-/// | 6 | 1 | flags (bit 0: outlier extraction; bit 1: channel gains) |
+/// | 6 | 1 | flags (bit 0: outlier extraction; bit 1: channel gains; bit 2: centring) |
 /// | 7 | 1 | reserved, 0 |
 /// | 8 | 4 | `C`, f32 (0 without outliers) |
 /// | 12 | 4 | reserved, 0 |
@@ -54,9 +58,11 @@ pub(super) fn to_bytes(h: &Hqmq) -> Vec<u8> {
     if h.outlier_multiplier.is_some() {
         flags |= FLAG_OUTLIERS;
     }
-    if h.channel_gains {
-        flags |= FLAG_CHANNELS;
-    }
+    flags |= match h.channels {
+        Channels::Off => 0,
+        Channels::Gains => FLAG_CHANNELS,
+        Channels::Centred => FLAG_CENTRED,
+    };
     p.push(flags);
     p.push(0);
     p.extend_from_slice(&h.outlier_multiplier.unwrap_or(0.0).to_le_bytes());
@@ -70,7 +76,7 @@ pub(super) fn to_bytes(h: &Hqmq) -> Vec<u8> {
 ///
 /// # Errors
 /// [`Error::Parameter`] for a wrong length, reserved bytes or unknown flag
-/// bits set, or any field out of range.
+/// bits set, flag bits 1 and 2 both set, or any field out of range.
 pub(crate) fn from_params(p: &[u8]) -> Result<Hqmq> {
     if p.len() != PARAMS_LEN {
         return Err(Error::param(format!(
@@ -80,11 +86,23 @@ pub(crate) fn from_params(p: &[u8]) -> Result<Hqmq> {
     }
     let u32_at = |o: usize| u32::from_le_bytes(p[o..o + 4].try_into().expect("4 bytes"));
     let (s, b, g, flags) = (u32_at(0), p[4], p[5], p[6]);
-    if p[7] != 0 || u32_at(12) != 0 || flags & !(FLAG_OUTLIERS | FLAG_CHANNELS) != 0 {
+    if p[7] != 0 || u32_at(12) != 0 || flags & !(FLAG_OUTLIERS | FLAG_CHANNELS | FLAG_CENTRED) != 0
+    {
         return Err(Error::param(format!(
             "hqmq parameters have reserved bytes or flag bits set: {p:02x?}"
         )));
     }
+    let channels = match (flags & FLAG_CHANNELS != 0, flags & FLAG_CENTRED != 0) {
+        (false, false) => Channels::Off,
+        (true, false) => Channels::Gains,
+        (false, true) => Channels::Centred,
+        (true, true) => {
+            return Err(Error::param(
+                "hqmq parameters: flag bits 1 (+chan) and 2 (+ctr) are both set; a codec has \
+                 at most one channel treatment",
+            ));
+        }
+    };
     let c = f32::from_bits(u32_at(8));
     let multiplier = if flags & FLAG_OUTLIERS != 0 {
         Some(c)
@@ -107,8 +125,7 @@ pub(crate) fn from_params(p: &[u8]) -> Result<Hqmq> {
             "hqmq parameters: {g} digits per group is not valid for base {base}"
         ))
     })?;
-    Ok(Hqmq::with_groups(s, b, multiplier, seed, groups)?
-        .with_channel_gains(flags & FLAG_CHANNELS != 0))
+    Ok(Hqmq::with_groups(s, b, multiplier, seed, groups)?.with_channels(channels))
 }
 
 /// Registry parser: `None` unless the name starts with `hqmq`.
@@ -119,7 +136,7 @@ pub(super) fn parse_family(s: &str) -> Option<Result<Box<dyn Codec>>> {
     Some(parse_name(s).map(|h| Box::new(h) as Box<dyn Codec>))
 }
 
-/// Parses `hqmq:s{S}r{b}[+med{C}][+chan][:seed{N}][:g{G}]`.
+/// Parses `hqmq:s{S}r{b}[+med{C}][+chan|+ctr][:seed{N}][:g{G}]`.
 ///
 /// # Errors
 /// [`Error::Parameter`] with the expected syntax.
@@ -127,9 +144,9 @@ pub fn parse_name(s: &str) -> Result<Hqmq> {
     let bad = |why: &str| {
         Error::param(format!(
             "{s:?}: {why}; HQMQ names look like hqmq:s96r4, hqmq:s96r4+med3, \
-             hqmq:s24r3+chan or hqmq:s24r3:seed7 (S >= 1 secondary codewords, 1 to 8 \
-             radius bits, optional Med-C outlier extraction, optional per-channel gains, \
-             optional codebook seed)"
+             hqmq:s24r3+chan, hqmq:s48r4+ctr or hqmq:s24r3:seed7 (S >= 1 secondary \
+             codewords, 1 to 8 radius bits, optional Med-C outlier extraction, optional \
+             per-channel gains or centring, optional codebook seed)"
         ))
     };
     let rest = s
@@ -139,16 +156,20 @@ pub fn parse_name(s: &str) -> Result<Hqmq> {
     let main = parts.next().unwrap_or("");
     let mut plus = main.split('+');
     let core = plus.next().unwrap_or("");
-    let (mut med, mut chan) = (None, false);
+    let (mut med, mut channels) = (None, Channels::Off);
     for opt in plus {
-        if opt == "chan" && !chan {
-            chan = true;
-        } else if opt.starts_with("med") && med.is_none() && !chan {
-            med = Some(opt);
-        } else {
-            return Err(bad(&format!(
-                "unknown or repeated option +{opt} (options: +med{{C}}, then +chan)"
-            )));
+        match opt {
+            "chan" if channels == Channels::Off => channels = Channels::Gains,
+            "ctr" if channels == Channels::Off => channels = Channels::Centred,
+            _ if opt.starts_with("med") && med.is_none() && channels == Channels::Off => {
+                med = Some(opt)
+            }
+            _ => {
+                return Err(bad(&format!(
+                    "unknown or repeated option +{opt} (options: +med{{C}}, then one of +chan \
+                     and +ctr)"
+                )));
+            }
         }
     }
     let (sv, rv) = core
@@ -189,7 +210,7 @@ pub fn parse_name(s: &str) -> Result<Hqmq> {
             Hqmq::with_groups(secondaries, radius_bits, multiplier, seed, groups)?
         }
     };
-    Ok(h.with_channel_gains(chan))
+    Ok(h.with_channels(channels))
 }
 
 #[cfg(test)]
@@ -211,6 +232,8 @@ mod tests {
             "hqmq:s96r4+med3:seed42:g5",
             "hqmq:s24r3+chan",
             "hqmq:s96r4+med3+chan:seed3",
+            "hqmq:s48r4+ctr",
+            "hqmq:s12r2+med4+ctr:seed2",
         ] {
             let c = parse(n).unwrap();
             assert_eq!(c.name(), n);
@@ -246,6 +269,9 @@ mod tests {
             "hqmq:s96r4:z",
             "hqmq:s96r4+chan+med3",
             "hqmq:s96r4+chan+chan",
+            "hqmq:s96r4+chan+ctr",
+            "hqmq:s96r4+ctr+chan",
+            "hqmq:s96r4+ctr+med3",
             "hqmq:s96r4+med3+med3",
             "hqmq:s96r4+chans",
         ] {
@@ -257,6 +283,9 @@ mod tests {
             (5, 0),
             (5, 21),
             (6, 4),
+            (6, 6),
+            (6, 7),
+            (6, 8),
             (6, 0x80),
             (7, 1),
             (12, 1),

@@ -1,13 +1,13 @@
 //! `hqmq` pages: f16 scale per row, low symbols and grouped high digits of
 //! the joint codeword per 4-element chunk, optional outlier table and
-//! per-channel gains (`kernels/hqmq.cu`); the encoder, with and without outlier extraction
+//! per-channel gains or centring (`kernels/hqmq.cu`); the encoder, with and without outlier extraction
 //! (`kernels/hqmq_enc.cu`, its search through the cell index of
 //! `gpu::hqmq_cells`).
 
 use crate::cache::TensorInfo;
 use crate::codec::Codec;
 use crate::codec::hqmq::codebook::{Codebook, secondaries};
-use crate::codec::hqmq::{self, Hqmq};
+use crate::codec::hqmq::{self, Channels, Hqmq};
 use crate::error::{Error, Result};
 use crate::format::{ElemType, PageView, Section, SectionKind};
 use crate::kernels::radix::Groups;
@@ -41,7 +41,7 @@ fn fields(kc: KernelCodec) -> (u32, u8, u8, u8, u8, u32, bool) {
 }
 
 /// `(s, b, e, g, w, o, med, chan)` of an hqmq kernel codec.
-fn all_fields(kc: KernelCodec) -> (u32, u8, u8, u8, u8, u32, bool, bool) {
+fn all_fields(kc: KernelCodec) -> (u32, u8, u8, u8, u8, u32, bool, Channels) {
     let KernelCodec::Hqmq {
         s,
         b,
@@ -101,12 +101,13 @@ impl GpuFamily for Family {
             w: h.groups.bits as u8,
             o: u32::try_from(o).map_err(|_| bad_params(codec))?,
             med: h.outlier_multiplier.is_some(),
-            chan: h.channel_gains,
+            chan: h.channels,
         })
     }
 
     /// The page-specific parameter is the number of inlier chunks; the
-    /// fifth section offset is the channel gains' (`+chan`), else 0.
+    /// fifth section offset is SCALE stream 1's (gains, `+chan`; gains and
+    /// offsets, `+ctr`), else 0.
     fn page_sections(
         &self,
         kc: KernelCodec,
@@ -137,7 +138,11 @@ impl GpuFamily for Family {
             at(page, p.low),
             at(page, p.high),
             table,
-            if chan { at(page, p.gains) } else { 0 },
+            if chan.has_gains() {
+                at(page, p.gains)
+            } else {
+                0
+            },
         ];
         Ok((s, p.n_in as u32))
     }
@@ -165,7 +170,11 @@ impl GpuFamily for Family {
             name: format!(
                 "decode_hqmq_o{ob}_{}{}_{o}",
                 if smem { "s" } else { "g" },
-                if chan { "_c" } else { "" }
+                match chan {
+                    Channels::Off => "",
+                    Channels::Gains => "_c",
+                    Channels::Centred => "_m",
+                }
             ),
             grid: Grid::PlaneRows {
                 tokens: HQ_ITEM,
@@ -193,10 +202,11 @@ impl GpuFamily for Family {
             .ok_or_else(|| Error::param("hqmq parameters: invalid digit grouping"))?;
         let high = usize::try_from(n).map_or(u64::MAX, |n| groups.packed_len(n) as u64);
         let mut v = vec![section(SectionKind::Scale, 0, ElemType::F16, rows)?];
-        if chan {
-            // One gain per plane and channel.
+        if chan.has_gains() {
+            // One gain (and with +ctr one offset) per plane and channel.
             let planes = rows / tokens.max(1);
-            v.push(section(SectionKind::Scale, 1, ElemType::F16, planes * d)?);
+            let per = if chan.has_offsets() { 2 * d } else { d };
+            v.push(section(SectionKind::Scale, 1, ElemType::F16, planes * per)?);
         }
         v.extend([
             section(SectionKind::Index, 0, ElemType::Packed(e), n)?,
@@ -241,7 +251,7 @@ impl GpuFamily for Family {
         for out in OUTS {
             let o = out.suffix();
             for base in [0, 3, 9] {
-                for m in ["s", "g", "s_c", "g_c"] {
+                for m in ["s", "g", "s_c", "g_c", "s_m", "g_m"] {
                     v.push(("hqmq", format!("decode_hqmq_o{base}_{m}_{o}")));
                 }
             }
@@ -256,8 +266,8 @@ impl GpuFamily for Family {
         v
     }
 
-    /// With and without outlier extraction (`+med`) and per-channel gains
-    /// (`+chan`).
+    /// With and without outlier extraction (`+med`), per-channel gains
+    /// (`+chan`) and centring (`+ctr`).
     fn encodes(&self, _kc: KernelCodec) -> bool {
         true
     }
@@ -323,15 +333,13 @@ impl GpuFamily for Family {
             });
         }
         // Per page: u32 symbols, then with +med the header (u32 n_out, f32
-        // C, f32 tau per plane), then with +chan the f32 gains. Without +med
-        // nothing in it is read before the kernels write it: zeroed on the
-        // device, not uploaded.
+        // C, f32 tau per plane), then with +chan the f32 gains (+ctr: per
+        // plane the gains then the offsets). Without +med nothing in it is
+        // read before the kernels write it: zeroed on the device, not
+        // uploaded.
+        let side_rows = usize::from(chan.has_gains()) + usize::from(chan.has_offsets());
         let header = if med { 8 + 4 * planes as usize } else { 0 }
-            + if chan {
-                4 * planes as usize * d as usize
-            } else {
-                0
-            };
+            + 4 * side_rows * planes as usize * d as usize;
         let mut scratch_at = Vec::with_capacity(pages.len());
         let mut len = 0usize;
         for pg in pages {
@@ -374,8 +382,8 @@ impl GpuFamily for Family {
                 len,
             };
             let mut specs = vec![spec(SectionKind::Scale, 0, ElemType::F16, rows, 2 * rows)];
-            let gains = count(planes * u64::from(d))?;
-            if chan {
+            let gains = count(side_rows as u64 * planes * u64::from(d))?;
+            if chan.has_gains() {
                 specs.push(spec(SectionKind::Scale, 1, ElemType::F16, gains, 2 * gains));
             }
             specs.extend([
@@ -405,9 +413,8 @@ impl GpuFamily for Family {
             // The source counted once (the gains kernel reads it again), as
             // for the copy kernel it is compared with.
             p.read += u64::from(rows) * u64::from(d) * esize;
-            p.written +=
-                u64::from(2 * rows) + 2 * u64::from(chan) * u64::from(gains) + low_len + high_len;
-            let k = usize::from(chan);
+            p.written += u64::from(2 * rows) + 2 * u64::from(gains) + low_len + high_len;
+            let k = usize::from(chan.has_gains());
             p.descs.push(EncDesc {
                 src: src + u64::from(pg.token_start) * u64::from(d) * esize,
                 body: off as u64,
@@ -429,9 +436,12 @@ impl GpuFamily for Family {
                 p0: s,
                 p1: rb | u32::from(cells.is_some()) << 31,
                 p2: bits_word(b, e, g, w),
-                p3: o | u32::from(chan) << 30 | u32::from(med) << 31,
+                p3: o
+                    | u32::from(chan.has_offsets()) << 29
+                    | u32::from(chan.has_gains()) << 30
+                    | u32::from(med) << 31,
             });
-            if med || chan {
+            if med || chan.has_gains() {
                 for plane in 0..planes as u32 {
                     w0.push([i as u32, plane]);
                 }
@@ -463,8 +473,8 @@ impl GpuFamily for Family {
                 args: [u64::from(e), u64::from(o), u64::from(g), 0],
             });
         }
-        if chan {
-            // The gains first: every later kernel divides by them.
+        if chan.has_gains() {
+            // The gains (and offsets) first: every later kernel applies them.
             launches.insert(0, (kernel(format!("encode_hqmq_gains_{sfx}"), items), w0));
         }
         launches.push((kernel("encode_hqmq_pack".into(), items), w3));
@@ -482,7 +492,7 @@ impl GpuFamily for Family {
 }
 
 /// The sections of an `hqmq+med{C}` body written in the worst-case layout
-/// `l` (SCALE, with `+chan` SCALE 1, INDEX 0 and INDEX 1 for every chunk an
+/// `l` (SCALE, with `+chan` or `+ctr` SCALE 1, INDEX 0 and INDEX 1 for every chunk an
 /// inlier, OUTLIERS for
 /// the most outliers a lower median allows), `args = [E, O, G, 0]`: the
 /// outlier count `n_out` is the first u32 of the OUTLIERS table the device
@@ -501,7 +511,7 @@ pub(crate) fn med_sections(l: &CanonicalBody, body: &[u8], args: [u64; 4]) -> Re
     let groups =
         Groups::new(o, g as u32).ok_or_else(|| Error::param("internal: hqmq digit grouping"))?;
     assert!(matches!(l.specs.len(), 4 | 5), "hqmq+med layout");
-    // With +chan SCALE 1 sits between SCALE 0 and INDEX 0.
+    // With +chan or +ctr SCALE 1 sits between SCALE 0 and INDEX 0.
     let k = l.specs.len() - 4;
     let n = l.specs[1 + k].count as usize;
     let t = l.offsets[3 + k] as usize;

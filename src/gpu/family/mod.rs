@@ -510,7 +510,7 @@ mod tests {
                 w: 54,
                 o: 9,
                 med: false,
-                chan: false
+                chan: crate::codec::hqmq::Channels::Off
             }
         );
         assert_eq!(
@@ -586,7 +586,20 @@ mod tests {
                     w: 20,
                     o: 15,
                     med: true,
-                    chan: true,
+                    chan: crate::codec::hqmq::Channels::Gains,
+                },
+                12,
+            ),
+            (
+                KernelCodec::Hqmq {
+                    s: 5,
+                    b: 2,
+                    e: 5,
+                    g: 3,
+                    w: 20,
+                    o: 15,
+                    med: false,
+                    chan: crate::codec::hqmq::Channels::Centred,
                 },
                 12,
             ),

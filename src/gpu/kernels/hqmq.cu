@@ -87,7 +87,22 @@ __device__ __forceinline__ void hq_gain(const u16* g, float& x0, float& x1, floa
     x3 = __fmul_rn(x3, f16_to_f32(g3));
 }
 
-template <int OT, bool SMEM, int OUT, bool GAIN>
+// Adds a chunk's channels' offsets (decoding with +ctr, after the gains);
+// an offset that is infinite or NaN is a content error.
+__device__ __forceinline__ void hq_offset(const u16* m, float& x0, float& x1, float& x2, float& x3,
+                                          u64* status, u32 page) {
+    u16 m0 = __ldg(m), m1 = __ldg(m + 1), m2 = __ldg(m + 2), m3 = __ldg(m + 3);
+    if ((m0 & 0x7c00u) == 0x7c00u || (m1 & 0x7c00u) == 0x7c00u || (m2 & 0x7c00u) == 0x7c00u ||
+        (m3 & 0x7c00u) == 0x7c00u)
+        content_error(status, page);
+    x0 = __fadd_rn(x0, f16_to_f32(m0));
+    x1 = __fadd_rn(x1, f16_to_f32(m1));
+    x2 = __fadd_rn(x2, f16_to_f32(m2));
+    x3 = __fadd_rn(x3, f16_to_f32(m3));
+}
+
+// CH: 0 plain, 1 +chan (gains), 2 +ctr (gains, then offsets).
+template <int OT, bool SMEM, int OUT, int CH>
 __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
                                             const uint2* __restrict__ work, u64* status) {
     DYN_SHARED(float4, cb_s);
@@ -132,10 +147,12 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
     }
     const u32* opos = reinterpret_cast<const u32*>(tab + 12);
     // +chan (the _c kernels): f16 gain per (plane, channel), SCALE stream 1
-    // at sec4. A page without the section is a content error there.
-    const bool has_gain = GAIN;
-    if (GAIN && d.sec4 == 0) content_error(status, w.x);
-    const u16* gains = reinterpret_cast<const u16*>(body + d.sec4) + (u64)plane * 4u * nc;
+    // at sec4; +ctr (the _m kernels): per plane the gains, then the
+    // offsets. A page without the section is a content error there.
+    const bool has_gain = CH != 0;
+    if (CH != 0 && d.sec4 == 0) content_error(status, w.x);
+    const u16* gains = reinterpret_cast<const u16*>(body + d.sec4) + (u64)plane * (CH == 2 ? 8u : 4u) * nc;
+    const u16* offs = gains + 4u * nc;
     const u32 nr_max = min((u32)HQ_ROWS, (u32)HQ_NPOS / nc);
     // Chunk i of a sub-block is row i / nc, chunk i % nc; with nc dividing
     // BLOCK a thread keeps its chunk and advances BLOCK / nc rows per step.
@@ -235,6 +252,7 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
                 float x0 = __fmul_rn(rh, cw.x), x1 = __fmul_rn(rh, cw.y), x2 = __fmul_rn(rh, cw.z),
                       x3 = __fmul_rn(rh, cw.w);
                 if (has_gain) hq_gain(gains + 4u * c, x0, x1, x2, x3, status, w.x);
+                if (CH == 2) hq_offset(offs + 4u * c, x0, x1, x2, x3, status, w.x);
                 i64 o = dsto[rl];
                 if (o >= 0) st_u2(dst + o + 4u * c, make_uint2(pack2<OUT>(x0, x1), pack2<OUT>(x2, x3)));
                 rl += dr;
@@ -266,6 +284,7 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
                     x3 = __fmul_rn(rh, cw.w);
                 }
                 if (has_gain) hq_gain(gains + 4u * c, x0, x1, x2, x3, status, w.x);
+                if (CH == 2) hq_offset(offs + 4u * c, x0, x1, x2, x3, status, w.x);
                 i64 o = dsto[rl];
                 if (o >= 0) st_u2(dst + o + 4u * c, make_uint2(pack2<OUT>(x0, x1), pack2<OUT>(x2, x3)));
                 rl += dr;
@@ -276,27 +295,39 @@ __device__ __forceinline__ void hqmq_decode(const PageDesc* __restrict__ descs,
 }
 
 #define HQMQ_ARGS const PageDesc *descs, const uint2 *work, u64 *status
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_bf16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_BF16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_c_bf16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_BF16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_bf16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_BF16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_c_bf16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_BF16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_bf16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_BF16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_c_bf16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_BF16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_bf16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_BF16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_c_bf16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_BF16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_bf16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_BF16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_c_bf16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_BF16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_bf16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_BF16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_c_bf16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_BF16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_f16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_F16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_c_f16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_F16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_f16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_F16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_c_f16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_F16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_f16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_F16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_c_f16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_F16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_f16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_F16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_c_f16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_F16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_f16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_F16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_c_f16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_F16, true>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_f16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_F16, false>(descs, work, status); }
-extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_c_f16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_F16, true>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_bf16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_BF16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_c_bf16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_BF16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_m_bf16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_BF16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_bf16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_BF16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_c_bf16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_BF16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_m_bf16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_BF16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_bf16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_BF16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_c_bf16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_BF16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_m_bf16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_BF16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_bf16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_BF16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_c_bf16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_BF16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_m_bf16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_BF16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_bf16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_BF16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_c_bf16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_BF16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_m_bf16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_BF16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_bf16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_BF16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_c_bf16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_BF16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_m_bf16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_BF16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_f16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_F16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_c_f16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_F16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_s_m_f16(HQMQ_ARGS) { hqmq_decode<3, true, OUT_F16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_f16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_F16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_c_f16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_F16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o3_g_m_f16(HQMQ_ARGS) { hqmq_decode<3, false, OUT_F16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_f16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_F16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_c_f16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_F16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_s_m_f16(HQMQ_ARGS) { hqmq_decode<9, true, OUT_F16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_f16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_F16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_c_f16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_F16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o9_g_m_f16(HQMQ_ARGS) { hqmq_decode<9, false, OUT_F16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_f16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_F16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_c_f16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_F16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_s_m_f16(HQMQ_ARGS) { hqmq_decode<0, true, OUT_F16, 2>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_f16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_F16, 0>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_c_f16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_F16, 1>(descs, work, status); }
+extern "C" __global__ void __launch_bounds__(BLOCK) decode_hqmq_o0_g_m_f16(HQMQ_ARGS) { hqmq_decode<0, false, OUT_F16, 2>(descs, work, status); }

@@ -1,14 +1,17 @@
 // HQMQ encode (format/codecs/hqmq.md "Encoding"), producing the CPU
 // encoder's sections bit for bit, with or without outlier extraction
 // (`+med{C}`, flag bit 31 of p3) and with or without per-channel gains
-// (`+chan`, flag bit 30 of p3):
+// (`+chan`, flag bit 30 of p3) or centring (`+ctr`, flag bits 30 and 29):
 //
-// `encode_hqmq_gains_{src}` (+chan only): work item = (page, plane); per
-// channel c of the plane g_c = f16_ceil(max |x| over the page's tokens)
-// into SCALE stream 1 (the section after SCALE 0, at sec_scale +
-// 64-aligned 2 * rows) and as f32 into the page's scratch; every kernel
-// below then reads x / g_c (binary32 division; +0 where g_c = 0) instead of
-// x, after the range check of the raw value.
+// `encode_hqmq_gains_{src}` (+chan and +ctr only): work item = (page,
+// plane); per channel c of the plane, +chan: g_c = f16_ceil(max |x| over
+// the page's tokens); +ctr: m_c = f16(sum_t x / tokens) (binary32 sum in
+// token order, one thread per channel), g_c = f16_ceil(sqrt(max |x - m_c|));
+// into SCALE stream 1 (the section after SCALE 0, at sec_scale + 64-aligned
+// 2 * rows; +ctr: per plane the D gains, then the D offsets) and as f32
+// into the page's scratch; every kernel below then reads x / g_c (+ctr:
+// (x - m_c) / g_c; binary32; +0 where g_c = 0) instead of x, after the
+// range check of the raw value.
 // `encode_hqmq_med_{src}` (+med only): work item = (page, plane); the lower
 // median of the plane's N = tokens * n_c chunk radii by a 4-pass radix
 // select over their binary32 bit patterns (radii are >= +0, so the bit
@@ -50,10 +53,11 @@
 // EncDesc: sec_scale = SCALE, sec_index = INDEX 0, sec3 = INDEX 1,
 // sec_zero = OUTLIERS (+med), aux = the page's scratch: u32 per chunk
 // (n = rows * n_c), then with +med the page header at aux + 4 n: u32 n_out,
-// f32 C, f32 tau per plane, then with +chan the gains (f32, planes * D);
+// f32 C, f32 tau per plane, then with +chan the gains (f32, planes * D;
+// +ctr: per plane D gains then D offsets);
 // side = the tensor's codebooks; p0 = S, p1 =
 // rows per work item (RB) | cells << 31, p2 = b | E << 8 | G << 16 | W << 24, p3 = O |
-// chan << 30 | med << 31. With +med the body is the worst-case layout (INDEX streams for
+// ctr << 29 | (chan or ctr) << 30 | med << 31. With +med the body is the worst-case layout (INDEX streams for
 // n chunks, OUTLIERS for n_cap = planes * floor(N / 2) outliers, the most
 // a lower median with C >= 1 allows); the host cuts the sections to n_out
 // (gpu::encplan).
@@ -328,15 +332,28 @@ __device__ __forceinline__ u32 hqe_f16_ceil(float v) {
     return h;
 }
 
-// +chan: the page's f32 gains of plane 0 (scratch after the symbols and
-// the +med header), planes * D of them.
-__device__ __forceinline__ float* hqe_gains(const EncDesc& d, u32 nc) {
+// +chan / +ctr: the page's f32 side row of `plane` (scratch after the
+// symbols and the +med header): D gains, then with +ctr D offsets.
+__device__ __forceinline__ float* hqe_gains(const EncDesc& d, u32 nc, u32 plane) {
     const u32 planes = d.rows / d.tokens;
-    return reinterpret_cast<float*>(d.aux) + (u64)d.rows * nc + ((d.p3 >> 31) ? 2u + planes : 0u);
+    const u32 per = ((d.p3 >> 29) & 1u) ? 8u * nc : 4u * nc;
+    return reinterpret_cast<float*>(d.aux) + (u64)d.rows * nc + ((d.p3 >> 31) ? 2u + planes : 0u) +
+           (u64)plane * per;
 }
 
-// x / g per element (g: the gains of the chunk's 4 channels), +0 where g = 0.
-__device__ __forceinline__ float4 hqe_div4(float4 x, const float* g) {
+// The channel treatment of chunk c of a row whose plane's side row is g
+// (hqe_gains): x / g (+chan) or (x - m) / g (+ctr, m = g[D + ...]) per
+// element, +0 where g = 0; x itself without either.
+__device__ __forceinline__ float4 hqe_chan4(float4 x, const EncDesc& d, const float* row, u32 c) {
+    if (!((d.p3 >> 30) & 1u)) return x;
+    const float* g = row + 4u * c;
+    if ((d.p3 >> 29) & 1u) {
+        const float* m = g + d.head_dim;
+        x.x = __fsub_rn(x.x, m[0]);
+        x.y = __fsub_rn(x.y, m[1]);
+        x.z = __fsub_rn(x.z, m[2]);
+        x.w = __fsub_rn(x.w, m[3]);
+    }
     x.x = g[0] > 0.0f ? __fdiv_rn(x.x, g[0]) : 0.0f;
     x.y = g[1] > 0.0f ? __fdiv_rn(x.y, g[1]) : 0.0f;
     x.z = g[2] > 0.0f ? __fdiv_rn(x.z, g[2]) : 0.0f;
@@ -344,30 +361,41 @@ __device__ __forceinline__ float4 hqe_div4(float4 x, const float* g) {
     return x;
 }
 
-// +chan, work item (page, plane): the plane's channel gains (header
-// comment). A value outside the fp16 range gives the largest fp16 gain
-// (65504, as the CPU); the search kernel reports the value.
+// +chan / +ctr, work item (page, plane): the plane's channel gains and
+// (+ctr) offsets (header comment). A value outside the fp16 range gives the
+// largest fp16 gain (65504, as the CPU); the search kernel reports the value.
 template <int SRC>
 __device__ __forceinline__ void hqmq_gains(const EncDesc* __restrict__ descs, const uint2* __restrict__ work) {
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
     const u32 plane = w.y, D = d.head_dim;
+    const bool ctr = ((d.p3 >> 29) & 1u) != 0;
     const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride);
-    float* gf = hqe_gains(d, D >> 2) + (u64)plane * D;
+    float* gf = hqe_gains(d, D >> 2, plane);
     u16* gh = reinterpret_cast<u16*>(reinterpret_cast<u8*>(d.body) + d.sec_scale + ((2u * d.rows + 63u) & ~63u)) +
-              (u64)plane * D;
+              (u64)plane * (ctr ? 2u : 1u) * D;
+    auto load = [&](u32 t, u32 c) -> float {
+        if (SRC == SRC_F32) return __ldg(reinterpret_cast<const float*>(src) + (u64)t * D + c);
+        u16 h = __ldg(reinterpret_cast<const u16*>(src) + (u64)t * D + c);
+        return SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+    };
     for (u32 c = threadIdx.x; c < D; c += BLOCK) {
+        float mean = 0.0f;
+        if (ctr) {
+            // Binary32 sum in token order, then the fp16 mean.
+            float sum = 0.0f;
+            for (u32 t = 0; t < d.tokens; t++) sum = __fadd_rn(sum, load(t, c));
+            u16 mh = f32_to_f16(__fdiv_rn(sum, (float)d.tokens));
+            mean = f16_to_f32(mh);
+            gh[D + c] = mh;
+            gf[D + c] = mean;
+        }
         float m = 0.0f;
         for (u32 t = 0; t < d.tokens; t++) {
-            float v;
-            if (SRC == SRC_F32) v = __ldg(reinterpret_cast<const float*>(src) + (u64)t * D + c);
-            else {
-                u16 h = __ldg(reinterpret_cast<const u16*>(src) + (u64)t * D + c);
-                v = SRC == SRC_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
-            }
-            m = fmaxf(m, fabsf(v));
+            float v = load(t, c);
+            m = fmaxf(m, fabsf(ctr ? __fsub_rn(v, mean) : v));
         }
-        u32 h = hqe_f16_ceil(m);
+        u32 h = hqe_f16_ceil(ctr ? __fsqrt_rn(m) : m);
         if (h >= 0x7c00u) h = 0x7bffu;
         gh[c] = (u16)h;
         gf[c] = f16_to_f32((u16)h);
@@ -386,7 +414,7 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
     const EncDesc d = descs[w.x];
     const u32 tid = threadIdx.x;
     const u32 S = d.p0, RB = d.p1 & 0xffffu, b = d.p2 & 0xffu;
-    const bool med = (d.p3 >> 31) != 0, cells = (d.p1 >> 31) != 0, chan = ((d.p3 >> 30) & 1u) != 0;
+    const bool med = (d.p3 >> 31) != 0, cells = (d.p1 >> 31) != 0;
     const u32 D = d.head_dim, nc = D >> 2;
     // The item: rows [r0, r0 + nr) of one plane (the host cuts items at
     // plane ends), so one kv head and one codebook.
@@ -399,7 +427,7 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
     u8* body = reinterpret_cast<u8*>(d.body);
     u32* scratch = reinterpret_cast<u32*>(d.aux);
     u32* hdr = scratch + (u64)d.rows * nc;
-    const float* gains = chan ? hqe_gains(d, nc) + (u64)plane * D : nullptr;
+    const float* gains = hqe_gains(d, nc, plane);
     // Without +med no chunk is an outlier (rho > inf is false, NaN included).
     const float tau = med ? __uint_as_float(hdr[2u + plane]) : __int_as_float(0x7f800000);
     const float4* gsec = reinterpret_cast<const float4*>(d.side) + (u64)(plane % d.heads) * 25u * S;
@@ -428,7 +456,7 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
         bool ok = fabsf(x.x) <= F16_MAX_F && fabsf(x.y) <= F16_MAX_F && fabsf(x.z) <= F16_MAX_F &&
                   fabsf(x.w) <= F16_MAX_F;
         if (!ok) atomicMin(status, ((u64)d.page << 32) | (r0 + rl));
-        if (chan) x = hqe_div4(x, gains + 4u * (i - rl * nc));
+        x = hqe_chan4(x, d, gains, i - rl * nc);
         float rho = hqe_rho(x);
         if (ok && !(rho > tau)) atomicMax(&rmax[rl], __float_as_uint(rho));
     }
@@ -445,7 +473,7 @@ __device__ __forceinline__ void hqmq_encode(const EncDesc* __restrict__ descs,
     for (u32 i = tid; i < npos; i += BLOCK) {
         u32 rl = i / nc;
         float4 x = hqe_load4<SRC>(src, (u64)i * 4u);
-        if (chan) x = hqe_div4(x, gains + 4u * (i - rl * nc));
+        x = hqe_chan4(x, d, gains, i - rl * nc);
         float rho = hqe_rho(x);
         if (rho > tau) {
             scratch[(u64)r0 * nc + i] = HQE_OUTLIER;
@@ -493,8 +521,7 @@ __device__ __forceinline__ void hqmq_median(const EncDesc* __restrict__ descs, c
     const u32 nc = d.head_dim >> 2, N = d.tokens * nc;
     const u8* src = reinterpret_cast<const u8*>(d.src) + (SRC == SRC_F32 ? 4u : 2u) * ((u64)plane * d.stride);
     u32* hdr = reinterpret_cast<u32*>(d.aux) + (u64)d.rows * nc;
-    const bool chan = ((d.p3 >> 30) & 1u) != 0;
-    const float* gains = chan ? hqe_gains(d, nc) + (u64)plane * d.head_dim : nullptr;
+    const float* gains = hqe_gains(d, nc, plane);
     if (plane == 0 && tid == 0) hdr[0] = 0;
     u32 prefix = 0, mask = 0, k = (N - 1u) / 2u;
     const bool cached = N <= HQE_MED_SMEM;
@@ -508,7 +535,7 @@ __device__ __forceinline__ void hqmq_median(const EncDesc* __restrict__ descs, c
                 v = rad[i];
             } else {
                 float4 x = hqe_load4<SRC>(src, (u64)i * 4u);
-                if (chan) x = hqe_div4(x, gains + 4u * (i % nc));
+                x = hqe_chan4(x, d, gains, i % nc);
                 v = __float_as_uint(hqe_rho(x));
                 if (cached) rad[i] = v;
             }
@@ -607,7 +634,7 @@ __device__ __forceinline__ void hqmq_compact(const EncDesc* __restrict__ descs, 
             u32 r = u / nc, c = u - r * nc;
             u32 pl = r / d.tokens, t = r - pl * d.tokens;
             float4 x = hqe_load4<SRC>(src0 + esz * ((u64)pl * d.stride + (u64)t * D), (u64)c * 4u);
-            if ((d.p3 >> 30) & 1u) x = hqe_div4(x, hqe_gains(d, nc) + (u64)pl * D + 4u * c);
+            x = hqe_chan4(x, d, hqe_gains(d, nc, pl), c);
             u16 h[4] = {f32_to_f16(x.x), f32_to_f16(x.y), f32_to_f16(x.z), f32_to_f16(x.w)};
             u8* o = vals + 8u * ko;
 #pragma unroll
@@ -649,7 +676,7 @@ __device__ __forceinline__ void hqmq_pack(const EncDesc* __restrict__ descs, con
     const uint2 w = work[blockIdx.x];
     const EncDesc d = descs[w.x];
     const u32 b = d.p2 & 0xffu, E = (d.p2 >> 8) & 0xffu, G = (d.p2 >> 16) & 0xffu, W = d.p2 >> 24;
-    const u64 O = d.p3 & 0x3fffffffu;
+    const u64 O = d.p3 & 0x1fffffffu;
     const u32 nall = d.rows * (d.head_dim >> 2);
     // With +med, the inliers only (compacted to the front of the scratch).
     const u32 n = (d.p3 >> 31) ? nall - reinterpret_cast<const u32*>(d.aux)[nall] : nall;
