@@ -14,9 +14,15 @@ use kvpack::gpu::paged::{PagedCache, PagedLayout, PagedShape};
 use kvpack::gpu::{Gpu, GpuBuffer, POISON};
 use kvpack::plan::Layout;
 
-fn gpu() -> Option<Gpu> {
+/// The process's device 0 and the lock that runs these tests one at a
+/// time: `Gpu::new` hands every thread the same device, whose one-slot
+/// plan cache (the last device-checked decode's plan) the tests asserting
+/// plan reuse would otherwise see replaced by a concurrent test's decode.
+fn gpu() -> Option<(std::sync::MutexGuard<'static, ()>, Gpu)> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     match Gpu::new(0) {
-        Ok(g) => Some(g),
+        Ok(g) => Some((serial, g)),
         Err(e) => {
             eprintln!("skipping: {e}");
             None
@@ -85,7 +91,7 @@ fn cache(buf: &GpuBuffer<u16>, pl: PagedLayout, shape: &PagedShape, dtype: DType
 /// threads, unaligned, several chunks per thread) equals crc32fast.
 #[test]
 fn device_crc32_is_crc32fast() {
-    let Some(g) = gpu() else { return };
+    let Some((_serial, g)) = gpu() else { return };
     let mut rng = Rng(5);
     let data: Vec<u8> = (0..300_000).map(|_| rng.next_u64() as u8).collect();
     let buf = g.upload(&data).unwrap();
@@ -115,7 +121,7 @@ fn device_crc32_is_crc32fast() {
 /// small is refused before anything is written past it.
 #[test]
 fn device_framed_files_equal_host_framed_files() {
-    let Some(g) = gpu() else { return };
+    let Some((_serial, g)) = gpu() else { return };
     let codecs = [
         "raw",
         "int4",
@@ -217,7 +223,7 @@ fn device_framed_files_equal_host_framed_files() {
 /// the bodies are read in place.
 #[test]
 fn device_memory_decodes_equal_staged_decode() {
-    let Some(g) = gpu() else { return };
+    let Some((_serial, g)) = gpu() else { return };
     let (mut rng, shape, dtype, image, src_image, ids) = layer(&g, 41, 12);
     let tokens = 150;
     let (mut resident_n, mut quick) = (0, 0);
@@ -296,7 +302,7 @@ fn device_memory_decodes_equal_staged_decode() {
 /// the decode from device memory, and the cache is left untouched.
 #[test]
 fn device_decode_refuses_every_flipped_byte_class() {
-    let Some(g) = gpu() else { return };
+    let Some((_serial, g)) = gpu() else { return };
     let (_, shape, dtype, _, src_image, ids) = layer(&g, 43, 8);
     let pl = PagedLayout::FlashAttn;
     let src = cache(&src_image, pl, &shape, dtype);
@@ -350,7 +356,7 @@ fn device_decode_refuses_every_flipped_byte_class() {
 /// refused with the cache untouched.
 #[test]
 fn device_decode_reuses_plans_and_still_refuses_damage() {
-    let Some(g) = gpu() else { return };
+    let Some((_serial, g)) = gpu() else { return };
     let pl = PagedLayout::FlashAttn;
     let opts = kvpack::compress::CompressOptions {
         layout: layout(32, 4, 16),
@@ -499,7 +505,7 @@ fn reseal(file: &mut [u8], (h, index, entry): (usize, usize, usize)) {
 #[test]
 fn device_decode_runs_the_codecs_content_checks() {
     use kvpack::format::SectionKind;
-    let Some(g) = gpu() else { return };
+    let Some((_serial, g)) = gpu() else { return };
     let (_, shape, dtype, image, src_image, ids) = layer(&g, 47, 8);
     let pl = PagedLayout::FlashAttn;
     let src = cache(&src_image, pl, &shape, dtype);
