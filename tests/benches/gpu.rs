@@ -1063,6 +1063,7 @@ fn main() {
         ("hqmq:s96r4+med3", true, false, false),
         ("hqmq:s24r3", false, false, false),
         ("hqmq:s24r3+chan", false, false, false),
+        ("hqmq:s24r3+ctr", false, false, false),
     ] {
         if !vq_selected(codec) {
             continue;
@@ -1101,6 +1102,14 @@ fn main() {
             shape,
             "hqmq:s24r3+chan",
             "hqmq:s24r3+chan",
+        );
+        bench_encode(
+            &mut b,
+            &llama,
+            &[0, 1],
+            shape,
+            "hqmq:s24r3+ctr",
+            "hqmq:s24r3+ctr",
         );
     }
     // The group codecs' and polar's encoders: K+V in one launch, then K and
