@@ -9,7 +9,9 @@
 /// - Hurwitz-quaternion VQ (`hqmq`, Swain et al., arXiv:2605.27646) from
 ///   2.3 to 4.3 bits: codebook size `24 S` and radius bits `r` are free
 ///   parameters of its bitstream (`S` at most 96 keeps encoding fast), with
-///   and without the fp16 outlier chunks of `+med3`;
+///   and without the fp16 outlier chunks of `+med3`, and with per-channel
+///   centring (`+ctr`, format/codecs/hqmq.md section 11; trialled only
+///   with a sink window, see `Candidate::windowed`);
 /// - TurboQuant-MSE at 4 bits (`turbo:b4`, arXiv:2504.19874);
 /// - `int8` and `raw` for tensors worth almost every bit.
 ///
@@ -33,6 +35,11 @@ pub(crate) const CODECS: &[&str] = &[
     "hqmq:s48r4+med3",
     "hqmq:s96r4+med3",
     "hqmq:s96r5+med3",
+    "hqmq:s12r2+ctr",
+    "hqmq:s24r3+ctr",
+    "hqmq:s48r4+ctr",
+    "hqmq:s96r4+ctr",
+    "hqmq:s96r5+ctr",
     "turbo:b4",
     "int8",
     "raw",

@@ -244,7 +244,13 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
             });
         }
         let d = tv.info.head_dim as usize;
-        for &sink in candidates::SINKS {
+        // Windowed candidates only with the first slot in a sink window:
+        // an attention-sink token inside such a page sets its channel
+        // statistics (gains, means) for every other row, and its damage
+        // shows only where attention looks at the sink, which the sampled
+        // measure underrates (format/codecs/hqmq.md sections 10-11 require a
+        // sink window for `+chan` and `+ctr`).
+        for &sink in candidates::SINKS.iter().filter(|&&s| s > 0) {
             let e = exact_rows(&sample, sink);
             if e >= n {
                 continue;
@@ -350,6 +356,7 @@ fn layer_points(
             choice: Vec::new(),
         };
         let scale = attn_scale(cache, info.head_dim);
+        let value_weight = study::value_weight();
         for Trip {
             cand: c,
             sink: only,
@@ -419,7 +426,7 @@ fn layer_points(
                                 num += if info.kind == Kind::Key {
                                     key_errors[p][si]
                                 } else {
-                                    cx.value_error(h, &hat[r], &deltas[p], exact)
+                                    value_weight * cx.value_error(h, &hat[r], &deltas[p], exact)
                                 };
                             }
                             if den > 0.0 { num / den } else { num }

@@ -9,7 +9,9 @@
 //!   `{"name", "kind", "points": [{"codec", "sink", "bytes", "distortion"}]}`
 //!   (`kind`: `key`, `value` or `latent`; `bytes`: estimated bytes of the
 //!   tensor's pages; `distortion`: the measure of [`super::distortion`]);
-//!   the file is replaced atomically if it exists.
+//!   the file is replaced atomically if it exists;
+//! - `KVPACK_PLAN_VALUE_WEIGHT=W` multiplies every value tensor's
+//!   distortion by `W` (a positive number) before the allocation.
 
 use std::path::{Path, PathBuf};
 
@@ -28,6 +30,16 @@ pub(crate) fn codecs_override() -> Option<Vec<String>> {
             .map(String::from)
             .collect(),
     )
+}
+
+/// The factor of `KVPACK_PLAN_VALUE_WEIGHT` on values' distortion, 1 when
+/// unset or not a positive number.
+pub(crate) fn value_weight() -> f64 {
+    std::env::var("KVPACK_PLAN_VALUE_WEIGHT")
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|w| w.is_finite() && *w > 0.0)
+        .unwrap_or(1.0)
 }
 
 /// One operating point as written to `KVPACK_PLAN_POINTS`.
