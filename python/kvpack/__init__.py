@@ -192,6 +192,7 @@ def compress(
     codec: Optional[str] = None,
     *,
     bits: Optional[float] = None,
+    key_codec: Optional[str] = None,
     path: Optional[Union[str, "os.PathLike[str]"]] = None,
     force: bool = False,
     out: Optional[ArrayLike] = None,
@@ -228,6 +229,10 @@ def compress(
             window (so ``sink``/``recent`` must not be given), minimising
             the attention-output error it measures on the cache itself;
             the file never exceeds the budget.
+        key_codec: a different codec for the keys (and MLA latents);
+            ``codec`` then codes the values only (as ``kvpack compress
+            --key-codec``), e.g. ``key_codec="hqmq:s48r4+ctr",
+            codec="hqmq:s12r2", sink=1``. Not with ``bits``.
         path: write the file there atomically; an existing file is only
             replaced with ``force=True``.
         out: instead, write into this writable contiguous uint8 array
@@ -265,8 +270,12 @@ def compress(
     """
     if bits is not None and codec is not None:
         raise ParameterError("give a codec or bits=, not both")
+    if bits is not None and key_codec is not None:
+        raise ParameterError("bits= plans every tensor's codec: do not give key_codec")
     codec = "bdr128" if codec is None else codec
     plan = {} if bits is None else {"bits": float(bits)}
+    if key_codec is not None:
+        plan["key_codec"] = str(key_codec)
     if isinstance(layers, (str, os.PathLike)):
         if model is not None or token_ids is not None or metadata or dtype is not None or scales:
             raise ParameterError(

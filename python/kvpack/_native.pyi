@@ -96,6 +96,7 @@ def compress(
     metadata: Optional[Dict[str, str]] = None,
     token_ids: Optional[List[int]] = None,
     bits: Optional[float] = None,
+    key_codec: Optional[str] = None,
 ) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]:
     """``tensors``: ``(layer, kind, array[, dtype[, fp8 scale]])``. Returns ``(report,
     file bytes or None, bytes written into out or None)``."""
@@ -114,6 +115,7 @@ def compress_file(
     align_log2: int = 6,
     raw_fallback: bool = False,
     bits: Optional[float] = None,
+    key_codec: Optional[str] = None,
 ) -> Tuple[Dict[str, Any], Optional[bytes], Optional[int]]:
     """Like :func:`compress` from a safetensors KV cache file (mmap)."""
 

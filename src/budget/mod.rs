@@ -942,14 +942,74 @@ pub fn coding(
     out
 }
 
-/// How a cache is coded: one codec everywhere, or a budget plan.
+/// How a cache is coded: one codec everywhere, one for the keys and one
+/// for the values, or a budget plan.
 #[derive(Debug, Clone, Copy)]
 pub enum Method<'a> {
     /// One codec for every tensor, windows from the options.
     Codec(&'a dyn Codec),
+    /// `key` for the keys and MLA latents, `value` for the values, both
+    /// with the windows of the options ([`compress_split`]).
+    Split {
+        /// Codec of the keys (and latents).
+        key: &'a dyn Codec,
+        /// Codec of the values.
+        value: &'a dyn Codec,
+    },
     /// A plan for this many bits per element, everything counted
     /// ([`compress_budget`]).
     Bits(f64),
+}
+
+/// Compresses `cache` with `key` on its keys and MLA latents and `value` on
+/// its values, every tensor with the sink/recent windows of `opts` (stored
+/// raw): the codec table holds both (each prepared on the whole cache
+/// first, [`Codec::prepare`]), each tensor points at its kind's. A K/V
+/// split at fixed bit widths, as KIVI and InnerQ choose per kind; `kvpack
+/// inspect` shows each tensor's codec. The report's codec is
+/// `K {key} / V {value}`.
+///
+/// # Errors
+/// [`Error::Parameter`] when a codec cannot code a tensor of its kind (its
+/// check or preparation), or as [`crate::compress::compress_mixed`].
+pub fn compress_split<W: Write + Send>(
+    cache: &CacheView<'_>,
+    key: &dyn Codec,
+    value: &dyn Codec,
+    opts: &CompressOptions,
+    out: W,
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<(W, CompressReport)> {
+    // Each codec prepared on the tensors it codes.
+    let of_kind = |keys: bool| CacheView {
+        tensors: cache
+            .tensors
+            .iter()
+            .filter(|t| (t.info.kind == Kind::Value) != keys)
+            .cloned()
+            .collect(),
+        metadata: cache.metadata.clone(),
+        token_ids: Vec::new(),
+    };
+    let prepare = |c: &dyn Codec, keys: bool| -> Result<Option<Box<dyn Codec>>> {
+        let part = of_kind(keys);
+        if part.tensors.is_empty() {
+            return Ok(None);
+        }
+        c.prepare(&part, &opts.layout)
+    };
+    let (pk, pv) = (prepare(key, true)?, prepare(value, false)?);
+    let codecs: [&dyn Codec; 2] = [pk.as_deref().unwrap_or(key), pv.as_deref().unwrap_or(value)];
+    let slots: Vec<usize> = cache
+        .tensors
+        .iter()
+        .map(|t| usize::from(t.info.kind == Kind::Value))
+        .collect();
+    let layouts = vec![opts.layout; cache.tensors.len()];
+    let label = format!("K {} / V {}", codecs[0].name(), codecs[1].name());
+    compress_mixed(
+        cache, &codecs, &slots, &layouts, &label, opts, out, progress,
+    )
 }
 
 /// Compresses `cache` into `out` by `method`: [`crate::compress_view`] or
@@ -971,7 +1031,7 @@ pub fn compress_with<W: Write + Send>(
 /// is no longer read (the CLI releases a mapped input's pages so), as
 /// [`crate::compress::compress_view_with`] does. With [`Method::Bits`] the
 /// planner reads every tensor twice (sample, then encode) and the hook is
-/// not called.
+/// not called, nor with [`Method::Split`].
 ///
 /// # Errors
 /// As [`compress_with`].
@@ -987,6 +1047,7 @@ pub fn compress_with_release<W: Write + Send>(
         Method::Codec(c) => {
             crate::compress::compress_view_with(cache, c, opts, out, progress, tensor_done)
         }
+        Method::Split { key, value } => compress_split(cache, key, value, opts, out, progress),
         Method::Bits(b) => compress_budget(cache, b, opts, out, progress).map(|(w, r, _)| (w, r)),
     }
 }

@@ -171,7 +171,7 @@ type Compressed<'py> = (
 #[pyfunction]
 #[pyo3(signature = (tensors, codec, *, path=None, force=false, out=None, page_tokens=None,
     sink=None, recent=None, zstd_level=None, align_log2=6, raw_fallback=false,
-    metadata=None, token_ids=None, bits=None))]
+    metadata=None, token_ids=None, bits=None, key_codec=None))]
 #[allow(clippy::too_many_arguments)]
 fn compress<'py>(
     py: Python<'py>,
@@ -189,6 +189,7 @@ fn compress<'py>(
     metadata: Option<BTreeMap<String, String>>,
     token_ids: Option<Vec<u32>>,
     bits: Option<f64>,
+    key_codec: Option<&str>,
 ) -> PyResult<Compressed<'py>> {
     let (codec, opts) = codec_and_options(
         codec,
@@ -199,7 +200,8 @@ fn compress<'py>(
         align_log2,
         raw_fallback,
     )?;
-    let method = method_of(codec.as_ref(), bits, sink, recent)?;
+    let key = key_codec.map(crate::codec::parse).transpose().py_err()?;
+    let method = method_of(codec.as_ref(), key.as_deref(), bits, sink, recent)?;
     // Import every tensor, then borrow views of them.
     let mut imported = Vec::new();
     for (i, t) in tensors.iter().enumerate() {
@@ -256,20 +258,26 @@ fn compress<'py>(
     write_out(py, &view, method, &opts, path, force, out)
 }
 
-/// The coding method: `codec`, or a budget plan when `bits` is given (then
-/// the planner chooses the windows, so `sink` and `recent` must be unset).
-fn method_of(
-    codec: &dyn Codec,
+/// The coding method: `codec`, `key` on the keys and `codec` on the values,
+/// or a budget plan when `bits` is given (then the planner chooses the
+/// codecs and windows, so `key`, `sink` and `recent` must be unset).
+fn method_of<'a>(
+    codec: &'a dyn Codec,
+    key: Option<&'a dyn Codec>,
     bits: Option<f64>,
     sink: Option<u32>,
     recent: Option<u32>,
-) -> PyResult<Method<'_>> {
-    match bits {
-        None => Ok(Method::Codec(codec)),
-        Some(_) if sink.is_some() || recent.is_some() => Err(PyValueError::new_err(
+) -> PyResult<Method<'a>> {
+    match (bits, key) {
+        (None, None) => Ok(Method::Codec(codec)),
+        (None, Some(key)) => Ok(Method::Split { key, value: codec }),
+        (Some(_), Some(_)) => Err(PyValueError::new_err(
+            "bits= plans the codecs itself: do not give key_codec",
+        )),
+        (Some(_), None) if sink.is_some() || recent.is_some() => Err(PyValueError::new_err(
             "bits= plans the windows itself: do not give sink or recent",
         )),
-        Some(b) => Ok(Method::Bits(b)),
+        (Some(b), None) => Ok(Method::Bits(b)),
     }
 }
 
@@ -340,7 +348,8 @@ fn encoded<'py>(
 /// are carried over) like `compress`. The input is memory-mapped.
 #[pyfunction]
 #[pyo3(signature = (source, codec, *, path=None, force=false, out=None, page_tokens=None,
-    sink=None, recent=None, zstd_level=None, align_log2=6, raw_fallback=false, bits=None))]
+    sink=None, recent=None, zstd_level=None, align_log2=6, raw_fallback=false, bits=None,
+    key_codec=None))]
 #[allow(clippy::too_many_arguments)]
 fn compress_file<'py>(
     py: Python<'py>,
@@ -356,6 +365,7 @@ fn compress_file<'py>(
     align_log2: u8,
     raw_fallback: bool,
     bits: Option<f64>,
+    key_codec: Option<&str>,
 ) -> PyResult<Compressed<'py>> {
     let (codec, opts) = codec_and_options(
         codec,
@@ -366,7 +376,8 @@ fn compress_file<'py>(
         align_log2,
         raw_fallback,
     )?;
-    let method = method_of(codec.as_ref(), bits, sink, recent)?;
+    let key = key_codec.map(crate::codec::parse).transpose().py_err()?;
+    let method = method_of(codec.as_ref(), key.as_deref(), bits, sink, recent)?;
     let name = source.to_string_lossy().into_owned();
     let input = py.detach(|| crate::io::file::open_input(&name)).py_err()?;
     let cache = py

@@ -275,6 +275,36 @@ def test_compress_a_safetensors_file_like_the_cli(tmp_path, fixture):
         kvpack.compress(tmp_path / "missing.safetensors", "int4")
 
 
+def test_compress_key_codec_splits_keys_and_values():
+    """key_codec=: keys coded by it and values by ``codec``, each kind
+    decoding exactly as a file of its codec alone with the same windows,
+    from a safetensors path and from in-memory arrays; refused with bits=."""
+    split = kvpack.compress(str(FIXTURE), "int4", key_codec="hqmq:s24r3+ctr", sink=1, recent=0)
+    assert split.codec == "K hqmq:s24r3+ctr / V int4"
+    k = kvpack.compress(str(FIXTURE), "hqmq:s24r3+ctr", sink=1, recent=0)
+    v = kvpack.compress(str(FIXTURE), "int4", sink=1, recent=0)
+    got = kvpack.open(split.data).decode(dtype="fp32")
+    want_k = kvpack.open(k.data).decode(dtype="fp32")
+    want_v = kvpack.open(v.data).decode(dtype="fp32")
+    assert len(got) == 36
+    for key, arr in got.items():
+        want = want_k if key[1] == "K" else want_v
+        np.testing.assert_array_equal(arr, want[key])
+    # In memory: two layers of synthetic K/V.
+    rng = np.random.default_rng(3)
+    layers = [(rng.standard_normal((1, 2, 40, 64)).astype(np.float32),
+               rng.standard_normal((1, 2, 40, 64)).astype(np.float32)) for _ in range(2)]
+    mem = kvpack.compress(layers, "int8", key_codec="hqmq:s12r2+ctr", sink=1)
+    ks = kvpack.compress(layers, "hqmq:s12r2+ctr", sink=1)
+    out, kout = kvpack.open(mem.data).decode(dtype="fp32"), kvpack.open(ks.data).decode(dtype="fp32")
+    for layer in range(2):
+        np.testing.assert_array_equal(out[(layer, "K")], kout[(layer, "K")])
+    with pytest.raises(kvpack.ParameterError):
+        kvpack.compress(str(FIXTURE), bits=3.0, key_codec="int4")
+    with pytest.raises(kvpack.ParameterError):
+        kvpack.compress(layers, "int4", key_codec="hqmq:nope")
+
+
 def test_compress_bits_plans_within_the_budget():
     """bits=B: a budget plan, never over B bits/element, decodable, and
     refused together with a codec or windows."""
