@@ -232,7 +232,8 @@ def compress(
         key_codec: a different codec for the keys (and MLA latents);
             ``codec`` then codes the values only (as ``kvpack compress
             --key-codec``), e.g. ``key_codec="hqmq:s48r4+ctr",
-            codec="hqmq:s12r2", sink=1``. Not with ``bits``.
+            codec="hqmq:s12r2", sink=1``; unset windows default to the
+            larger of the two codecs' own. Not with ``bits``.
         path: write the file there atomically; an existing file is only
             replaced with ``force=True``.
         out: instead, write into this writable contiguous uint8 array

@@ -248,7 +248,7 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
         // an attention-sink token inside such a page sets its channel
         // statistics (gains, means) for every other row, and its damage
         // shows only where attention looks at the sink, which the sampled
-        // measure underrates (format/codecs/hqmq.md sections 10-11 require a
+        // measure underrates (format/codecs/hqmq.md sections 10-11 advise a
         // sink window for `+chan` and `+ctr`).
         for &sink in candidates::SINKS.iter().filter(|&&s| s > 0) {
             let e = exact_rows(&sample, sink);
@@ -949,7 +949,8 @@ pub enum Method<'a> {
     /// One codec for every tensor, windows from the options.
     Codec(&'a dyn Codec),
     /// `key` for the keys and MLA latents, `value` for the values, both
-    /// with the windows of the options ([`compress_split`]).
+    /// with the windows of the options ([`compress_split`]; callers
+    /// defaulting the windows take both codecs' own, [`split_windows`]).
     Split {
         /// Codec of the keys (and latents).
         key: &'a dyn Codec,
@@ -961,13 +962,31 @@ pub enum Method<'a> {
     Bits(f64),
 }
 
+/// The windows of a K/V split whose caller left `sink` / `recent` unset
+/// (`None`): `layout`'s (the value codec's defaults, as for one codec)
+/// widened to the key codec's own defaults ([`Codec::default_windows`]),
+/// so that neither codec loses the windows it expects.
+pub fn split_windows(
+    layout: Layout,
+    key: &dyn Codec,
+    sink: Option<u32>,
+    recent: Option<u32>,
+) -> Layout {
+    let (ks, kr) = key.default_windows();
+    Layout {
+        sink: sink.unwrap_or(layout.sink.max(ks)),
+        recent: recent.unwrap_or(layout.recent.max(kr)),
+        ..layout
+    }
+}
+
 /// Compresses `cache` with `key` on its keys and MLA latents and `value` on
 /// its values, every tensor with the sink/recent windows of `opts` (stored
-/// raw): the codec table holds both (each prepared on the whole cache
-/// first, [`Codec::prepare`]), each tensor points at its kind's. A K/V
-/// split at fixed bit widths, as KIVI and InnerQ choose per kind; `kvpack
-/// inspect` shows each tensor's codec. The report's codec is
-/// `K {key} / V {value}`.
+/// raw): each codec is checked against and prepared on the tensors it codes
+/// ([`Codec::prepare`]), the codec table holds the codecs used, and each
+/// tensor points at its kind's. A K/V split at fixed bit widths, as KIVI
+/// and InnerQ choose per kind; `kvpack inspect` shows each tensor's codec.
+/// The report's codec is `K {key} / V {value}` (the kinds present).
 ///
 /// # Errors
 /// [`Error::Parameter`] when a codec cannot code a tensor of its kind (its
@@ -980,40 +999,50 @@ pub fn compress_split<W: Write + Send>(
     out: W,
     progress: &(dyn Fn(u64) + Sync),
 ) -> Result<(W, CompressReport)> {
-    // Each codec prepared on the tensors it codes.
-    let of_kind = |keys: bool| CacheView {
-        tensors: cache
-            .tensors
-            .iter()
-            .filter(|t| (t.info.kind == Kind::Value) != keys)
-            .cloned()
-            .collect(),
-        metadata: cache.metadata.clone(),
-        token_ids: Vec::new(),
-    };
-    let prepare = |c: &dyn Codec, keys: bool| -> Result<Option<Box<dyn Codec>>> {
-        let part = of_kind(keys);
+    // Each codec checked against and prepared on the tensors it codes; a
+    // kind the cache lacks gets no codec slot.
+    let mut chosen: Vec<(Option<Box<dyn Codec>>, &dyn Codec)> = Vec::new();
+    let mut label = Vec::new();
+    let mut slot_of = [0usize; 2];
+    for (i, (c, keys)) in [(key, true), (value, false)].into_iter().enumerate() {
+        let part = CacheView {
+            tensors: cache
+                .tensors
+                .iter()
+                .filter(|t| (t.info.kind == Kind::Value) != keys)
+                .cloned()
+                .collect(),
+            metadata: cache.metadata.clone(),
+            token_ids: Vec::new(),
+        };
         if part.tensors.is_empty() {
-            return Ok(None);
+            continue;
         }
-        c.prepare(&part, &opts.layout)
-    };
-    let (pk, pv) = (prepare(key, true)?, prepare(value, false)?);
-    let codecs: [&dyn Codec; 2] = [pk.as_deref().unwrap_or(key), pv.as_deref().unwrap_or(value)];
+        for t in &part.tensors {
+            c.check(&t.info)?;
+        }
+        slot_of[i] = chosen.len();
+        chosen.push((c.prepare(&part, &opts.layout)?, c));
+        label.push(format!("{} {}", if keys { "K" } else { "V" }, c.name()));
+    }
+    let codecs: Vec<&dyn Codec> = chosen
+        .iter()
+        .map(|(p, c)| p.as_deref().unwrap_or(*c))
+        .collect();
     let slots: Vec<usize> = cache
         .tensors
         .iter()
-        .map(|t| usize::from(t.info.kind == Kind::Value))
+        .map(|t| slot_of[usize::from(t.info.kind == Kind::Value)])
         .collect();
     let layouts = vec![opts.layout; cache.tensors.len()];
-    let label = format!("K {} / V {}", codecs[0].name(), codecs[1].name());
+    let label = label.join(" / ");
     compress_mixed(
         cache, &codecs, &slots, &layouts, &label, opts, out, progress,
     )
 }
 
-/// Compresses `cache` into `out` by `method`: [`crate::compress_view`] or
-/// [`compress_budget`].
+/// Compresses `cache` into `out` by `method`: [`crate::compress_view`],
+/// [`compress_split`] or [`compress_budget`].
 ///
 /// # Errors
 /// As those functions.

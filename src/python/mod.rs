@@ -201,6 +201,7 @@ fn compress<'py>(
         raw_fallback,
     )?;
     let key = key_codec.map(crate::codec::parse).transpose().py_err()?;
+    let opts = split_options(opts, key.as_deref(), sink, recent);
     let method = method_of(codec.as_ref(), key.as_deref(), bits, sink, recent)?;
     // Import every tensor, then borrow views of them.
     let mut imported = Vec::new();
@@ -256,6 +257,20 @@ fn compress<'py>(
         token_ids: token_ids.unwrap_or_default(),
     };
     write_out(py, &view, method, &opts, path, force, out)
+}
+
+/// `opts` with the windows of a K/V split left unset (`sink`, `recent`)
+/// widened to the key codec's own ([`crate::budget::split_windows`]).
+fn split_options(
+    mut opts: CompressOptions,
+    key: Option<&dyn Codec>,
+    sink: Option<u32>,
+    recent: Option<u32>,
+) -> CompressOptions {
+    if let Some(k) = key {
+        opts.layout = crate::budget::split_windows(opts.layout, k, sink, recent);
+    }
+    opts
 }
 
 /// The coding method: `codec`, `key` on the keys and `codec` on the values,
@@ -377,6 +392,7 @@ fn compress_file<'py>(
         raw_fallback,
     )?;
     let key = key_codec.map(crate::codec::parse).transpose().py_err()?;
+    let opts = split_options(opts, key.as_deref(), sink, recent);
     let method = method_of(codec.as_ref(), key.as_deref(), bits, sink, recent)?;
     let name = source.to_string_lossy().into_owned();
     let input = py.detach(|| crate::io::file::open_input(&name)).py_err()?;

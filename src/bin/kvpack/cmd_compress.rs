@@ -34,7 +34,7 @@ pub struct Args {
     /// the values only. Keys need more bits than values for the same
     /// attention error, e.g. `--key-codec hqmq:s48r4+ctr --codec hqmq:s12r2
     /// --sink 1` (3.24 bits/element on Gemma-3-270M). Windows as given, or
-    /// the --codec's own.
+    /// the larger of the two codecs' own.
     #[arg(long, value_name = "CODEC")]
     pub key_codec: Option<String>,
     /// Output file, or - for stdout [default: INPUT with extension .kvpack].
@@ -90,7 +90,7 @@ pub fn run(a: Args) -> Result<u8> {
         .max()
         .unwrap_or(0);
     let out_name = output::output_name(&a.input, a.output.as_deref(), "kvpack")?;
-    let opts = a
+    let mut opts = a
         .layout
         .options(codec.as_ref(), a.align.trailing_zeros() as u8);
     let pb = output::progress(cache.source_bytes(), "compress", a.quiet || a.json);
@@ -100,6 +100,11 @@ pub fn run(a: Args) -> Result<u8> {
         .as_deref()
         .map(kvpack::codec::parse)
         .transpose()?;
+    if let Some(k) = &key_codec {
+        // Windows left unset: both codecs' own.
+        opts.layout =
+            budget::split_windows(opts.layout, k.as_ref(), a.layout.sink, a.layout.recent);
+    }
     let method = match (a.bits, &key_codec) {
         (Some(bits), _) => budget::Method::Bits(bits),
         (None, Some(k)) => budget::Method::Split {

@@ -135,7 +135,8 @@ impl Channels {
         self != Channels::Off
     }
 
-    /// True when pages store an offset per plane and channel (SCALE stream 2).
+    /// True when pages store an offset per plane and channel (`+ctr`:
+    /// SCALE stream 1 holds per plane the gains, then the offsets).
     pub fn has_offsets(self) -> bool {
         self == Channels::Centred
     }
@@ -399,6 +400,17 @@ pub(crate) fn symbol_split(s: u32, b: u8) -> (u32, u64) {
 impl Codec for Hqmq {
     fn size_depends_only_on_shape(&self) -> bool {
         self.outlier_multiplier.is_none()
+    }
+
+    /// One sink token with `+chan` and `+ctr` (an attention-sink token in
+    /// a page would set its channel statistics for every other row,
+    /// format/codecs/hqmq.md sections 10-11), else none.
+    fn default_windows(&self) -> (u32, u32) {
+        if self.channels.has_gains() {
+            (1, 0)
+        } else {
+            (0, 0)
+        }
     }
 
     fn name(&self) -> String {

@@ -8,16 +8,18 @@
 // Decode, binary32, no fused multiply-add:
 //     step_r = f32(sigma_r) / f32(L)          (L = 2^b - 1)
 //     j = v >> b, q = v mod 2^b, rh = f32(q) * step_r, x_t = rh * C_{j,t}
+//     +chan / +ctr: x_t = x_t * f32(g_{plane, 4c+t});  +ctr: then x_t = x_t + f32(m_{plane, 4c+t})
 // with C the joint codebook (24 S quaternions) of the row's (layer, kv head,
 // K|V), regenerated on the host (side table).
 //
 // Side table: u64 O^G at byte 0 (the largest valid group value plus one),
 // then at byte 16 the joint codebooks of every kv head, [heads][24 S] float4.
 // Descriptor: sec0 = SCALE, sec1 = INDEX 0, sec2 = INDEX 1, sec3 = OUTLIERS
-// (0 without); p0 = S, p1 = b | E << 8 | G << 16 | W << 24, p2 = O,
+// (0 without), sec4 = SCALE stream 1 (+chan: per plane D gains; +ctr: per
+// plane D gains then D offsets; 0 without); p0 = S, p1 = b | E << 8 | G << 16 | W << 24, p2 = O,
 // p3 = inlier chunks of the page.
 //
-// `decode_hqmq_o{3|9|0}_{s|g}_{out}`: work item = up to HQ_ITEM rows of
+// `decode_hqmq_o{3|9|0}_{s|g}[_c|_m]_{out}` (`_c`: +chan, `_m`: +ctr): work item = up to HQ_ITEM rows of
 // one plane (one codebook); the block copies the codebook to shared memory
 // (`s`; `g` reads it through L1), then walks sub-blocks of up to HQ_ROWS
 // rows (at most HQ_NPOS chunks): (1) outlier flags of the sub-block and the
