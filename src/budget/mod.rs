@@ -1001,7 +1001,9 @@ pub fn compress_split<W: Write + Send>(
 ) -> Result<(W, CompressReport)> {
     // Each codec checked against and prepared on the tensors it codes; a
     // kind the cache lacks gets no codec slot.
-    let mut chosen: Vec<(Option<Box<dyn Codec>>, &dyn Codec)> = Vec::new();
+    // (the prepared codec, if preparing made one; the codec given)
+    type Chosen<'c> = (Option<Box<dyn Codec>>, &'c dyn Codec);
+    let mut chosen: Vec<Chosen<'_>> = Vec::new();
     let mut label = Vec::new();
     let mut slot_of = [0usize; 2];
     for (i, (c, keys)) in [(key, true), (value, false)].into_iter().enumerate() {
