@@ -104,11 +104,8 @@ fn load_chunks(
     }
     let (gains, offsets) = match channels {
         Channels::Off => (Vec::new(), Vec::new()),
-        Channels::Gains => (
-            divide_by_gains(&mut xs, page.tokens as usize, nc),
-            Vec::new(),
-        ),
-        Channels::Centred => centre(&mut xs, page.tokens as usize, nc),
+        Channels::Gains => channel_statistics(&mut xs, page.tokens as usize, nc, false),
+        Channels::Centred => channel_statistics(&mut xs, page.tokens as usize, nc, true),
     };
     let mut radii = vec![0f32; n];
     for ((((r, &a), &b), &c), &e) in radii
@@ -128,69 +125,44 @@ fn load_chunks(
     })
 }
 
-/// Per-channel gains (format/codecs/hqmq.md encoding rule 1, "Gains"): for every
-/// plane of `t` rows of `nc` chunks, `g_c` = the smallest fp16 value `>=`
-/// the largest `|x|` of channel `c` (component `c % 4` of chunk `c / 4`),
-/// and every value of the channel becomes `x / g_c` (binary32 division;
-/// `0` where `g_c = 0`). Returns the gains, `[plane][head_dim]`.
-fn divide_by_gains(xs: &mut [Vec<f32>; 4], t: usize, nc: usize) -> Vec<f32> {
+/// Per-channel gains and centring (format/codecs/hqmq.md encoding rule 1,
+/// "Gains" and "Centring"): for every plane of `t` rows of `nc` chunks and
+/// channel `c` (component `c % 4` of chunk `c / 4`), with `centred` the
+/// offset `m_c` = the fp16 rounding (nearest, ties to even) of `s_c /
+/// f32(t)`, `s_c` the binary32 sum of the channel's values in row order
+/// (without, `m_c = 0`); `dev_c` = the largest `|x - m_c|` (binary32); the
+/// gain `g_c` = the smallest fp16 value `>= sqrt(dev_c)` with `centred`
+/// (correctly rounded square root), `>= dev_c` without; every value
+/// becomes `(x - m_c) / g_c` (`0` where `g_c = 0`; `x - 0` is `x` exactly,
+/// so without centring this is `x / g_c`). Returns `(gains, offsets)`, each
+/// `[plane][head_dim]`, the offsets empty without `centred`.
+fn channel_statistics(
+    xs: &mut [Vec<f32>; 4],
+    t: usize,
+    nc: usize,
+    centred: bool,
+) -> (Vec<f32>, Vec<f32>) {
     let planes = xs[0].len() / (t * nc).max(1);
     let mut gains = vec![0f32; planes * 4 * nc];
+    let mut offsets = vec![0f32; if centred { planes * 4 * nc } else { 0 }];
     for p in 0..planes {
         let span = p * t * nc..(p + 1) * t * nc;
         for (k, comp) in xs.iter_mut().enumerate() {
             let plane = &mut comp[span.clone()];
-            let mut mx = vec![0f32; nc];
-            for row in plane.chunks_exact(nc) {
-                for (m, v) in mx.iter_mut().zip(row) {
-                    *m = m.max(v.abs());
+            let mut mean = vec![0f32; nc];
+            if centred {
+                // Sums in row order (the loop over c vectorizes; each
+                // channel's additions stay in row order, as the rule says).
+                for row in plane.chunks_exact(nc) {
+                    for (s, v) in mean.iter_mut().zip(row) {
+                        *s += v;
+                    }
+                }
+                // |x| <= 65504, so the mean is in the fp16 range.
+                for m in &mut mean {
+                    *m = f16::from_f32(*m / t as f32).to_f32();
                 }
             }
-            for (c, m) in mx.iter().enumerate() {
-                // |x| <= 65504 was checked, so the ceiling exists.
-                gains[p * 4 * nc + 4 * c + k] = f16_ceil(*m).map_or(F16_MAX, f16::to_f32);
-            }
-            let g = &gains[p * 4 * nc..(p + 1) * 4 * nc];
-            for row in plane.chunks_exact_mut(nc) {
-                for (c, v) in row.iter_mut().enumerate() {
-                    let gc = g[4 * c + k];
-                    *v = if gc > 0.0 { *v / gc } else { 0.0 };
-                }
-            }
-        }
-    }
-    gains
-}
-
-/// Per-channel centring (format/codecs/hqmq.md encoding rule 1,
-/// "Centring"): for every plane of `t` rows of `nc` chunks and channel `c`
-/// (component `c % 4` of chunk `c / 4`), the offset `m_c` = the fp16
-/// rounding (nearest, ties to even) of `s_c / f32(t)`, `s_c` the binary32
-/// sum of the channel's values in row order; the gain `g_c` = the smallest
-/// fp16 value `>= sqrt(max |x - m_c|)` (binary32 subtraction and correctly
-/// rounded square root); every value becomes `(x - m_c) / g_c` (`0` where
-/// `g_c = 0`). Returns `(gains, offsets)`, each `[plane][head_dim]`.
-fn centre(xs: &mut [Vec<f32>; 4], t: usize, nc: usize) -> (Vec<f32>, Vec<f32>) {
-    let planes = xs[0].len() / (t * nc).max(1);
-    let mut gains = vec![0f32; planes * 4 * nc];
-    let mut offsets = vec![0f32; planes * 4 * nc];
-    for p in 0..planes {
-        let span = p * t * nc..(p + 1) * t * nc;
-        for (k, comp) in xs.iter_mut().enumerate() {
-            let plane = &mut comp[span.clone()];
-            // Sums in row order (the loop over c vectorizes; each channel's
-            // additions stay in row order, as the rule says).
-            let mut sum = vec![0f32; nc];
-            for row in plane.chunks_exact(nc) {
-                for (s, v) in sum.iter_mut().zip(row) {
-                    *s += v;
-                }
-            }
-            // |x| <= 65504, so the mean is in the fp16 range.
-            let mean: Vec<f32> = sum
-                .iter()
-                .map(|s| f16::from_f32(s / t as f32).to_f32())
-                .collect();
             let mut dev = vec![0f32; nc];
             for row in plane.chunks_exact(nc) {
                 for ((d, v), m) in dev.iter_mut().zip(row).zip(&mean) {
@@ -198,10 +170,13 @@ fn centre(xs: &mut [Vec<f32>; 4], t: usize, nc: usize) -> (Vec<f32>, Vec<f32>) {
                 }
             }
             for c in 0..nc {
-                // dev <= 131008, so sqrt(dev) < 362 has an fp16 ceiling.
-                gains[p * 4 * nc + 4 * c + k] =
-                    f16_ceil(dev[c].sqrt()).map_or(F16_MAX, f16::to_f32);
-                offsets[p * 4 * nc + 4 * c + k] = mean[c];
+                // |x| <= 65504 was checked: dev <= 131008 and sqrt(dev) <
+                // 362, so the ceilings exist (65504 caps the guard).
+                let g = if centred { dev[c].sqrt() } else { dev[c] };
+                gains[p * 4 * nc + 4 * c + k] = f16_ceil(g).map_or(F16_MAX, f16::to_f32);
+                if centred {
+                    offsets[p * 4 * nc + 4 * c + k] = mean[c];
+                }
             }
             let g = &gains[p * 4 * nc..(p + 1) * 4 * nc];
             for row in plane.chunks_exact_mut(nc) {
@@ -981,14 +956,8 @@ mod tests {
                 *x = 0.0; // one zero channel
             }
         }
-        let (ti, page_values) = (info(), v.clone());
-        let page = PageIn {
-            source: None,
-            tensor: &ti,
-            token_start: 0,
-            tokens: T as u32,
-            planes: page_values.chunks(T * D).map(Elems::F32).collect(),
-        };
+        let ti = info();
+        let page = page_of(&ti, &v);
         let good = h.encode(&page).unwrap();
         let gains = &section_mut(&mut good.clone(), SectionKind::Scale, 1)
             .data
@@ -1073,14 +1042,8 @@ mod tests {
                 _ => {}
             }
         }
-        let (ti, page_values) = (info(), v.clone());
-        let page = PageIn {
-            source: None,
-            tensor: &ti,
-            token_start: 0,
-            tokens: T as u32,
-            planes: page_values.chunks(T * D).map(Elems::F32).collect(),
-        };
+        let ti = info();
+        let page = page_of(&ti, &v);
         let good = h.encode(&page).unwrap();
         let side = section_mut(&mut good.clone(), SectionKind::Scale, 1)
             .data
@@ -1156,6 +1119,17 @@ mod tests {
             .with_channels(Channels::Gains);
         assert!(decode(&plain, &good).unwrap_err().is_format());
         assert!(decode(&chan, &good).unwrap_err().is_format());
+    }
+
+    /// The page of `T` tokens of `ti` holding `values` (`[planes, T, D]`).
+    fn page_of<'a>(ti: &'a TensorInfo, values: &'a [f32]) -> PageIn<'a> {
+        PageIn {
+            source: None,
+            tensor: ti,
+            token_start: 0,
+            tokens: T as u32,
+            planes: values.chunks(T * D).map(Elems::F32).collect(),
+        }
     }
 
     /// Decodes `sections` as one page of `ti` (`tokens` rows per plane,

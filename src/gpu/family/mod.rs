@@ -576,33 +576,20 @@ mod tests {
     #[test]
     fn kernel_names_exist_for_every_family() {
         let names = kernel_names();
+        let hqmq = |med, chan| KernelCodec::Hqmq {
+            s: 5,
+            b: 2,
+            e: 5,
+            g: 3,
+            w: 20,
+            o: 15,
+            med,
+            chan,
+        };
+        use crate::codec::hqmq::Channels;
         for (kc, d) in [
-            (
-                KernelCodec::Hqmq {
-                    s: 5,
-                    b: 2,
-                    e: 5,
-                    g: 3,
-                    w: 20,
-                    o: 15,
-                    med: true,
-                    chan: crate::codec::hqmq::Channels::Gains,
-                },
-                12,
-            ),
-            (
-                KernelCodec::Hqmq {
-                    s: 5,
-                    b: 2,
-                    e: 5,
-                    g: 3,
-                    w: 20,
-                    o: 15,
-                    med: false,
-                    chan: crate::codec::hqmq::Channels::Centred,
-                },
-                12,
-            ),
+            (hqmq(true, Channels::Gains), 12),
+            (hqmq(false, Channels::Centred), 12),
             (
                 KernelCodec::Polar {
                     m: 3,
