@@ -535,3 +535,56 @@ fn key_codec_splits_keys_and_values() {
         assert!(!dir.path().join("bad.kvpack").exists());
     }
 }
+
+/// A cache whose head_dim (96) neither bdr128 nor TurboQuant's
+/// Walsh-Hadamard transform takes: `eval` compares int4 with the bdr
+/// block that fits (bdr32) by default, and `compress --bits` plans with
+/// the candidates that accept the shape. Real rows: the fixture's, cut to
+/// their first 96 channels.
+#[test]
+fn eval_and_bits_fit_a_head_dim_of_96() {
+    let dir = tempfile::tempdir().unwrap();
+    let bytes = std::fs::read(fixture_path()).unwrap();
+    let mut cache = kvpack::io::safetensors::parse(&bytes, "fixture")
+        .unwrap()
+        .cache;
+    for t in &mut cache.tensors {
+        let full = t.info.head_dim as usize;
+        let kvpack::TensorData::Bf16(v) = &t.data else {
+            panic!("bf16 fixture")
+        };
+        let cut: Vec<_> = v
+            .chunks_exact(full)
+            .flat_map(|r| r[..96].to_vec())
+            .collect();
+        let mut info = t.info.clone();
+        info.head_dim = 96;
+        *t = kvpack::Tensor::new(info, kvpack::TensorData::Bf16(cut)).unwrap();
+    }
+    let src = dir.path().join("hd96.safetensors");
+    write_cache(&src, &cache);
+    let src = src.to_str().unwrap();
+    let o = kvpack(&["eval", src, "--json"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let codecs: Vec<String> = json(&o)
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["codec"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(codecs, ["int4", "bdr32"]);
+    let out = dir.path().join("p.kvpack");
+    let o = kvpack(&[
+        "compress",
+        src,
+        "--bits",
+        "3.5",
+        "-o",
+        out.to_str().unwrap(),
+        "--json",
+    ]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    assert!(json(&o)["bits_per_element"].as_f64().unwrap() <= 3.5);
+    let o = kvpack(&["verify", out.to_str().unwrap()]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+}

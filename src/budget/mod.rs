@@ -521,18 +521,34 @@ fn planner_names(cache: &CacheView<'_>) -> Vec<String> {
     names
 }
 
-/// Prepares the codec `name` for `cache` (statistics of codecs that take
-/// them, e.g. InnerQ's key normalization).
-fn candidate(cache: &CacheView<'_>, plain: &Layout, name: &str) -> Result<Candidate> {
+/// Prepares the codec `name` for the tensors of `cache` whose shape it
+/// accepts ([`Codec::check`]; statistics of codecs that take them, e.g.
+/// InnerQ's key normalization, and per-head_dim tables, e.g. TurboQuant's
+/// codebooks, which exist only for power-of-two head_dims). `None` when it
+/// accepts no tensor of the cache.
+fn candidate(cache: &CacheView<'_>, plain: &Layout, name: &str) -> Result<Option<Candidate>> {
     let c = crate::codec::parse(name)?;
-    let codec = match c.prepare(cache, plain)? {
+    let fit = CacheView {
+        tensors: cache
+            .tensors
+            .iter()
+            .filter(|t| c.check(&t.info).is_ok())
+            .cloned()
+            .collect(),
+        metadata: cache.metadata.clone(),
+        token_ids: Vec::new(),
+    };
+    if fit.tensors.is_empty() {
+        return Ok(None);
+    }
+    let codec = match c.prepare(&fit, plain)? {
         Some(p) => p,
         None => c,
     };
     let hqmq = (codec.id() == crate::codec::hqmq::ID)
         .then(|| Hqmq::from_params(&codec.params()))
         .transpose()?;
-    Ok(Candidate { codec, hqmq })
+    Ok(Some(Candidate { codec, hqmq }))
 }
 
 fn measure(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Measured> {
@@ -559,7 +575,8 @@ fn measure_names(
     let mut candidates: Vec<Candidate> = Vec::new();
     for n in names {
         match candidate(cache, &plain, n) {
-            Ok(mut c) => {
+            Ok(None) => {}
+            Ok(Some(mut c)) => {
                 // hqmq configurations of one S and seed share codebooks.
                 if let Some(h) = c.hqmq.take() {
                     let first = candidates.iter().find_map(|o| {

@@ -2,7 +2,7 @@
 //! tokens).
 
 use super::*;
-use crate::cache::{DType, KvCache};
+use crate::cache::{DType, KvCache, TensorData};
 use crate::decode::{Archive, Selection};
 
 fn fixture() -> KvCache {
@@ -206,5 +206,56 @@ fn windowed_candidates_are_measured_per_sink_window() {
             "sink {sink}: {extra} bytes"
         );
         assert!(tp.points[i].distortion > 0.0);
+    }
+}
+
+/// The fixture with every tensor's head vectors cut to their first `d`
+/// channels (real K/V rows at head_dims the fixture's model does not have).
+fn fixture_cut(d: u32) -> KvCache {
+    let mut cache = fixture();
+    for t in &mut cache.tensors {
+        let full = t.info.head_dim as usize;
+        let TensorData::Bf16(v) = &t.data else {
+            panic!("bf16 fixture")
+        };
+        let cut: Vec<_> = v
+            .chunks_exact(full)
+            .flat_map(|row| row[..d as usize].iter().copied())
+            .collect();
+        let mut info = t.info.clone();
+        info.head_dim = d;
+        *t = crate::cache::Tensor::new(info, TensorData::Bf16(cut)).unwrap();
+    }
+    cache
+}
+
+#[test]
+fn head_dims_that_some_candidates_refuse_are_planned_with_the_others() {
+    // 96, 80 (not powers of two: no TurboQuant codebook) and 6 (not a
+    // multiple of 4: no hqmq chunks either) plan with the candidates that
+    // accept them, within the budget.
+    for (d, bits) in [(96, 3.25), (80, 4.25), (6, 20.0)] {
+        let cache = fixture_cut(d);
+        let view = cache.view();
+        let (file, _, plan) = compress_budget(
+            &view,
+            bits,
+            &CompressOptions::default(),
+            Vec::new(),
+            &|_| {},
+        )
+        .unwrap_or_else(|e| panic!("head_dim {d}: {e}"));
+        let real = 8.0 * file.len() as f64 / cache.elements() as f64;
+        assert!(real <= bits, "head_dim {d}: {real} bits/element");
+        for t in &plan.tensors {
+            assert!(!t.codec.starts_with("turbo"), "head_dim {d}: {}", t.codec);
+            if d % 4 != 0 {
+                assert!(!t.codec.starts_with("hqmq"), "head_dim {d}: {}", t.codec);
+            }
+        }
+        Archive::open(&file)
+            .unwrap()
+            .decode(&Selection::default(), Some(DType::F32), None)
+            .unwrap();
     }
 }

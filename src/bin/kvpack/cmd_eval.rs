@@ -33,14 +33,12 @@ pub struct Args {
     /// --synthetic: Table 1 only (skip the slower Tables 4 and 5).
     #[arg(long, requires = "synthetic")]
     pub table1_only: bool,
-    /// Comma-separated codecs to compare.
-    #[arg(
-        long,
-        short = 'c',
-        default_value = "int4,bdr128",
-        value_delimiter = ','
-    )]
-    pub codec: Vec<String>,
+    /// Comma-separated codecs to compare [default: int4 and bdr with the
+    /// largest Walsh-Hadamard block, at most 128, that divides every
+    /// head_dim of the cache: bdr128 for head_dims 128 and 256, bdr32 for
+    /// 96].
+    #[arg(long, short = 'c', value_delimiter = ',')]
+    pub codec: Option<Vec<String>>,
     #[command(flatten)]
     pub layout: output::LayoutArgs,
     /// Print JSON instead of a table.
@@ -58,6 +56,23 @@ pub struct Args {
     pub force: bool,
 }
 
+/// `int4` and the `bdr{h}` whose block `h` (a power of two, at most 128)
+/// divides every head_dim of `cache` (none for an odd head_dim).
+fn default_codecs(cache: &kvpack::KvCache) -> Vec<String> {
+    let tz = cache
+        .tensors
+        .iter()
+        .map(|t| t.info.head_dim.trailing_zeros())
+        .min()
+        .unwrap_or(7)
+        .min(7);
+    let mut names = vec!["int4".to_string()];
+    if tz >= 1 {
+        names.push(format!("bdr{}", 1u32 << tz));
+    }
+    names
+}
+
 pub fn run(a: Args) -> Result<u8> {
     if a.synthetic {
         return run_synthetic(&a);
@@ -65,8 +80,12 @@ pub fn run(a: Args) -> Result<u8> {
     let input = a.input.as_deref().unwrap_or_default();
     let bytes = crate::output::open_any(input)?;
     let loaded = safetensors::parse(&bytes, input)?;
+    let names = a
+        .codec
+        .clone()
+        .unwrap_or_else(|| default_codecs(&loaded.cache));
     let mut rows = Vec::new();
-    for name in &a.codec {
+    for name in &names {
         let codec = kvpack::codec::parse(name)?;
         let opts = a
             .layout
