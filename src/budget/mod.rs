@@ -82,6 +82,8 @@ pub struct Plan {
     pub distortion: f64,
     codecs: Vec<Box<dyn Codec>>,
     slots: Vec<usize>,
+    /// Per tensor, the index of its candidate in [`Measured::candidates`].
+    candidates: Vec<usize>,
 }
 
 impl Plan {
@@ -206,6 +208,12 @@ struct Trials {
     rows: Vec<f32>,
     /// The candidates' round trips.
     trips: Vec<Trip>,
+    /// The first refusal of the sampled rows by a candidate
+    /// ([`Error::Parameter`]: a value its format cannot hold, e.g. an hqmq
+    /// chunk radius beyond fp16); such a candidate is left out for the
+    /// tensor, and the error is raised only when no coding candidate
+    /// remains.
+    refused: Option<Error>,
 }
 
 fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials> {
@@ -213,9 +221,11 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
     let sample = Sample::of(tv.info.tokens);
     let rows = timing::time(timing::Section::Sample, || load_rows(tv, &sample));
     let n = sample.len();
+    let mut refused = None;
     let trips = timing::time(timing::Section::RoundTrip, || {
-        // One candidate's round trip of `rows` (`n` per plane).
-        let trip = |c: &Candidate, shared: &mut hqmq::Shared, rows: &[f32], n: usize| {
+        // One candidate's round trip of `rows` (`n` per plane); a refusal
+        // of the rows' values leaves the candidate out.
+        let mut trip = |c: &Candidate, shared: &mut hqmq::Shared, rows: &[f32], n: usize| {
             if c.codec.check(&tv.info).is_err() || n == 0 {
                 return Ok(None);
             }
@@ -230,7 +240,14 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
                 }),
                 None => c.codec.encode(page).map(Encoded::Sections),
             };
-            round_trip(c.codec.as_ref(), &mut encode, &tv.info, rows, n).map(|r| Some(Some(r)))
+            match round_trip(c.codec.as_ref(), &mut encode, &tv.info, rows, n) {
+                Ok(r) => Ok(Some(Some(r))),
+                Err(e @ Error::Parameter(_)) => {
+                    refused.get_or_insert(e);
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            }
         };
         let mut out = Vec::new();
         // The chunks and direction searches of the sample page, shared by
@@ -286,6 +303,7 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
         sample,
         rows,
         trips,
+        refused,
     })
 }
 
@@ -311,7 +329,7 @@ fn layer_points(
     cands: &[Candidate],
     opts: &CompressOptions,
 ) -> Result<Vec<(usize, TensorPoints)>> {
-    let tr: Vec<Trials> = ts
+    let mut tr: Vec<Trials> = ts
         .iter()
         .map(|&t| trials(cache, t, cands))
         .collect::<Result<_>>()?;
@@ -455,6 +473,15 @@ fn layer_points(
                 points.choice.push((c, sink));
             }
         }
+        let coded = points
+            .choice
+            .iter()
+            .any(|&(c, _)| cands[c].codec.id() != crate::codec::raw::ID);
+        if !coded && let Some(e) = tr[i].refused.take() {
+            // Every coding candidate refused the values (NaN, inf, or
+            // beyond every format): the first refusal names the row.
+            return Err(e);
+        }
         if points.points.is_empty() {
             return Err(Error::param(format!(
                 "{}: no candidate codec can encode it",
@@ -552,7 +579,47 @@ fn candidate(cache: &CacheView<'_>, plain: &Layout, name: &str) -> Result<Option
 }
 
 fn measure(cache: &CacheView<'_>, opts: &CompressOptions) -> Result<Measured> {
+    check_finite(cache)?;
     measure_names(cache, opts, &planner_names(cache), false)
+}
+
+/// Refuses a cache holding a NaN or infinity, naming the first one's
+/// tensor, plane and token: every coding candidate refuses such a row, and
+/// the planner would otherwise keep it only by chance (inside a sink
+/// window, or by storing its tensor `raw`).
+///
+/// # Errors
+/// [`Error::Parameter`].
+fn check_finite(cache: &CacheView<'_>) -> Result<()> {
+    let first: Vec<Option<(usize, usize)>> = cache
+        .tensors
+        .par_iter()
+        .map(|t| {
+            let mut row = vec![0.0f32; t.info.head_dim as usize];
+            (0..t.info.planes())
+                .flat_map(|p| (0..t.info.tokens as usize).map(move |tok| (p, tok)))
+                .find(|&(p, tok)| {
+                    t.load_row(p, tok, &mut row);
+                    !row.iter().all(|x| x.is_finite())
+                })
+        })
+        .collect();
+    match first
+        .iter()
+        .enumerate()
+        .find_map(|(i, f)| f.map(|pt| (i, pt)))
+    {
+        None => Ok(()),
+        Some((i, (p, tok))) => {
+            let info = &cache.tensors[i].info;
+            Err(Error::param(format!(
+                "{} ({}) plane {p} token {tok}: non-finite value (NaN or inf); \
+                 --bits plans finite caches only",
+                info.name,
+                info.describe()
+            )))
+        }
+    }
 }
 
 /// Measures the codecs `names` on every tensor of `cache`; with
@@ -648,16 +715,45 @@ impl Measured {
     }
 
     /// The plan for `bits` per element with `slack` bytes kept free.
-    fn plan(&self, cache: &CacheView<'_>, bits: f64, slack: f64) -> Result<Plan> {
+    /// `excluded` lists `(tensor, candidate)` pairs not to choose.
+    fn plan(
+        &self,
+        cache: &CacheView<'_>,
+        bits: f64,
+        slack: f64,
+        excluded: &[(usize, usize)],
+    ) -> Result<Plan> {
         let budget = bits * self.elements as f64 / 8.0;
         let avail = budget - self.fixed - slack;
-        let options: Vec<Vec<Point>> = self.tensors.iter().map(|t| t.points.clone()).collect();
+        // Per tensor, the indices of its allowed points.
+        let allowed: Vec<Vec<usize>> = self
+            .tensors
+            .iter()
+            .enumerate()
+            .map(|(t, tp)| {
+                (0..tp.points.len())
+                    .filter(|&i| !excluded.contains(&(t, tp.choice[i].0)))
+                    .collect()
+            })
+            .collect();
+        if let Some(t) = allowed.iter().position(|a| a.is_empty()) {
+            return Err(Error::param(format!(
+                "{}: every candidate codec refused its values",
+                cache.tensors[t].info.describe()
+            )));
+        }
+        let options: Vec<Vec<Point>> = allowed
+            .iter()
+            .zip(&self.tensors)
+            .map(|(a, tp)| a.iter().map(|&i| tp.points[i]).collect())
+            .collect();
         let chosen = allocate::allocate(&options, avail).map_err(|least| {
             Error::param(format!(
                 "--bits {bits}: the smallest plan of this cache needs about {:.3} bits/element",
                 8.0 * (least + self.fixed) / self.elements.max(1) as f64
             ))
         })?;
+        let chosen: Vec<usize> = chosen.iter().zip(&allowed).map(|(&i, a)| a[i]).collect();
         let mut used: Vec<usize> = chosen
             .iter()
             .zip(&self.tensors)
@@ -667,6 +763,7 @@ impl Measured {
         used.dedup();
         let mut tensors = Vec::new();
         let mut slots = Vec::new();
+        let mut cands = Vec::new();
         let mut bytes = self.fixed;
         let mut total_d = 0.0;
         for (t, (&i, tp)) in chosen.iter().zip(&self.tensors).enumerate() {
@@ -676,6 +773,7 @@ impl Measured {
             bytes += pt.bytes;
             total_d += pt.distortion;
             slots.push(used.binary_search(&c).expect("used codec"));
+            cands.push(c);
             tensors.push(TensorPlan {
                 name: info.name.clone(),
                 layer: info.layer,
@@ -708,6 +806,7 @@ impl Measured {
             distortion: total_d,
             codecs,
             slots,
+            candidates: cands,
         })
     }
 }
@@ -722,7 +821,7 @@ impl Measured {
 /// gives the least bits/element possible).
 pub fn plan(cache: &CacheView<'_>, bits: f64, opts: &CompressOptions) -> Result<Plan> {
     check_bits(bits)?;
-    measure(cache, opts)?.plan(cache, bits, 0.0)
+    measure(cache, opts)?.plan(cache, bits, 0.0, &[])
 }
 
 fn check_bits(bits: f64) -> Result<()> {
@@ -743,7 +842,9 @@ fn check_bits(bits: f64) -> Result<()> {
 /// bytes encoded so far.
 ///
 /// # Errors
-/// As [`plan`]; [`Error::Parameter`] when no plan fits after 4 attempts;
+/// As [`plan`]; [`Error::Parameter`] when no plan fits after 6 attempts (a
+/// codec that refuses a tensor's values outside the sampled rows is left out
+/// for that tensor and the cache re-planned);
 /// [`Error::Io`] when writing fails.
 pub fn compress_budget<W: Write + Send>(
     cache: &CacheView<'_>,
@@ -775,9 +876,13 @@ impl Measured {
     ) -> Result<(Vec<u8>, CompressReport, Plan)> {
         let budget = bits * cache.elements() as f64 / 8.0;
         let mut slack = 0.0;
-        for _ in 0..4 {
-            let p = timing::time(timing::Section::Allocate, || self.plan(cache, bits, slack))?;
-            let refs: Vec<&dyn Codec> = p.codecs.iter().map(|c| c.as_ref()).collect();
+        // (tensor, candidate) pairs whose encode refused the tensor's
+        // values outside the sample.
+        let mut excluded: Vec<(usize, usize)> = Vec::new();
+        for _ in 0..6 {
+            let p = timing::time(timing::Section::Allocate, || {
+                self.plan(cache, bits, slack, &excluded)
+            })?;
             let layouts: Vec<Layout> = p
                 .tensors
                 .iter()
@@ -788,7 +893,8 @@ impl Measured {
                 })
                 .collect();
             let label = format!("plan:{bits}");
-            let (buf, report) = timing::time(timing::Section::Encode, || {
+            let encoded = timing::time(timing::Section::Encode, || {
+                let refs: Vec<&dyn Codec> = p.codecs.iter().map(|c| c.as_ref()).collect();
                 compress_mixed(
                     cache,
                     &refs,
@@ -799,7 +905,18 @@ impl Measured {
                     Vec::new(),
                     progress,
                 )
-            })?;
+            });
+            let (buf, report) = match encoded {
+                Err(e @ Error::Parameter(_)) => {
+                    let refusing = p.refusing(cache, &layouts, opts);
+                    if refusing.is_empty() {
+                        return Err(e);
+                    }
+                    excluded.extend(refusing);
+                    continue;
+                }
+                r => r?,
+            };
             let len = buf.len() as f64;
             if len <= budget {
                 return Ok((buf, report, p));
@@ -807,8 +924,43 @@ impl Measured {
             slack += (len - budget) * 1.25 + f64::from(1u32 << opts.align_log2);
         }
         Err(Error::param(format!(
-            "--bits {bits}: no plan fitted the budget after 4 attempts"
+            "--bits {bits}: no plan fitted the budget after 6 attempts"
         )))
+    }
+}
+
+impl Plan {
+    /// The `(tensor, candidate)` pairs of this plan whose codec refuses
+    /// the whole tensor (a value outside the sampled rows that its format
+    /// cannot hold): each tensor encoded alone with its codec and window.
+    fn refusing(
+        &self,
+        cache: &CacheView<'_>,
+        layouts: &[Layout],
+        opts: &CompressOptions,
+    ) -> Vec<(usize, usize)> {
+        (0..cache.tensors.len())
+            .filter(|&t| {
+                let one = CacheView {
+                    tensors: vec![cache.tensors[t].clone()],
+                    metadata: Default::default(),
+                    token_ids: Vec::new(),
+                };
+                let codec = [self.codecs[self.slots[t]].as_ref()];
+                let r = compress_mixed(
+                    &one,
+                    &codec,
+                    &[0],
+                    &layouts[t..=t],
+                    "probe",
+                    opts,
+                    std::io::sink(),
+                    &|_| {},
+                );
+                matches!(r, Err(Error::Parameter(_)))
+            })
+            .map(|t| (t, self.candidates[t]))
+            .collect()
     }
 }
 

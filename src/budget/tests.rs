@@ -259,3 +259,82 @@ fn head_dims_that_some_candidates_refuse_are_planned_with_the_others() {
             .unwrap();
     }
 }
+
+/// Sets row `token` of plane 0 of tensor `t` to `x` in every channel.
+fn set_row(cache: &mut KvCache, t: usize, token: usize, x: f32) {
+    let d = cache.tensors[t].info.head_dim as usize;
+    let TensorData::Bf16(v) = &mut cache.tensors[t].data else {
+        panic!("bf16 fixture")
+    };
+    v[token * d..(token + 1) * d].fill(half::bf16::from_f32(x));
+}
+
+#[test]
+fn values_a_candidate_cannot_hold_leave_it_out_for_that_tensor() {
+    // 1e5 in every channel: hqmq's chunk radius is beyond its fp16 scale.
+    // Token 3 is in every sample (the first 16 slots are); token 17 in
+    // none (the spread slots of 520 tokens start at 21), so only the
+    // file's encode finds it and the tensor is re-planned.
+    for token in [3, 17] {
+        let mut cache = fixture();
+        set_row(&mut cache, 6, token, 1e5);
+        let view = cache.view();
+        let (file, _, plan) = compress_budget(
+            &view,
+            4.25,
+            &CompressOptions::default(),
+            Vec::new(),
+            &|_| {},
+        )
+        .unwrap_or_else(|e| panic!("token {token}: {e}"));
+        assert!(8.0 * file.len() as f64 / cache.elements() as f64 <= 4.25);
+        let t = &plan.tensors[6];
+        assert!(
+            !t.codec.starts_with("hqmq") || t.sink > token as u32,
+            "token {token}: {} sink {}",
+            t.codec,
+            t.sink
+        );
+        // Other tensors keep their hqmq choices.
+        assert!(plan.tensors.iter().any(|t| t.codec.starts_with("hqmq")));
+        let dec = Archive::open(&file)
+            .unwrap()
+            .decode(&Selection::default(), Some(DType::F32), None)
+            .unwrap();
+        let TensorData::F32(v) = &dec.tensors[6].data else {
+            panic!("f32")
+        };
+        let d = cache.tensors[6].info.head_dim as usize;
+        let row = &v[token * d..(token + 1) * d];
+        let err = row
+            .iter()
+            .map(|&x| (f64::from(x) - 1e5).powi(2))
+            .sum::<f64>();
+        let rel = (err / (d as f64 * 1e10)).sqrt();
+        assert!(
+            rel < 0.25,
+            "token {token}: {} relative error {rel}",
+            t.codec
+        );
+    }
+}
+
+#[test]
+fn a_value_no_candidate_can_code_is_named() {
+    let mut cache = fixture();
+    set_row(&mut cache, 4, 2, f32::NAN);
+    let view = cache.view();
+    let e = compress_budget(
+        &view,
+        4.25,
+        &CompressOptions::default(),
+        Vec::new(),
+        &|_| {},
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("past_key_values.2.key") && e.contains("token 2"),
+        "{e}"
+    );
+}
