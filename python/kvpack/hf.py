@@ -36,7 +36,12 @@ What the file holds:
   of ``{"sliding": bool, "window": int | null, "seen": int}``, where ``seen`` is
   the number of tokens the layer has processed, i.e. its absolute position;
   for a sliding layer this is its ``cumulative_length``, larger than the
-  tokens it holds once the window is full).
+  tokens it holds once the window is full), and, for caches whose layers do
+  not hold the config's ``[num_key_value_heads, head_dim]`` (multi-head latent
+  attention: transformers 5 caches DeepSeek-V2/V3's compressed latent as K and
+  its RoPE part as V, one head each), ``hf.kv_shapes``: per layer ``[K kv_heads,
+  K head_dim, V kv_heads, V head_dim]`` (JSON), which :func:`load` checks the
+  tensors against.
 
 Only the model's identity is checked on load (name and config facts), not its
 weights: two checkpoints with the same config and name (a base model and a
@@ -69,6 +74,7 @@ FORMAT = "kvpack.hf/1"
 
 _FORMAT_KEY = "hf.format"
 _LAYERS_KEY = "hf.cache_layers"
+_SHAPES_KEY = "hf.kv_shapes"
 _CONFIG_PREFIX = "hf.config."
 
 
@@ -285,6 +291,13 @@ def save(
             # next forward only needs the last window - 1.
             pairs[i] = tuple(t[:, :, -(state["window"] - 1) :, :] for t in pairs[i])
     facts_meta = {_CONFIG_PREFIX + k: v for k, v in ident.facts.items()}
+    # Per layer [K kv_heads, K head_dim, V kv_heads, V head_dim]: recorded
+    # when a layer does not hold the config's (num_key_value_heads,
+    # head_dim), as multi-head latent attention caches do (DeepSeek-V2/V3
+    # in transformers 5 cache the compressed latent as K and the RoPE part
+    # as V, one "head" each); load checks the tensors against these.
+    shapes = [[int(k.shape[1]), int(k.shape[3]), int(v.shape[1]), int(v.shape[3])] for k, v in pairs]
+    standard = [int(ident.facts["num_key_value_heads"]), int(ident.facts["head_dim"])] * 2
     meta = {
         _FORMAT_KEY: FORMAT,
         _LAYERS_KEY: _json(states),
@@ -295,6 +308,8 @@ def save(
     }
     if ident.facts["sliding_window"] != "none":
         meta["kvpack.sliding_window"] = ident.facts["sliding_window"]
+    if any(sh != standard for sh in shapes):
+        meta[_SHAPES_KEY] = _json(shapes)
     scale = _attn_scale(model)
     if scale is not None:
         meta["kvpack.attn_scale"] = repr(scale)
@@ -368,14 +383,35 @@ def _layer_states(ar, where: str) -> list[dict]:
     return states
 
 
-def _check_layer(where: str, i: int, state: dict, kinfo, vinfo, saved: ModelIdentity) -> None:
-    """The stored K/V of layer i fit its saved state and the saved head counts."""
+def _kv_shapes(ar, where: str, layers: int) -> list[list[int]] | None:
+    """The per-layer ``[K kv_heads, K head_dim, V kv_heads, V head_dim]``
+    recorded by :func:`save` for caches that do not hold the config's
+    shape, or None."""
+    raw = ar.metadata.get(_SHAPES_KEY)
+    if raw is None:
+        return None
+    try:
+        shapes = json.loads(raw)
+        ok = (
+            isinstance(shapes, list)
+            and len(shapes) == layers
+            and all(isinstance(sh, list) and len(sh) == 4 and all(type(x) is int and x > 0 for x in sh) for sh in shapes)
+        )
+    except ValueError:
+        ok = False
+    if not ok:
+        raise kvpack.FormatError(f"{where}: metadata {_SHAPES_KEY} is not a list of {layers} [K heads, K dim, V heads, V dim]")
+    return shapes
+
+
+def _check_layer(where: str, i: int, state: dict, kinfo, vinfo, want_shape: list[int]) -> None:
+    """The stored K/V of layer i fit its saved state and the expected
+    ``[K kv_heads, K head_dim, V kv_heads, V head_dim]``."""
     want = min(state["seen"], state["window"] - 1) if state["sliding"] else state["seen"]
-    heads, dim = saved.facts.get("num_key_value_heads"), saved.facts.get("head_dim")
-    for kind, info in (("K", kinfo), ("V", vinfo)):
+    for kind, info, (heads, dim) in (("K", kinfo, want_shape[:2]), ("V", vinfo, want_shape[2:])):
         if info.tokens != want:
             raise kvpack.FormatError(f"{where}: layer {i} {kind} holds {info.tokens} tokens, its state says {want}")
-        if (heads, dim) != (str(info.kv_heads), str(info.head_dim)):
+        if (heads, dim) != (info.kv_heads, info.head_dim):
             raise _param_error(
                 f"{where}: layer {i} {kind} is {info.shape}, the model has {heads} kv heads of head_dim {dim}"
             )
@@ -460,6 +496,11 @@ def load(
     if ar.num_layers != len(states):
         raise kvpack.FormatError(f"{where}: {ar.num_layers} layers in the tensor table, {len(states)} in {_LAYERS_KEY}")
     n_ids = len(ar.token_ids)
+    shapes = _kv_shapes(ar, where, len(states))
+    try:
+        standard = [int(saved.facts["num_key_value_heads"]), int(saved.facts["head_dim"])] * 2
+    except (KeyError, ValueError):
+        raise kvpack.FormatError(f"{where}: metadata {_CONFIG_PREFIX}num_key_value_heads/head_dim missing or not integers") from None
     cache = _empty_cache(states, config)
     infos = {(t.layer, t.kind): t for t in ar.tensors}
     for i, (layer, s) in enumerate(zip(cache.layers, states)):
@@ -467,7 +508,7 @@ def load(
             raise kvpack.FormatError(f"{where}: layer {i} lacks K or V")
         if s["seen"] != n_ids:
             raise kvpack.FormatError(f"{where}: layer {i} has processed {s['seen']} tokens, the file has {n_ids} ids")
-        _check_layer(where, i, s, infos[(i, "K")], infos[(i, "V")], saved)
+        _check_layer(where, i, s, infos[(i, "K")], infos[(i, "V")], shapes[i] if shapes else standard)
         dec = ar.decode(layers=i, dtype=infos[(i, "K")].dtype, output="torch")
         k, v = dec[(i, "K")], dec[(i, "V")]
         k = k.to(device=device, dtype=dtype or k.dtype)

@@ -3,8 +3,9 @@
 Uses tiny randomly initialised models built from configs (nothing is
 downloaded): a 2-layer Gemma-3 text model (one sliding-window layer with a
 4-token window, one full-attention layer, 4 query heads on 2 KV heads,
-head_dim 16) and a 2-layer Llama with grouped-query attention (6 query heads
-on 2 KV heads, head_dim 8). Skipped, with the reason printed by
+head_dim 16), a 2-layer Llama with grouped-query attention (6 query heads
+on 2 KV heads, head_dim 8) and a 2-layer DeepSeek-V3 (multi-head latent
+attention, whose cache layers are not [num_key_value_heads, head_dim]). Skipped, with the reason printed by
 ``pytest -rs``, when torch or transformers is not installed.
 """
 
@@ -44,10 +45,29 @@ def llama_config(**over):
     return transformers.LlamaConfig(**cfg)
 
 
+def mla_config(**over):
+    """DeepSeek-V3's multi-head latent attention: transformers 5 caches the
+    compressed latent (kv_lora_rank) as K and the RoPE part
+    (qk_rope_head_dim) as V, one head each, not the config's
+    [num_key_value_heads, head_dim]."""
+    cfg = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+        first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=64,
+        attn_implementation="eager",
+    )
+    cfg.update(over)
+    return transformers.DeepseekV3Config(**cfg)
+
+
 def build(kind: str, **over):
     torch.manual_seed(1234)
     if kind == "gemma3":
         model = transformers.Gemma3ForCausalLM(gemma3_config(**over))
+    elif kind == "mla":
+        model = transformers.DeepseekV3ForCausalLM(mla_config(**over))
     else:
         model = transformers.LlamaForCausalLM(llama_config(**over))
     return model.eval()
@@ -67,7 +87,7 @@ PROMPT = [5, 17, 33, 2, 71, 44, 9, 90, 13, 61, 27]  # 11 tokens: the sliding lay
 NEXT = [8, 40, 77, 3, 55]
 
 
-@pytest.fixture(params=["gemma3", "llama"])
+@pytest.fixture(params=["gemma3", "llama", "mla"])
 def kind(request):
     return request.param
 
