@@ -236,3 +236,43 @@ def test_host_tensors_and_bad_layouts_are_refused():
         kvpack.cuda.decode_paged(data, cpu_cache, block_table(), layer=0, layout="hnd")
     with pytest.raises((ValueError, kvpack.UnsupportedError)):
         kvpack.cuda.decode_paged(data, cpu_cache, block_table(), layer=0, stream=0)
+
+
+# head_dims of models the tests above do not use (Phi-3: 96, Qwen3: 128 with
+# others, Gemma-2: 256, MLA-style 192, small models 40-80); bdr takes the
+# largest block that divides head_dim.
+ODD_HEAD_DIMS = [40, 80, 96, 192]
+ODD_CODECS = ["int4", "bdr{h}", "hqmq:s24r3+ctr", "hqmq:s96r4+med3", "polar:m4n4", "innerq:k2v2", "kivi:2", "turbo:b4", "octopus:b3"]
+
+
+@cuda_only
+@pytest.mark.parametrize("head_dim", ODD_HEAD_DIMS)
+@pytest.mark.parametrize("codec", ODD_CODECS)
+def test_encode_and_decode_at_other_head_dims_match_the_cpu(head_dim, codec):
+    """GPU encode = the host paged encoder's bytes, GPU decode = the host
+    decoder's bits; a codec the CPU refuses for the shape (TurboQuant's
+    Walsh-Hadamard transform at a head_dim that is not a power of two) is
+    refused on the GPU too."""
+    from kvpack import paged
+
+    codec = codec.replace("{h}", str(1 << min((head_dim & -head_dim).bit_length() - 1, 7)))
+    heads, block, ntok = 3, 16, 300
+    nb = -(-ntok // block) + 4
+    g = torch.Generator().manual_seed(head_dim)
+    x = torch.randn(2, nb, block, heads, head_dim, generator=g) * (1 + 4 * (torch.rand(head_dim, generator=g) > 0.9))
+    gpu = x.to(torch.bfloat16).cuda()
+    host = gpu.cpu().view(torch.int16).numpy().view(np.uint16)
+    blocks = [int(b) for b in np.random.default_rng(head_dim).permutation(nb)[: -(-ntok // block)]]
+    try:
+        ref = paged.encode_paged(host, blocks, ntok, codec, dtype="bf16")
+    except kvpack.ParameterError:
+        with pytest.raises(kvpack.ParameterError):
+            kvpack.cuda.encode_paged(gpu, np.asarray(blocks, np.int32), ntok, codec)
+        return
+    got = kvpack.cuda.encode_paged(gpu, np.asarray(blocks, np.int32), ntok, codec)
+    assert bytes(got) == bytes(ref)
+    out_gpu = torch.zeros_like(gpu)
+    kvpack.cuda.decode_paged(bytes(ref), out_gpu, np.asarray(blocks, np.int64), layer=0)
+    out_host = np.zeros_like(host)
+    paged.decode_paged(bytes(ref), out_host, blocks, layer=0, dtype="bf16")
+    assert np.array_equal(out_gpu.cpu().view(torch.int16).numpy().view(np.uint16), out_host)
