@@ -338,3 +338,43 @@ fn a_value_no_candidate_can_code_is_named() {
         "{e}"
     );
 }
+
+#[test]
+fn non_finite_values_of_every_source_dtype_are_named() {
+    for (dtype, bad) in [(DType::F16, f32::INFINITY), (DType::F32, f32::NAN)] {
+        let mut cache = fixture_cut(64);
+        for t in &mut cache.tensors {
+            let TensorData::Bf16(v) = &t.data else {
+                panic!("bf16 fixture")
+            };
+            let f: Vec<f32> = v.iter().map(|x| x.to_f32()).collect();
+            t.info.dtype = dtype;
+            t.data = match dtype {
+                DType::F16 => TensorData::F16(f.iter().map(|&x| half::f16::from_f32(x)).collect()),
+                _ => TensorData::F32(f),
+            };
+        }
+        let d = 64;
+        match &mut cache.tensors[7].data {
+            TensorData::F16(v) => v[5 * d + 3] = half::f16::from_f32(bad),
+            TensorData::F32(v) => v[5 * d + 3] = bad,
+            _ => unreachable!(),
+        }
+        let view = cache.view();
+        let e = compress_budget(
+            &view,
+            4.25,
+            &CompressOptions::default(),
+            Vec::new(),
+            &|_| {},
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("past_key_values.3.value")
+                && e.contains("token 5")
+                && e.contains("non-finite"),
+            "{dtype:?}: {e}"
+        );
+    }
+}
