@@ -276,3 +276,33 @@ def test_encode_and_decode_at_other_head_dims_match_the_cpu(head_dim, codec):
     out_host = np.zeros_like(host)
     paged.decode_paged(bytes(ref), out_host, blocks, layer=0, dtype="bf16")
     assert np.array_equal(out_gpu.cpu().view(torch.int16).numpy().view(np.uint16), out_host)
+
+
+@cuda_only
+@pytest.mark.parametrize("how", [dict(bits=3.5), dict(bits=5.0), dict(key_codec="hqmq:s48r4+ctr", codec="hqmq:s12r2", sink=1)],
+                         ids=["bits3.5", "bits5", "split"])
+def test_planned_and_split_files_decode_on_the_gpu(how):
+    """Files whose tensors use different codecs and sink windows (the
+    planner's, a K/V split) decode into a paged cache on the GPU bit for
+    bit as on the CPU, layer by layer, from host bytes and in place on the
+    device."""
+    g = torch.Generator().manual_seed(7)
+    layers = []
+    for i in range(3):
+        scale = 1 + 4 * (torch.rand(HEAD_DIM, generator=g) > 0.9)
+        k = (torch.randn(1, HEADS, TOKENS, HEAD_DIM, generator=g) * scale).to(torch.bfloat16)
+        v = torch.randn(1, HEADS, TOKENS, HEAD_DIM, generator=g).to(torch.bfloat16)
+        layers.append((k, v))
+    data = kvpack.compress(layers, page_tokens=32, **how).data
+    ar = kvpack.open(data)
+    want = ar.decode(dtype="bf16", output="torch")
+    dev = torch.from_numpy(np.frombuffer(data, np.uint8).copy()).cuda()
+    ids = block_table(3)
+    for i in range(3):
+        for src in (data, dev):
+            cache = empty_cache("flash_attn", torch.bfloat16)
+            kvpack.cuda.decode_paged(src, cache, ids, layer=i, layout="flash_attn")
+            torch.cuda.current_stream().synchronize()
+            for kind, key in enumerate([(i, "K"), (i, "V")]):
+                got = bits(rows(cache, "flash_attn", ids, kind)).cpu()
+                assert torch.equal(got, bits(want[key][0])), f"{how} layer {i} {key[1]}"
