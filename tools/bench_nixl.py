@@ -166,6 +166,22 @@ def _run(args, tx, jobs, results, caches, blocks, codec: str, rate: float) -> Di
         # median time between consecutive layers' decode ends (the pipeline's
         # steady-state period per layer)
         "layer_period_ms": round(gaps[len(gaps) // 2] * 1e3, 3) if gaps else 0.0,
+        # per layer, ms after the first encode start: prefill side encode
+        # start/end, write posted/completed; decode side notification seen,
+        # decode start/end (the JSON's timeline of the run)
+        "timeline_ms": [
+            {
+                "layer": i,
+                "encode_start": ms(t0, tx_stats[i].encode_start),
+                "encode_end": ms(t0, tx_stats[i].encode_end),
+                "posted": ms(t0, tx_stats[i].posted),
+                "done": ms(t0, tx_stats[i].done),
+                "seen": ms(t0, rx_stats[i]["landed"]),
+                "decode_start": ms(t0, rx_stats[i]["decode_start"]),
+                "decode_end": ms(t0, rx_stats[i]["decode_end"]),
+            }
+            for i in range(args.layers)
+        ],
     }
 
 

@@ -170,6 +170,40 @@ def test_nothing_arriving_is_a_timeout_naming_every_block():
         rx.close()
 
 
+def test_malformed_notifications_are_ignored():
+    """Notifications of the request that are not what a prefill side sends
+    (not JSON, not an object, missing or non-numeric fields, a layer outside
+    the spec) are dropped; the real layers still decode exactly."""
+    from kvpack.nixl.agent import _LAYER
+
+    tx, rx = kn.Sender("m-prefill"), kn.Receiver("m-decode")
+    try:
+        tx.add_peer(rx.metadata())
+        rx.add_peer(tx.metadata())
+        spec = kn.HandoffSpec(model="m", codec="raw", num_layers=2, kv_heads=1, head_dim=64, num_tokens=40, block_size=16)
+        inc = rx.expect(spec, [0, 1, 2], peer="m-prefill")
+        out = tx.accept(model="m", timeout=10)
+        r = inc.request
+        for junk in [b"{not json", b"[1, 2]", b'"text"', b'{"r": "%s"}' % r.encode(), b'{"r": "%s", "l": "x", "n": 1, "e": 0, "p": 0}' % r.encode(),
+                     b'{"r": "%s", "l": 7, "n": 64, "e": 0, "p": 0}' % r.encode(), b'{"r": "%s", "l": 0, "n": null, "e": 0, "p": 0}' % r.encode()]:
+            tx._notify("m-decode", _LAYER + junk)
+        rng = np.random.default_rng(3)
+        src = [rng.integers(0, 0x3F00, size=(2, 3, 16, 1, 64), dtype=np.uint16) for _ in range(2)]
+        dst = [np.zeros_like(a) for a in src]
+        for layer in range(2):
+            out.send_layer(layer, src[layer], [0, 1, 2])
+        for layer in range(2):
+            inc.decode_layer(layer, dst[layer], timeout=10)
+            flat = lambda a: a.transpose(0, 1, 2, 3, 4).reshape(2, -1, 64)[:, :40]  # noqa: E731
+            assert np.array_equal(flat(dst[layer]), flat(src[layer]))
+        out.finish()
+        out.close()
+        inc.close()
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_ticket_for_another_model_is_refused_on_both_sides():
     tx, rx = kn.Sender("m-prefill"), kn.Receiver("m-decode")
     try:

@@ -104,7 +104,9 @@ class _Endpoint:
         self.agent = api.nixl_agent(name, cfg)
         if not self.agent.backends:
             raise UnsupportedError(f"NIXL agent {name}: none of the backends {list(backends)} could start")
-        self._notifs: List[Tuple[str, bytes]] = []
+        # (peer, message, arrival time: perf_counter when the polling
+        # thread collected it)
+        self._notifs: List[Tuple[str, bytes, float]] = []
         self._pool: List[_Buffer] = []
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -185,11 +187,12 @@ class _Endpoint:
         just sent, every 5 ms otherwise."""
         while not self._stop:
             new = self.agent.get_new_notifs()
+            now = time.perf_counter()
             with self._cond:
                 if new:
                     for peer, msgs in new.items():
                         p = peer.decode() if isinstance(peer, bytes) else peer
-                        self._notifs.extend((p, m) for m in msgs)
+                        self._notifs.extend((p, m, now) for m in msgs)
                     self._cond.notify_all()
                 fast = self._active > 0 or time.monotonic() < self._busy_until
             time.sleep(0.0002 if fast else 0.005)
@@ -211,13 +214,25 @@ class _Endpoint:
         return True
 
     def _take(self, prefix: bytes, match: Any) -> Optional[Tuple[str, Dict[str, Any]]]:
-        """Pops the first notification with ``prefix`` whose JSON body
-        satisfies ``match``."""
+        """Pops the first notification with ``prefix`` whose JSON object
+        body satisfies ``match``; the body gains ``"_t"``, its arrival time
+        (``time.perf_counter()``). A message with the prefix whose body is
+        not a JSON object is dropped."""
         with self._lock:
-            for i, (peer, msg) in enumerate(self._notifs):
+            i = 0
+            while i < len(self._notifs):
+                peer, msg, t = self._notifs[i]
                 if msg.startswith(prefix):
-                    body = json.loads(msg[len(prefix) :])
+                    try:
+                        body = json.loads(msg[len(prefix) :])
+                    except ValueError:
+                        body = None
+                    if not isinstance(body, dict):
+                        del self._notifs[i]
+                        continue
                     if match(body):
                         del self._notifs[i]
+                        body["_t"] = t
                         return peer, body
+                i += 1
         return None

@@ -72,21 +72,35 @@ class Incoming:
 
     def poll(self) -> List[int]:
         """Checks for notifications without blocking; returns the layers
-        landed so far (in arrival order of the check)."""
+        landed so far (in arrival order of the check). A notification of
+        this request whose fields are not what the prefill side sends (a
+        layer outside the spec, a missing or non-numeric field) is ignored:
+        its layer then times out, naming its blocks."""
         while True:
             got = self.rx._take(_LAYER, lambda b: b.get("r") == self.request)
             if got is None:
                 break
             body = got[1]
-            self._landed[int(body["l"])] = body
-            st = self.stats.setdefault(int(body["l"]), LayerStats(int(body["l"])))
-            st.landed = time.perf_counter()
-            st.frame_bytes, st.encode_start, st.posted = int(body["n"]), float(body["e"]), float(body["p"])
+            try:
+                layer = int(body["l"])
+                fields = int(body["n"]), float(body["e"]), float(body["p"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if not 0 <= layer < self.spec.num_layers:
+                continue
+            self._landed[layer] = body
+            st = self.stats.setdefault(layer, LayerStats(layer))
+            # When the agent's polling thread collected the notification.
+            st.landed = float(body["_t"])
+            st.frame_bytes, st.encode_start, st.posted = fields
         while True:
             got = self.rx._take(_FAIL, lambda b: b.get("r") == self.request)
             if got is None:
                 break
-            self._failed[int(got[1]["l"])] = str(got[1]["why"])
+            try:
+                self._failed[int(got[1]["l"])] = str(got[1].get("why"))
+            except (KeyError, TypeError, ValueError):
+                continue
         return list(self._landed)
 
     def wait_layer(self, layer: int, *, timeout: float = 60.0) -> Any:

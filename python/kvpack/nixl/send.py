@@ -312,7 +312,8 @@ class Sender(_Endpoint):
         Raises:
             TimeoutError: no ticket in ``timeout`` seconds.
             ParameterError: the ticket's model or spec does not match (the
-                decode side is told through a ``kvpack/fail`` for layer 0).
+                decode side is told through a ``kvpack/fail`` for layer 0),
+                or the ticket is malformed.
         """
         end = time.monotonic() + timeout
         while True:
@@ -322,8 +323,14 @@ class Sender(_Endpoint):
             if not self._wait(end):
                 raise TimeoutError(f"no kvpack ticket within {timeout} s")
         peer, ticket = got
-        self.add_peer(bytes.fromhex(ticket["md"]))
-        spec = HandoffSpec.from_json(ticket["spec"])
+        try:
+            md = bytes.fromhex(ticket["md"])
+            spec = HandoffSpec.from_json(ticket["spec"])
+            for field in ("request", "slot", "addr", "device", "memory"):
+                ticket[field]
+        except (KeyError, TypeError, ValueError, KvpackError) as e:
+            raise ParameterError(f"malformed kvpack ticket from {peer!r}: {type(e).__name__}: {e}") from None
+        self.add_peer(md)
         why = None
         if model is not None and spec.model != model:
             why = f"ticket for model {spec.model!r}, this worker serves {model!r}"

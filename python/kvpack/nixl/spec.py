@@ -137,7 +137,7 @@ class LayerStats:
     encode_start: float = 0.0  #: prefill side (on the decode side: from the notification)
     encode_end: float = 0.0  #: prefill side only
     posted: float = 0.0  #: prefill side: the WRITE was posted
-    landed: float = 0.0  #: decode side: the notification was seen
+    landed: float = 0.0  #: decode side: the notification arrived (collected by the agent's polling thread)
     decode_start: float = 0.0
     decode_end: float = 0.0
     done: float = 0.0  #: prefill side: NIXL reported the write complete
