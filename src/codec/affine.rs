@@ -410,8 +410,10 @@ impl Codec for Affine {
             v
         };
         let mut buf = vec![0f32; d];
-        if bits == 4 {
-            // The 4-bit row step, straight into the output's elements.
+        if bits == 4 && row_aligned {
+            // The 4-bit row step, straight into the output's elements
+            // (rows of whole bytes: an even head_dim; an odd one's rows
+            // share bytes and take the general path below).
             let mut wide = vec![0f32; d];
             let (t, ahead) = (
                 out.tokens as usize,

@@ -238,10 +238,10 @@ def test_host_tensors_and_bad_layouts_are_refused():
         kvpack.cuda.decode_paged(data, cpu_cache, block_table(), layer=0, stream=0)
 
 
-# head_dims of models the tests above do not use (Phi-3: 96, Qwen3: 128 with
-# others, Gemma-2: 256, MLA-style 192, small models 40-80); bdr takes the
-# largest block that divides head_dim.
-ODD_HEAD_DIMS = [40, 80, 96, 192]
+# head_dims the tests above do not use (Phi-3: 96, MLA-style 192, small
+# models 40-80, and odd ones whose int4 rows share bytes); bdr takes the
+# largest block that divides head_dim (none for an odd one: refused on both).
+ODD_HEAD_DIMS = [5, 33, 40, 80, 96, 192]
 ODD_CODECS = ["int4", "bdr{h}", "hqmq:s24r3+ctr", "hqmq:s96r4+med3", "polar:m4n4", "innerq:k2v2", "kivi:2", "turbo:b4", "octopus:b3"]
 
 

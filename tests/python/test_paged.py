@@ -108,3 +108,27 @@ def test_cpu_torch_caches_code_like_numpy(layers):
     ref = np.zeros_like(cache)
     kp.decode_paged(want, ref, blocks, layer=0, layout="flashinfer", dtype="bf16")
     assert np.array_equal(out.view(torch.int16).numpy().view(np.uint16), ref)
+
+
+@pytest.mark.parametrize("head_dim", [3, 5, 33])
+@pytest.mark.parametrize("bits", [3, 4, 5])
+def test_rows_that_share_bytes_code_and_decode_like_the_archive(head_dim, bits):
+    """int codes of rows that do not fill whole bytes (odd head_dims at 4
+    bits, 3 and 5 bits at any head_dim) run on from row to row: the paged
+    encoder writes kvpack.compress's bytes and the paged decoder the
+    archive's rows (int4 at an odd head_dim once panicked on decode)."""
+    rng = np.random.default_rng(head_dim * 10 + bits)
+    nb, block, ntok = 6, 16, 70
+    x = (rng.standard_normal((2, nb, block, 2, head_dim)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    blocks = [4, 1, 5, 0, 2]
+    codec = f"int{bits}"
+    data = kp.encode_paged(x, blocks, ntok, codec, dtype="bf16")
+    rows = lambda kind: x[kind][blocks].reshape(-1, 2, head_dim)[:ntok].transpose(1, 0, 2)  # noqa: E731
+    want = kvpack.compress([(rows(0)[None].copy(), rows(1)[None].copy())], codec, dtype="bf16").data
+    assert data == want
+    out = np.zeros_like(x)
+    kp.decode_paged(data, out, blocks, layer=0, dtype="bf16")
+    dec = kvpack.open(data).decode(dtype="bf16")
+    for kind, key in enumerate([(0, "K"), (0, "V")]):
+        got = out[kind][blocks].reshape(-1, 2, head_dim)[:ntok].transpose(1, 0, 2)
+        assert np.array_equal(got.view(np.uint16), np.asarray(dec[key])[0].view(np.uint16))
