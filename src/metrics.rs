@@ -18,6 +18,10 @@ pub struct TensorError {
     pub min_cosine: f64,
     /// Largest `|x - y|`.
     pub max_abs_err: f64,
+    /// Every element of the reconstruction has the original's bit pattern
+    /// (as f32; a lossless file, also where the original holds NaN or
+    /// infinity, whose cosine and error are then NaN).
+    pub identical: bool,
 }
 
 /// Compares an original tensor with its reconstruction.
@@ -58,6 +62,8 @@ pub struct ErrorSums {
     cos_min: f64,
     /// Vectors added.
     rows: u64,
+    /// Elements whose f32 bit patterns differ.
+    differing: u64,
 }
 
 impl Default for ErrorSums {
@@ -69,6 +75,7 @@ impl Default for ErrorSums {
             cos_sum: 0.0,
             cos_min: f64::INFINITY,
             rows: 0,
+            differing: 0,
         }
     }
 }
@@ -81,6 +88,7 @@ impl ErrorSums {
         for (a, b) in x.chunks_exact(head_dim).zip(y.chunks_exact(head_dim)) {
             let (mut xy, mut xx, mut yy) = (0f64, 0f64, 0f64);
             for (&p, &q) in a.iter().zip(b) {
+                self.differing += u64::from(p.to_bits() != q.to_bits());
                 let (p, q) = (f64::from(p), f64::from(q));
                 self.num += (p - q) * (p - q);
                 self.den += p * p;
@@ -108,6 +116,7 @@ impl ErrorSums {
         self.cos_sum += o.cos_sum;
         self.cos_min = self.cos_min.min(o.cos_min);
         self.rows += o.rows;
+        self.differing += o.differing;
     }
 
     /// The error of everything added (a tensor with no vectors has cosine
@@ -132,6 +141,7 @@ impl ErrorSums {
             },
             min_cosine: if self.rows == 0 { 1.0 } else { self.cos_min },
             max_abs_err: self.max_err,
+            identical: self.differing == 0,
         }
     }
 }

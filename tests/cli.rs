@@ -588,3 +588,39 @@ fn eval_and_bits_fit_a_head_dim_of_96() {
     let o = kvpack(&["verify", out.to_str().unwrap()]);
     assert_eq!(code(&o), 0, "{}", stderr(&o));
 }
+
+/// `verify --against` of a lossless (`raw`) file of a cache holding
+/// infinities and NaN: bit-identical, so it passes although its cosine is
+/// NaN; `--max-attn-err` without queries to measure it on fails.
+#[test]
+fn verify_passes_a_bit_identical_tensor_holding_non_finite_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = synthetic(
+        &[LayerSpec {
+            batch: 1,
+            heads: 2,
+            tokens: 20,
+            head_dim: 64,
+        }],
+        DType::F32,
+        3,
+    );
+    if let kvpack::TensorData::F32(v) = &mut c.tensors[0].data {
+        v[..64].fill(f32::INFINITY);
+        v[70] = f32::NAN;
+    }
+    let src = dir.path().join("inf.safetensors");
+    write_cache(&src, &c);
+    let out = dir.path().join("inf.kvpack");
+    let (src, out) = (src.to_str().unwrap(), out.to_str().unwrap());
+    let o = kvpack(&["compress", src, "--codec", "raw", "-o", out, "-q"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    let o = kvpack(&["verify", out, "--against", src, "--json"]);
+    assert_eq!(code(&o), 0, "{}", stderr(&o));
+    // An attention floor on a cache without queries measures nothing: a
+    // failure that says so, not a silent pass.
+    let o = kvpack(&["verify", out, "--against", src, "--max-attn-err", "0.5"]);
+    assert_eq!(code(&o), 1, "{}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout).to_string() + &stderr(&o);
+    assert!(text.contains("no attention error was measured"), "{text}");
+}

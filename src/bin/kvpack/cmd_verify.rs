@@ -268,7 +268,9 @@ pub fn run(a: Args) -> Result<u8> {
                 };
                 let m = sums[k].lock().expect("lock").finish();
                 let c = a.min_cosine;
-                if c > 0.0 && (m.cosine.is_nan() || m.cosine < c) {
+                // A bit-identical tensor passes (a raw file of a cache
+                // holding NaN or inf has a NaN cosine).
+                if c > 0.0 && !m.identical && (m.cosine.is_nan() || m.cosine < c) {
                     problems.push(format!(
                         "{}: cosine {:.6} below {c}",
                         orig.cache.tensors[i].info.name, m.cosine
@@ -293,6 +295,17 @@ pub fn run(a: Args) -> Result<u8> {
                 ));
             }
         }
+    }
+    // Asked for, but nothing to measure it on (and nothing else wrong).
+    if let Some(m) = a.max_attn_err
+        && original.is_some()
+        && attn.is_empty()
+        && problems.is_empty()
+    {
+        problems.push(format!(
+            "--max-attn-err {m}: no attention error was measured (the original has no \
+             queries.{{layer}} tensors for the decoded layers)"
+        ));
     }
     let ok = problems.is_empty();
     let mean = |kind: kvpack::Kind, f: fn(&metrics::TensorError) -> f64| {
@@ -386,12 +399,16 @@ pub fn run(a: Args) -> Result<u8> {
             }
             if rows.iter().any(|r| r.1 != Kind::Latent) {
                 println!(
-                    "  mean: K cos {:.6} SNR {:.2} dB | V cos {:.6} SNR {:.2} dB | attention rel err {:.5}",
+                    "  mean: K cos {:.6} SNR {:.2} dB | V cos {:.6} SNR {:.2} dB | attention rel err {}",
                     mean(Kind::Key, |m| m.cosine),
                     mean(Kind::Key, |m| m.snr_db),
                     mean(Kind::Value, |m| m.cosine),
                     mean(Kind::Value, |m| m.snr_db),
-                    attn_mean
+                    if attn.is_empty() {
+                        "- (no queries)".to_string()
+                    } else {
+                        format!("{attn_mean:.5}")
+                    }
                 );
             }
         }
