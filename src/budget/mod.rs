@@ -226,11 +226,15 @@ fn trials(cache: &CacheView<'_>, t: usize, cands: &[Candidate]) -> Result<Trials
         // One candidate's round trip of `rows` (`n` per plane); a refusal
         // of the rows' values leaves the candidate out.
         let mut trip = |c: &Candidate, shared: &mut hqmq::Shared, rows: &[f32], n: usize| {
-            if c.codec.check(&tv.info).is_err() || n == 0 {
+            if c.codec.check(&tv.info).is_err() {
                 return Ok(None);
             }
+            // `raw` also takes a tensor without tokens (zero bytes).
             if c.codec.id() == crate::codec::raw::ID {
                 return Ok(Some(None));
+            }
+            if n == 0 {
+                return Ok(None);
             }
             let mut encode = |page: &crate::codec::PageIn<'_>, recon: &mut [f32]| match &c.hqmq {
                 Some(h) => h.trial(page, shared, recon).map(|t| Encoded::Decoded {

@@ -378,3 +378,30 @@ fn non_finite_values_of_every_source_dtype_are_named() {
         );
     }
 }
+
+#[test]
+fn a_layer_without_tokens_is_planned_raw_at_no_cost() {
+    let mut cache = fixture();
+    for t in &mut cache.tensors[2..4] {
+        let mut info = t.info.clone();
+        info.tokens = 0;
+        *t = crate::cache::Tensor::new(info, TensorData::Bf16(Vec::new())).unwrap();
+    }
+    let view = cache.view();
+    let (file, _, plan) = compress_budget(
+        &view,
+        4.25,
+        &CompressOptions::default(),
+        Vec::new(),
+        &|_| {},
+    )
+    .unwrap();
+    assert!(8.0 * file.len() as f64 / cache.elements() as f64 <= 4.25);
+    assert_eq!(plan.tensors[2].codec, "raw");
+    assert_eq!(plan.tensors[2].bits, 0.0);
+    let dec = Archive::open(&file)
+        .unwrap()
+        .decode(&Selection::default(), None, None)
+        .unwrap();
+    assert_eq!(dec.tensors[2].info.tokens, 0);
+}
