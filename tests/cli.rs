@@ -624,3 +624,15 @@ fn verify_passes_a_bit_identical_tensor_holding_non_finite_values() {
     let text = String::from_utf8_lossy(&o.stdout).to_string() + &stderr(&o);
     assert!(text.contains("no attention error was measured"), "{text}");
 }
+
+/// An I/O error names what was being done and the OS error, once.
+#[test]
+fn io_errors_print_the_os_error_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.kvpack");
+    let o = kvpack(&["inspect", missing.to_str().unwrap()]);
+    assert_eq!(code(&o), 2, "{}", stderr(&o)); // a missing input: bad input
+    let e = stderr(&o);
+    assert!(e.contains("missing.kvpack"), "{e}");
+    assert_eq!(e.matches("os error 2").count(), 1, "{e}");
+}

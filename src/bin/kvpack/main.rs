@@ -129,8 +129,23 @@ fn main() -> ExitCode {
     match r {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("kvpack: {e:#}");
+            eprintln!("kvpack: {}", message(&e));
             ExitCode::from(output::exit_code(&e))
         }
     }
+}
+
+/// The error and its causes, `": "`-separated, each cause left out when
+/// the text before already holds it (kvpack's I/O errors print their OS
+/// error themselves).
+fn message(e: &anyhow::Error) -> String {
+    let mut msg = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !msg.contains(&c) {
+            msg.push_str(": ");
+            msg.push_str(&c);
+        }
+    }
+    msg
 }
