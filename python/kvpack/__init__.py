@@ -584,7 +584,10 @@ def _chunk_bound(shape, dtype, codec, head_dim, sink, recent, page_tokens, zstd_
 
 
 def _dtype_name(dtype: Any) -> str:
-    name = str(dtype).replace("torch.", "").replace("numpy.", "")
+    if isinstance(dtype, _np.dtype) or (isinstance(dtype, type) and issubclass(dtype, _np.generic)):
+        name = _np.dtype(dtype).name  # np.float16, np.dtype("float16")
+    else:
+        name = str(dtype).replace("torch.", "").replace("numpy.", "")
     return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(name, name)
 
 
@@ -693,10 +696,21 @@ def decode_chunk(data: Union[bytes, ArrayLike], out: ArrayLike, *, head_dim: Opt
         ParameterError: ``out`` does not match the encoded chunk.
     """
     _check_layout(layout)
+    table = _native.tensor_table(data)
+    if not table:
+        raise FormatError("the chunk holds no tensors")
     if head_dim is None:
-        table = _native.tensor_table(data)
-        if not table:
-            raise FormatError("the chunk holds no tensors")
         head_dim = table[0][7]
+    layers, tokens, heads = _chunk_dims(tuple(out.shape), int(head_dim))
+    # The whole chunk, no more and no less (decode_bytes_into would fill a
+    # smaller output with the leading tokens or layers).
+    stored = {(t[1], t[2]): (t[4], t[5], t[6], t[7]) for t in table}
+    want = {(l, k): (1, heads, tokens, int(head_dim)) for l in range(layers) for k in ("K", "V")}
+    if stored != want:
+        got = sorted(stored.items())[:2]
+        raise ParameterError(
+            f"out {tuple(out.shape)} (layers {layers}, tokens {tokens}, kv heads {heads}, head_dim {head_dim}) "
+            f"does not match the chunk's {len(stored)} tensors (first: {got})"
+        )
     outs = [(l, k, 0, v) for l, k, v in _chunk_views(out, int(head_dim))]
     _native.decode_bytes_into(data, outs)

@@ -235,7 +235,7 @@ def save(
     *,
     model,
     token_ids: Sequence[int],
-    codec: str = "raw",
+    codec: str | None = None,
     force: bool = False,
     name: str | None = None,
     **compress_options,
@@ -255,10 +255,12 @@ def save(
             count must equal the tokens every full-attention layer holds and
             every layer's processed-token count.
         codec: a kvpack codec name (``kvpack codecs``), e.g. ``"raw"``
-            (lossless), ``"bdr128"``, ``"hqmq:s96r4+med3"``.
+            (lossless, the default unless ``bits`` is given),
+            ``"bdr128"``, ``"hqmq:s96r4+med3"``.
         force: replace an existing file.
         name: model name to record; default as in :func:`identity`.
-        **compress_options: passed to :func:`kvpack.compress` (``sink``,
+        **compress_options: passed to :func:`kvpack.compress` (``bits``
+            for a planned file instead of ``codec``, ``sink``,
             ``recent``, ``page_tokens``, ``zstd_level``, ``metadata``: extra
             string metadata, whose keys must not collide with the ones written here).
 
@@ -278,6 +280,14 @@ def save(
     if layers is None:
         raise _param_error(f"{type(cache).__name__} has no .layers (needs transformers >= 4.56)")
     states = [_layer_state(layer, i) for i, layer in enumerate(layers)]
+    for i, st in enumerate(states):
+        if st["sliding"] and st["window"] < 2:
+            raise _param_error(
+                f"cache layer {i} has a sliding window of {st['window']} token(s): it keeps no past "
+                "token to save (kvpack.hf needs sliding windows of at least 2)"
+            )
+    if codec is None and "bits" not in compress_options:
+        codec = "raw"
     pairs = kv_layers(cache)
     ident = identity(model, name)
     if len(pairs) != int(ident.facts["num_hidden_layers"]):

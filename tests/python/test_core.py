@@ -322,3 +322,26 @@ def test_compress_bits_plans_within_the_budget():
         kvpack.compress(str(FIXTURE), bits=3.0, sink=4)
     with pytest.raises(kvpack.ParameterError):
         kvpack.compress(str(FIXTURE), bits=1.0)
+
+
+def test_decode_chunk_refuses_an_output_of_another_shape():
+    """A smaller output (fewer tokens, fewer layers) or another head split is
+    refused, not filled with part of the chunk."""
+    import numpy as np
+
+    ch = np.random.default_rng(0).standard_normal((2, 2, 16, 256)).astype(np.float16)
+    data = kvpack.encode_chunk(ch, "raw", head_dim=128)
+    out = np.empty_like(ch)
+    kvpack.decode_chunk(data, out)
+    assert np.array_equal(out, ch)
+    for shape, head_dim in [((2, 2, 8, 256), None), ((2, 1, 16, 256), None), ((2, 2, 16, 256), 64)]:
+        with pytest.raises(kvpack.ParameterError):
+            kvpack.decode_chunk(data, np.empty(shape, np.float16), head_dim=head_dim)
+
+
+def test_chunk_max_size_takes_numpy_scalar_types():
+    import numpy as np
+
+    want = kvpack.chunk_max_size((2, 2, 16, 256), "fp16", "raw", head_dim=128)
+    for d in (np.float16, np.dtype("float16")):
+        assert kvpack.chunk_max_size((2, 2, 16, 256), d, "raw", head_dim=128) == want

@@ -271,3 +271,23 @@ def test_cuda_cache_saves_and_loads_onto_the_gpu(tmp_path):
         want = model(input_ids=nxt, past_key_values=cache, use_cache=True).logits
         got = model(input_ids=nxt, past_key_values=loaded, use_cache=True).logits
     assert torch.equal(want, got)
+
+
+def test_bits_plans_the_file_without_naming_a_codec(tmp_path):
+    model = build("llama")
+    cache = prefill(model, PROMPT)
+    path = tmp_path / "planned.kvpack"
+    # 11 tokens of an fp32 cache: the container alone costs about 8
+    # bits/element here.
+    res = hf.save(cache, path, model=model, token_ids=PROMPT, bits=48.0)
+    assert res.codec.startswith("plan:") and res.bits_per_element <= 48.0
+    loaded = hf.load(path, model=model)
+    assert loaded.get_seq_length() == len(PROMPT)
+
+
+def test_a_sliding_window_of_one_token_is_refused_on_save(tmp_path):
+    model = build("gemma3", sliding_window=1)
+    cache = prefill(model, PROMPT)
+    with pytest.raises(kvpack.ParameterError, match="sliding window of 1"):
+        hf.save(cache, tmp_path / "w1.kvpack", model=model, token_ids=PROMPT)
+    assert not (tmp_path / "w1.kvpack").exists()
