@@ -45,6 +45,7 @@ from .errors import (
     LimitsError,
     ParameterError,
     UnsupportedError,
+    _integers_in_range,
 )
 
 __version__: str = _native.__version__
@@ -176,8 +177,11 @@ def _entries(layers: Union[Sequence[Tuple[ArrayLike, ArrayLike]], Mapping[Key, A
 
 
 def _window_kwargs(sink, recent, page_tokens, zstd_level, align) -> Dict[str, Any]:
-    if align not in (64, 4096) and (align & (align - 1) or align < 64):
-        raise ParameterError(f"align {align}: expected a power of two >= 64 (64 or 4096)")
+    if align not in (64, 4096) and (align & (align - 1) or align < 64 or align > 65536):
+        raise ParameterError(f"align {align}: expected a power of two in 64..=65536 (64 or 4096)")
+    for name, v, lo in (("sink", sink, 0), ("recent", recent, 0), ("page_tokens", page_tokens, 1)):
+        if v is not None and not lo <= int(v) < 2**32:
+            raise ParameterError(f"{name} {v}: expected an integer in {lo}..2**32")
     return dict(
         sink=sink,
         recent=recent,
@@ -187,6 +191,7 @@ def _window_kwargs(sink, recent, page_tokens, zstd_level, align) -> Dict[str, An
     )
 
 
+@_integers_in_range
 def compress(
     layers: Union[str, "os.PathLike[str]", Sequence[Tuple[ArrayLike, ArrayLike]], Mapping[Key, ArrayLike]],
     codec: Optional[str] = None,
@@ -320,6 +325,7 @@ def compress(
     return CompressResult(data=data, written=written, **report)
 
 
+@_integers_in_range
 def max_size(
     shapes: Mapping[Key, Tuple[int, int, int, int]],
     dtype: str,
@@ -450,6 +456,7 @@ class Archive:
                 return i
         raise ParameterError(f"the file has no tensor for layer {layer} {kind}")
 
+    @_integers_in_range
     def decode(
         self,
         layers: Union[None, int, range, Tuple[int, int]] = None,
@@ -488,6 +495,7 @@ class Archive:
         )
         return {(layer, k): _to_output(a, output) for layer, k, a in got}
 
+    @_integers_in_range
     def decode_into(
         self,
         out: Mapping[Key, ArrayLike],
@@ -591,6 +599,7 @@ def _dtype_name(dtype: Any) -> str:
     return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(name, name)
 
 
+@_integers_in_range
 def chunk_max_size(
     shape: Sequence[int],
     dtype: Any,
@@ -633,6 +642,7 @@ def chunk_max_size(
     )
 
 
+@_integers_in_range
 def encode_chunk(
     chunk: ArrayLike,
     codec: str,
@@ -680,6 +690,7 @@ def encode_chunk(
     return res.written if out is not None else res.data  # type: ignore[return-value]
 
 
+@_integers_in_range
 def decode_chunk(data: Union[bytes, ArrayLike], out: ArrayLike, *, head_dim: Optional[int] = None, layout: str = "lmcache") -> None:
     """Decodes a chunk written by :func:`encode_chunk` into ``out``, a
     preallocated writable chunk of the same shape (any of bf16/fp16/fp32),

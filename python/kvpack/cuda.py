@@ -37,7 +37,7 @@ from typing import Any, Dict, Optional, Union
 import numpy as np
 
 from . import _native
-from .errors import ParameterError
+from .errors import ParameterError, _integers_in_range
 
 __all__ = ["decode_paged", "encode_paged", "CudaJob", "available", "LAYOUTS"]
 
@@ -94,6 +94,7 @@ def _block_ids(block_ids: Any) -> Any:
         raise ParameterError(f"block_ids must be a sequence of ints: {e}") from None
 
 
+@_integers_in_range
 def decode_paged(
     data_or_archive: Any,
     kv_cache: Any,
@@ -171,6 +172,7 @@ def decode_paged(
     return job.wait()
 
 
+@_integers_in_range
 def encode_paged(
     kv_cache: Any,
     block_ids: Any,

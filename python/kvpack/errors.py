@@ -71,3 +71,20 @@ class DeviceError(KvpackError, RuntimeError):
     """The GPU failed: a CUDA driver call, kernel compilation, a kernel
     launch or copy, or out of device memory. Not the data's fault; the same
     call may succeed on another device or after freeing memory."""
+
+
+def _integers_in_range(f):
+    """Raises ParameterError, naming the call, where an integer argument
+    cannot be converted for the native layer (negative, or beyond u32/u64:
+    PyO3 raises OverflowError, which is no kvpack error)."""
+    import functools
+
+    @functools.wraps(f)
+    def checked(*args, **kwargs):
+        try:
+            return f(*args, **kwargs)
+        except OverflowError as e:
+            raise ParameterError(f"{f.__name__}: an integer argument is negative or too large ({e})") from None
+
+    return checked
+

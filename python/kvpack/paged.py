@@ -30,11 +30,13 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple, Union
 
 from . import _native
+from .errors import _integers_in_range
 from .cuda import LAYOUTS, _block_ids, _tensors
 
 __all__ = ["decode_paged", "encode_paged", "LAYOUTS"]
 
 
+@_integers_in_range
 def encode_paged(
     kv_cache: Any,
     block_ids: Any,
@@ -98,6 +100,7 @@ def encode_paged(
     return data if out is None else int(written)
 
 
+@_integers_in_range
 def decode_paged(
     data_or_archive: Any,
     kv_cache: Any,

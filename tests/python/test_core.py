@@ -345,3 +345,17 @@ def test_chunk_max_size_takes_numpy_scalar_types():
     want = kvpack.chunk_max_size((2, 2, 16, 256), "fp16", "raw", head_dim=128)
     for d in (np.float16, np.dtype("float16")):
         assert kvpack.chunk_max_size((2, 2, 16, 256), d, "raw", head_dim=128) == want
+
+
+def test_out_of_range_integers_are_parameter_errors():
+    """Negative or too large integers are ParameterErrors (naming the
+    argument where kvpack checks it), never a bare OverflowError."""
+    import numpy as np
+
+    a = np.ones((1, 2, 10, 64), np.float32)
+    for kw in (dict(sink=-1), dict(recent=-2), dict(page_tokens=2**40), dict(token_ids=[-1]), dict(align=2**20)):
+        with pytest.raises(kvpack.ParameterError):
+            kvpack.compress([(a, a)], "int4", **kw)
+    ar = kvpack.open(kvpack.compress([(a, a)], "int4").data)
+    with pytest.raises(kvpack.ParameterError):
+        ar.decode(layers=-1)
