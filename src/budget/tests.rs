@@ -16,6 +16,18 @@ fn fixture() -> KvCache {
         .cache
 }
 
+/// `cache` planned for `bits` with the default options: the file, report
+/// and plan.
+fn plan_file(cache: &KvCache, bits: f64) -> Result<(Vec<u8>, CompressReport, Plan)> {
+    compress_budget(
+        &cache.view(),
+        bits,
+        &CompressOptions::default(),
+        Vec::new(),
+        &|_| {},
+    )
+}
+
 #[test]
 fn budget_is_respected_everything_counted_and_the_file_round_trips() {
     let cache = fixture();
@@ -236,15 +248,8 @@ fn head_dims_that_some_candidates_refuse_are_planned_with_the_others() {
     // accept them, within the budget.
     for (d, bits) in [(96, 3.25), (80, 4.25), (6, 20.0)] {
         let cache = fixture_cut(d);
-        let view = cache.view();
-        let (file, _, plan) = compress_budget(
-            &view,
-            bits,
-            &CompressOptions::default(),
-            Vec::new(),
-            &|_| {},
-        )
-        .unwrap_or_else(|e| panic!("head_dim {d}: {e}"));
+        let (file, _, plan) =
+            plan_file(&cache, bits).unwrap_or_else(|e| panic!("head_dim {d}: {e}"));
         let real = 8.0 * file.len() as f64 / cache.elements() as f64;
         assert!(real <= bits, "head_dim {d}: {real} bits/element");
         for t in &plan.tensors {
@@ -278,15 +283,8 @@ fn values_a_candidate_cannot_hold_leave_it_out_for_that_tensor() {
     for token in [3, 17] {
         let mut cache = fixture();
         set_row(&mut cache, 6, token, 1e5);
-        let view = cache.view();
-        let (file, _, plan) = compress_budget(
-            &view,
-            4.25,
-            &CompressOptions::default(),
-            Vec::new(),
-            &|_| {},
-        )
-        .unwrap_or_else(|e| panic!("token {token}: {e}"));
+        let (file, _, plan) =
+            plan_file(&cache, 4.25).unwrap_or_else(|e| panic!("token {token}: {e}"));
         assert!(8.0 * file.len() as f64 / cache.elements() as f64 <= 4.25);
         let t = &plan.tensors[6];
         assert!(
@@ -323,16 +321,7 @@ fn values_a_candidate_cannot_hold_leave_it_out_for_that_tensor() {
 fn a_value_no_candidate_can_code_is_named() {
     let mut cache = fixture();
     set_row(&mut cache, 4, 2, f32::NAN);
-    let view = cache.view();
-    let e = compress_budget(
-        &view,
-        4.25,
-        &CompressOptions::default(),
-        Vec::new(),
-        &|_| {},
-    )
-    .unwrap_err()
-    .to_string();
+    let e = plan_file(&cache, 4.25).unwrap_err().to_string();
     assert!(
         e.contains("past_key_values.2.key") && e.contains("token 2"),
         "{e}"
@@ -360,16 +349,7 @@ fn non_finite_values_of_every_source_dtype_are_named() {
             TensorData::F32(v) => v[5 * d + 3] = bad,
             _ => unreachable!(),
         }
-        let view = cache.view();
-        let e = compress_budget(
-            &view,
-            4.25,
-            &CompressOptions::default(),
-            Vec::new(),
-            &|_| {},
-        )
-        .unwrap_err()
-        .to_string();
+        let e = plan_file(&cache, 4.25).unwrap_err().to_string();
         assert!(
             e.contains("past_key_values.3.value")
                 && e.contains("token 5")
@@ -387,15 +367,7 @@ fn a_layer_without_tokens_is_planned_raw_at_no_cost() {
         info.tokens = 0;
         *t = crate::cache::Tensor::new(info, TensorData::Bf16(Vec::new())).unwrap();
     }
-    let view = cache.view();
-    let (file, _, plan) = compress_budget(
-        &view,
-        4.25,
-        &CompressOptions::default(),
-        Vec::new(),
-        &|_| {},
-    )
-    .unwrap();
+    let (file, _, plan) = plan_file(&cache, 4.25).unwrap();
     assert!(8.0 * file.len() as f64 / cache.elements() as f64 <= 4.25);
     assert_eq!(plan.tensors[2].codec, "raw");
     assert_eq!(plan.tensors[2].bits, 0.0);

@@ -8,6 +8,7 @@ nixl``); CI has none.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import socket
 
@@ -149,12 +150,25 @@ def test_prefill_failure_names_the_layer_on_the_decode_side():
     assert not caches[1].any() and caches[0].any() and caches[2].any()
 
 
-def test_nothing_arriving_is_a_timeout_naming_every_block():
-    tx, rx = kn.Sender("t-prefill"), kn.Receiver("t-decode")
+@contextlib.contextmanager
+def _agents(name):
+    """A prefill and a decode agent of this process, introduced to each other."""
+    tx, rx = kn.Sender(f"{name}-prefill"), kn.Receiver(f"{name}-decode")
     try:
         tx.add_peer(rx.metadata())
         rx.add_peer(tx.metadata())
-        spec = kn.HandoffSpec(model="m", codec="raw", num_layers=2, kv_heads=1, head_dim=64, num_tokens=40, block_size=16)
+        yield tx, rx
+    finally:
+        tx.close()
+        rx.close()
+
+
+SMALL = dict(model="m", codec="raw", num_layers=2, kv_heads=1, head_dim=64, num_tokens=40, block_size=16)
+
+
+def test_nothing_arriving_is_a_timeout_naming_every_block():
+    with _agents("t") as (tx, rx):
+        spec = kn.HandoffSpec(**SMALL)
         inc = rx.expect(spec, [7, 8, 9], peer="t-prefill")
         out = tx.accept(model="m", timeout=10)
         assert out.remote_blocks == [7, 8, 9] and out.spec == spec
@@ -165,9 +179,6 @@ def test_nothing_arriving_is_a_timeout_naming_every_block():
             inc.wait_layer(2)
         out.close()
         inc.close()
-    finally:
-        tx.close()
-        rx.close()
 
 
 def test_malformed_notifications_are_ignored():
@@ -176,32 +187,25 @@ def test_malformed_notifications_are_ignored():
     the spec) are dropped; the real layers still decode exactly."""
     from kvpack.nixl.agent import _LAYER
 
-    tx, rx = kn.Sender("m-prefill"), kn.Receiver("m-decode")
-    try:
-        tx.add_peer(rx.metadata())
-        rx.add_peer(tx.metadata())
-        spec = kn.HandoffSpec(model="m", codec="raw", num_layers=2, kv_heads=1, head_dim=64, num_tokens=40, block_size=16)
-        inc = rx.expect(spec, [0, 1, 2], peer="m-prefill")
+    with _agents("m") as (tx, rx):
+        inc = rx.expect(kn.HandoffSpec(**SMALL), [0, 1, 2], peer="m-prefill")
         out = tx.accept(model="m", timeout=10)
-        r = inc.request
-        for junk in [b"{not json", b"[1, 2]", b'"text"', b'{"r": "%s"}' % r.encode(), b'{"r": "%s", "l": "x", "n": 1, "e": 0, "p": 0}' % r.encode(),
-                     b'{"r": "%s", "l": 7, "n": 64, "e": 0, "p": 0}' % r.encode(), b'{"r": "%s", "l": 0, "n": null, "e": 0, "p": 0}' % r.encode()]:
+        r = inc.request.encode()
+        for junk in [b"{not json", b"[1, 2]", b'"text"', b'{"r": "%s"}' % r, b'{"r": "%s", "l": "x", "n": 1, "e": 0, "p": 0}' % r,
+                     b'{"r": "%s", "l": 7, "n": 64, "e": 0, "p": 0}' % r, b'{"r": "%s", "l": 0, "n": null, "e": 0, "p": 0}' % r]:
             tx._notify("m-decode", _LAYER + junk)
         rng = np.random.default_rng(3)
         src = [rng.integers(0, 0x3F00, size=(2, 3, 16, 1, 64), dtype=np.uint16) for _ in range(2)]
         dst = [np.zeros_like(a) for a in src]
         for layer in range(2):
             out.send_layer(layer, src[layer], [0, 1, 2])
+        tokens = lambda a: a.reshape(2, -1, 64)[:, :40]  # noqa: E731 (blocks 0, 1, 2 in order: [K/V, token, head_dim])
         for layer in range(2):
             inc.decode_layer(layer, dst[layer], timeout=10)
-            flat = lambda a: a.transpose(0, 1, 2, 3, 4).reshape(2, -1, 64)[:, :40]  # noqa: E731
-            assert np.array_equal(flat(dst[layer]), flat(src[layer]))
+            assert np.array_equal(tokens(dst[layer]), tokens(src[layer]))
         out.finish()
         out.close()
         inc.close()
-    finally:
-        tx.close()
-        rx.close()
 
 
 def test_ticket_for_another_model_is_refused_on_both_sides():
