@@ -291,7 +291,7 @@ def compress(
         report, data, written = _native.compress_file(
             os.fspath(layers),
             codec,
-            path=None if path is None else str(path),
+            path=None if path is None else os.fsdecode(path),
             force=force,
             out=out,
             raw_fallback=raw_fallback,
@@ -308,12 +308,15 @@ def compress(
     if scales:
         raise ParameterError(f"scales given for tensors that are not in the cache: {sorted(scales)}")
     meta = dict(metadata or {})
+    bad = [k for k, v in meta.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise ParameterError(f"metadata keys and values must be strings: {bad[0]!r} -> {meta[bad[0]]!r}")
     if model is not None:
         meta[MODEL_KEY] = model
     report, data, written = _native.compress(
         tensors,
         codec,
-        path=None if path is None else str(path),
+        path=None if path is None else os.fsdecode(path),
         force=force,
         out=out,
         raw_fallback=raw_fallback,

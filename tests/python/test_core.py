@@ -359,3 +359,13 @@ def test_out_of_range_integers_are_parameter_errors():
     ar = kvpack.open(kvpack.compress([(a, a)], "int4").data)
     with pytest.raises(kvpack.ParameterError):
         ar.decode(layers=-1)
+
+
+def test_metadata_must_be_strings_and_paths_may_be_bytes(tmp_path):
+    import numpy as np
+
+    a = np.ones((1, 2, 10, 64), np.float32)
+    with pytest.raises(kvpack.ParameterError, match="'a'"):
+        kvpack.compress([(a, a)], "int4", metadata={"a": 1})
+    kvpack.compress([(a, a)], "int4", path=os.fsencode(tmp_path / "x.kvpack"))
+    assert (tmp_path / "x.kvpack").is_file()
