@@ -25,10 +25,12 @@ pub struct Args {
     #[arg(long, conflicts_with = "input")]
     pub synthetic: bool,
     /// --synthetic: seeds for Table 1.
-    #[arg(long, default_value_t = 64, value_name = "N", requires = "synthetic")]
+    #[arg(long, default_value_t = 64, value_name = "N", requires = "synthetic",
+          value_parser = clap::value_parser!(u64).range(1..))]
     pub seeds: u64,
     /// --synthetic: keys per seed for Table 1.
-    #[arg(long, default_value_t = 1024, value_name = "N", requires = "synthetic")]
+    #[arg(long, default_value_t = 1024, value_name = "N", requires = "synthetic",
+          value_parser = parse_keys)]
     pub keys: usize,
     /// --synthetic: Table 1 only (skip the slower Tables 4 and 5).
     #[arg(long, requires = "synthetic")]
@@ -71,6 +73,14 @@ fn default_codecs(cache: &kvpack::KvCache) -> Vec<String> {
         names.push(format!("bdr{}", 1u32 << tz));
     }
     names
+}
+
+/// `--keys`: at least 1.
+fn parse_keys(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("{s} is not a key count of at least 1")),
+    }
 }
 
 pub fn run(a: Args) -> Result<u8> {
