@@ -100,7 +100,9 @@ pub fn evaluate(loaded: &Loaded, codec: &dyn Codec, opts: &CompressOptions) -> R
     let scale_meta = cache
         .metadata
         .get(ATTN_SCALE_KEY)
-        .and_then(|s| s.parse::<f64>().ok());
+        .and_then(|s| s.parse::<f64>().ok())
+        // A scale that is not a positive number: the default.
+        .filter(|s| s.is_finite() && *s > 0.0);
     let mut per_layer = Vec::new();
     for q in &loaded.queries {
         let (Some(k), Some(v), Some(k2), Some(v2)) = (

@@ -229,7 +229,9 @@ pub fn run(a: Args) -> Result<u8> {
                 .cache
                 .metadata
                 .get(safetensors::ATTN_SCALE_KEY)
-                .and_then(|s| s.parse::<f64>().ok());
+                .and_then(|s| s.parse::<f64>().ok())
+                // A scale that is not a positive number: the default.
+                .filter(|s| s.is_finite() && *s > 0.0);
             let scale = meta_scale.unwrap_or(1.0 / f64::from(k.info.head_dim).sqrt());
             for q in layer_queries {
                 match metrics::attention_error(q, &k, &v, &k2, &v2, scale) {
