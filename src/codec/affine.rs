@@ -156,7 +156,7 @@ fn parse_bdr(s: &str) -> Option<Result<Box<dyn Codec>>> {
             c.bits = b;
         } else {
             return Some(Err(Error::param(format!(
-                "{s:?}: unknown BDR option {opt:?} (use :k for keys only, :b{{bits}} for bits)"
+                "{s:?}: unknown BDR option {opt:?} (use :k for keys only, :b{{bits}} for 1..=8 bits)"
             ))));
         }
     }
