@@ -87,4 +87,3 @@ def _integers_in_range(f):
             raise ParameterError(f"{f.__name__}: an integer argument is negative or too large ({e})") from None
 
     return checked
-
